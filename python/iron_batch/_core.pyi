@@ -1,0 +1,156 @@
+"""Type stub for the Rust extension ``iron_batch._core``.
+
+The scheduler owns sequences, queues and KV block ids; it never sees a tensor.
+One engine step is ``schedule()`` -> model forward -> ``commit(batch, sampled)``.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+class IronBatchError(Exception):
+    """Base class of every error raised by the Rust core."""
+
+class RequestRejected(IronBatchError, ValueError):
+    """The request can never be served (too long for the KV pool or the model context)."""
+
+class DuplicateRequest(IronBatchError, ValueError):
+    """A request with this id is already known to the scheduler."""
+
+class UnknownRequest(IronBatchError, KeyError):
+    """No live request has this id."""
+
+class AllocatorError(IronBatchError, RuntimeError):
+    """Misuse of the block allocator: double free, unknown block id."""
+
+class OutOfBlocks(IronBatchError, RuntimeError):
+    """Not enough free KV blocks for an allocation (nothing was taken)."""
+
+class BatchMismatch(IronBatchError, ValueError):
+    """``commit`` got a batch that is not the last scheduled one, or the wrong number of tokens."""
+
+class SchedulerConfig:
+    total_kv_blocks: int
+    kv_block_size: int
+    max_batch_tokens: int
+    max_running_seqs: int
+    enable_prefix_caching: bool
+    max_model_len: int | None
+    def __init__(
+        self,
+        total_kv_blocks: int = 4096,
+        kv_block_size: int = 16,
+        max_batch_tokens: int = 8192,
+        max_running_seqs: int = 256,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+    ) -> None: ...
+
+class Batch:
+    """One forward pass, flattened. Arrays are owned by numpy (no copy from Rust)."""
+
+    @property
+    def num_seqs(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def input_ids(self) -> npt.NDArray[np.int64]:
+        """[num_tokens] token ids to run."""
+    @property
+    def positions(self) -> npt.NDArray[np.int64]:
+        """[num_tokens] absolute position of each token in its sequence."""
+    @property
+    def slot_mapping(self) -> npt.NDArray[np.int64]:
+        """[num_tokens] KV slot to write = block_id * kv_block_size + offset."""
+    @property
+    def query_start_loc(self) -> npt.NDArray[np.int32]:
+        """[num_seqs + 1] cumulative query lengths; seq i owns rows [q[i], q[i+1])."""
+    @property
+    def seq_lens(self) -> npt.NDArray[np.int32]:
+        """[num_seqs] context length of each sequence after this step."""
+    @property
+    def block_tables(self) -> npt.NDArray[np.int32]:
+        """[num_seqs, max_blocks] block ids, padded with 0 past each sequence's blocks."""
+    @property
+    def sample_indices(self) -> npt.NDArray[np.int64]:
+        """[num_samples] token rows whose logits give a sampled token."""
+    @property
+    def sample_seq_indices(self) -> npt.NDArray[np.int64]:
+        """[num_samples] the batch sequence index of each sample row."""
+    @property
+    def request_ids(self) -> list[str]:
+        """[num_seqs] request id of each sequence in the batch."""
+    @property
+    def sample_request_ids(self) -> list[str]:
+        """[num_samples] request id of each sample row."""
+    @property
+    def num_computed_before(self) -> npt.NDArray[np.int32]:
+        """[num_seqs] tokens already in the KV cache before this step."""
+
+class StepEvent:
+    request_id: str
+    token_id: int | None
+    finished: bool
+    finish_reason: str | None
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None: ...
+    @property
+    def config(self) -> SchedulerConfig: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] | npt.NDArray[np.integer],
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int] = (),
+    ) -> None:
+        """Queue a request. Raises RequestRejected or DuplicateRequest, changing nothing."""
+    def schedule(self) -> Batch:
+        """Pick the next step's work. An empty batch (num_seqs == 0) means nothing to run."""
+    def commit(
+        self, batch: Batch, sampled: Sequence[int] | npt.NDArray[np.integer]
+    ) -> list[tuple[str, int | None, bool, str | None]]:
+        """Apply one sampled token per sample row; returns events
+        ``(request_id, token_id or None, finished, finish_reason or None)``.
+        Requests with ``max_new_tokens == 0`` finish through an event with no token."""
+    def abort(self, request_id: str) -> bool:
+        """Free everything the request holds; False if it is not live (already ended)."""
+    def finish(self, request_id: str, reason: str = "stop") -> bool:
+        """End a live request from outside (e.g. a stop string matched); frees its blocks."""
+    def has_work(self) -> bool: ...
+    def is_live(self, request_id: str) -> bool: ...
+    def output_token_ids(self, request_id: str) -> list[int]: ...
+    def num_cached_prompt_tokens(self, request_id: str) -> int:
+        """Prompt tokens served by the prefix cache on the request's first admission."""
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    def stats(self) -> dict[str, int]:
+        """Counters: total_blocks, free_blocks, used_blocks, cached_blocks, running, waiting,
+        preemptions, prefix_cache_queries, prefix_cache_hits (tokens), prefix_cache_query_tokens,
+        requests_added, requests_finished, requests_aborted."""
+    def check_invariants(self) -> None:
+        """Raise AllocatorError if any internal invariant is broken (for tests)."""
+
+class BlockAllocator:
+    def __init__(
+        self, total_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None: ...
+    def allocate(self, n: int) -> list[int]: ...
+    def free(self, blocks: Sequence[int]) -> None: ...
+    def ref_count(self, block: int) -> int: ...
+    @property
+    def num_free(self) -> int: ...
+    @property
+    def num_cached(self) -> int: ...
+    def publish(self, block: int, parent_hash: int | None, token_ids: Sequence[int]) -> int:
+        """Register a full, computed block in the prefix cache; returns its chained hash."""
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Longest chain of cached full blocks for these tokens, never covering the last
+        token; takes a reference on each block returned."""

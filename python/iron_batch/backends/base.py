@@ -1,0 +1,48 @@
+"""The one interface between the engine and whatever computes tokens."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from iron_batch._core import Batch
+    from iron_batch.sampling_params import SamplingParams
+    from iron_batch.tokenizer import Tokenizer
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Advance a whole batch by one token per sample row, in one call.
+
+    The engine tells the backend about each request (its sampling settings) before the
+    request is first scheduled and after it ends, so per-request state such as penalties,
+    seeded generators or logprobs can live in the backend. Block ids in the batch index the
+    backend's own KV storage; the scheduler never sees a tensor.
+    """
+
+    #: Largest context the model supports, or None when unbounded (mock).
+    max_model_len: int | None
+    #: Token ids that end generation unless the request sets ignore_eos.
+    eos_token_ids: list[int]
+    #: Text tokenizer, or None for token-id-only backends (mock).
+    tokenizer: Tokenizer | None
+    #: Short name shown by the server (/v1/models).
+    model_name: str
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None: ...
+
+    def remove_request(self, request_id: str) -> None: ...
+
+    def execute(self, batch: Batch) -> np.ndarray:
+        """Return int64 sampled token ids, one per ``batch.sample_indices`` row."""
+        ...
+
+    def last_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
+        """Logprobs of the last execute's sample rows for requests that asked for them:
+        one (chosen-token logprob, top alternatives) per sample row, or None when no
+        request in the batch wants logprobs."""
+        ...

@@ -1,0 +1,148 @@
+//! The per-step batch as numpy arrays. The vectors built in Rust become the arrays'
+//! buffers (no copy); the entries stay behind for `commit`.
+
+use iron_batch_core as core;
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyString};
+
+#[pyclass(module = "iron_batch._core", frozen)]
+pub struct Batch {
+    pub(crate) core: core::Batch,
+    pub(crate) owner: usize,
+    ids: Vec<Py<PyString>>,
+    input_ids: Py<PyArray1<i64>>,
+    positions: Py<PyArray1<i64>>,
+    slot_mapping: Py<PyArray1<i64>>,
+    query_start_loc: Py<PyArray1<i32>>,
+    seq_lens: Py<PyArray1<i32>>,
+    num_computed_before: Py<PyArray1<i32>>,
+    block_tables: Py<PyArray2<i32>>,
+    sample_indices: Py<PyArray1<i64>>,
+    sample_seq_indices: Py<PyArray1<i64>>,
+}
+
+impl Batch {
+    /// `ids[i]` is the Python request id of row `i` (interned once per request).
+    pub fn new(
+        py: Python<'_>,
+        mut b: core::Batch,
+        ids: Vec<Py<PyString>>,
+        owner: usize,
+    ) -> PyResult<Self> {
+        let rows = b.entries.len();
+        let width = b.max_blocks;
+        let tables = std::mem::take(&mut b.block_tables)
+            .into_pyarray(py)
+            .reshape([rows, width])?;
+        Ok(Batch {
+            input_ids: std::mem::take(&mut b.input_ids).into_pyarray(py).unbind(),
+            positions: std::mem::take(&mut b.positions).into_pyarray(py).unbind(),
+            slot_mapping: std::mem::take(&mut b.slot_mapping)
+                .into_pyarray(py)
+                .unbind(),
+            query_start_loc: std::mem::take(&mut b.query_start_loc)
+                .into_pyarray(py)
+                .unbind(),
+            seq_lens: std::mem::take(&mut b.seq_lens).into_pyarray(py).unbind(),
+            num_computed_before: std::mem::take(&mut b.num_computed_before)
+                .into_pyarray(py)
+                .unbind(),
+            block_tables: tables.unbind(),
+            sample_indices: std::mem::take(&mut b.sample_indices)
+                .into_pyarray(py)
+                .unbind(),
+            sample_seq_indices: std::mem::take(&mut b.sample_seq_indices)
+                .into_pyarray(py)
+                .unbind(),
+            core: b,
+            owner,
+            ids,
+        })
+    }
+}
+
+#[pymethods]
+impl Batch {
+    #[getter]
+    fn num_seqs(&self) -> usize {
+        self.core.entries.len()
+    }
+    #[getter]
+    fn num_tokens(&self, py: Python<'_>) -> usize {
+        self.input_ids.bind(py).len()
+    }
+    #[getter]
+    fn num_samples(&self) -> usize {
+        self.core.num_samples()
+    }
+    #[getter]
+    fn step(&self) -> u64 {
+        self.core.step
+    }
+    #[getter]
+    fn input_ids(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.input_ids.clone_ref(py)
+    }
+    #[getter]
+    fn positions(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.positions.clone_ref(py)
+    }
+    #[getter]
+    fn slot_mapping(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.slot_mapping.clone_ref(py)
+    }
+    #[getter]
+    fn query_start_loc(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.query_start_loc.clone_ref(py)
+    }
+    #[getter]
+    fn seq_lens(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.seq_lens.clone_ref(py)
+    }
+    #[getter]
+    fn num_computed_before(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.num_computed_before.clone_ref(py)
+    }
+    #[getter]
+    fn block_tables(&self, py: Python<'_>) -> Py<PyArray2<i32>> {
+        self.block_tables.clone_ref(py)
+    }
+    #[getter]
+    fn sample_indices(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.sample_indices.clone_ref(py)
+    }
+    #[getter]
+    fn sample_seq_indices(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.sample_seq_indices.clone_ref(py)
+    }
+    #[getter]
+    fn request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.ids.iter().map(|s| s.bind(py)))
+    }
+    #[getter]
+    fn sample_request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let rows = self
+            .core
+            .entries
+            .iter()
+            .zip(&self.ids)
+            .filter(|(e, _)| e.sample)
+            .map(|(_, s)| s.bind(py));
+        PyList::new(py, rows)
+    }
+
+    fn __len__(&self) -> usize {
+        self.core.entries.len()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "Batch(step={}, num_seqs={}, num_tokens={}, num_samples={})",
+            self.core.step,
+            self.core.entries.len(),
+            self.input_ids.bind(py).len(),
+            self.core.num_samples()
+        )
+    }
+}

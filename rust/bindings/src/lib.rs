@@ -1,0 +1,20 @@
+//! `iron_batch._core`: thin PyO3 bindings over the pure-Rust `iron-batch-core` crate.
+
+mod allocator;
+mod batch;
+mod convert;
+mod errors;
+mod scheduler;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(m)?;
+    m.add_class::<scheduler::SchedulerConfig>()?;
+    m.add_class::<scheduler::Scheduler>()?;
+    m.add_class::<batch::Batch>()?;
+    m.add_class::<allocator::BlockAllocator>()?;
+    Ok(())
+}

@@ -1,0 +1,336 @@
+//! `Scheduler` and `SchedulerConfig` for Python: a thin, thread-safe wrapper over the core.
+//!
+//! The core sits behind a mutex so the engine thread and, say, a metrics handler on the
+//! server's thread can both use one scheduler. The lock is only ever held for pure Rust
+//! work or with the GIL already held, never while waiting for the GIL, so it cannot
+//! deadlock against it.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use iron_batch_core as core;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+
+use crate::batch::Batch;
+use crate::convert::token_ids;
+use crate::errors::{alloc_err, new_err, sched_err, Kind};
+
+#[pyclass(module = "iron_batch._core", get_all, set_all, eq, from_py_object)]
+#[derive(Clone, PartialEq)]
+pub struct SchedulerConfig {
+    pub total_kv_blocks: usize,
+    pub kv_block_size: usize,
+    pub max_batch_tokens: usize,
+    pub max_running_seqs: usize,
+    pub enable_prefix_caching: bool,
+    pub max_model_len: Option<usize>,
+}
+
+#[pymethods]
+impl SchedulerConfig {
+    #[new]
+    #[pyo3(signature = (total_kv_blocks = 4096, kv_block_size = 16, max_batch_tokens = 8192,
+                        max_running_seqs = 256, enable_prefix_caching = true,
+                        max_model_len = None))]
+    fn new(
+        total_kv_blocks: usize,
+        kv_block_size: usize,
+        max_batch_tokens: usize,
+        max_running_seqs: usize,
+        enable_prefix_caching: bool,
+        max_model_len: Option<usize>,
+    ) -> Self {
+        SchedulerConfig {
+            total_kv_blocks,
+            kv_block_size,
+            max_batch_tokens,
+            max_running_seqs,
+            enable_prefix_caching,
+            max_model_len,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SchedulerConfig(total_kv_blocks={}, kv_block_size={}, max_batch_tokens={}, \
+             max_running_seqs={}, enable_prefix_caching={}, max_model_len={})",
+            self.total_kv_blocks,
+            self.kv_block_size,
+            self.max_batch_tokens,
+            self.max_running_seqs,
+            if self.enable_prefix_caching {
+                "True"
+            } else {
+                "False"
+            },
+            self.max_model_len
+                .map_or_else(|| "None".to_string(), |m| m.to_string())
+        )
+    }
+}
+
+impl SchedulerConfig {
+    fn to_core(&self) -> core::SchedulerConfig {
+        core::SchedulerConfig {
+            total_kv_blocks: self.total_kv_blocks,
+            kv_block_size: self.kv_block_size,
+            max_batch_tokens: self.max_batch_tokens,
+            max_running_seqs: self.max_running_seqs,
+            enable_prefix_caching: self.enable_prefix_caching,
+            max_model_len: self.max_model_len,
+        }
+    }
+}
+
+struct Inner {
+    core: core::Scheduler,
+    /// Python id of the request in each core slot, made once at `add_request`; the Arc is
+    /// the core's id, to tell a stale slot from a reused one.
+    py_ids: Vec<Option<(Arc<str>, Py<PyString>)>>,
+}
+
+static NEXT_OWNER: AtomicUsize = AtomicUsize::new(1);
+
+#[pyclass(module = "iron_batch._core", frozen)]
+pub struct Scheduler {
+    inner: Mutex<Inner>,
+    config: SchedulerConfig,
+    owner: usize,
+    reasons: [Py<PyString>; 3],
+}
+
+impl Scheduler {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn reason(&self, py: Python<'_>, r: core::FinishReason) -> Py<PyString> {
+        let i = match r {
+            core::FinishReason::Length => 0,
+            core::FinishReason::Stop => 1,
+            core::FinishReason::Abort => 2,
+        };
+        self.reasons[i].clone_ref(py)
+    }
+}
+
+fn lookup_id(py: Python<'_>, inner: &Inner, slot: usize, id: &Arc<str>) -> Py<PyString> {
+    match inner.py_ids.get(slot) {
+        Some(Some((arc, s))) if Arc::ptr_eq(arc, id) => s.clone_ref(py),
+        _ => PyString::new(py, id).unbind(),
+    }
+}
+
+#[pymethods]
+impl Scheduler {
+    #[new]
+    fn new(py: Python<'_>, config: SchedulerConfig) -> PyResult<Self> {
+        let core = core::Scheduler::new(config.to_core()).map_err(|e| {
+            pyo3::exceptions::PyValueError::new_err(e.to_string().replace("request rejected: ", ""))
+        })?;
+        Ok(Scheduler {
+            inner: Mutex::new(Inner {
+                core,
+                py_ids: Vec::new(),
+            }),
+            config,
+            owner: NEXT_OWNER.fetch_add(1, Ordering::Relaxed),
+            reasons: [
+                PyString::intern(py, "length").unbind(),
+                PyString::intern(py, "stop").unbind(),
+                PyString::intern(py, "abort").unbind(),
+            ],
+        })
+    }
+
+    #[getter]
+    fn config(&self) -> SchedulerConfig {
+        self.config.clone()
+    }
+
+    #[pyo3(signature = (request_id, prompt_token_ids, max_new_tokens, stop_token_ids = None))]
+    fn add_request(
+        &self,
+        request_id: &Bound<'_, PyString>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        max_new_tokens: i64,
+        stop_token_ids: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let prompt = token_ids(prompt_token_ids, "prompt_token_ids")?;
+        let stops = match stop_token_ids {
+            Some(s) => token_ids(s, "stop_token_ids")?,
+            None => Vec::new(),
+        };
+        let max_new = usize::try_from(max_new_tokens).map_err(|_| {
+            new_err(
+                Kind::Rejected,
+                "max_new_tokens must be non-negative".to_string(),
+            )
+        })?;
+        let id = request_id.to_str()?;
+        let mut inner = self.lock();
+        let slot = inner
+            .core
+            .add_request(id, &prompt, max_new, &stops)
+            .map_err(sched_err)?;
+        let arc = inner
+            .core
+            .request_id_of_slot(slot)
+            .expect("slot just assigned")
+            .clone();
+        if inner.py_ids.len() <= slot {
+            inner.py_ids.resize_with(slot + 1, || None);
+        }
+        inner.py_ids[slot] = Some((arc, request_id.clone().unbind()));
+        Ok(())
+    }
+
+    /// Plan the next step. The core work runs without the GIL.
+    fn schedule(&self, py: Python<'_>) -> PyResult<Batch> {
+        let batch = py.detach(|| self.lock().core.schedule());
+        let ids = {
+            let inner = self.lock();
+            batch
+                .entries
+                .iter()
+                .map(|e| lookup_id(py, &inner, e.slot, &e.request_id))
+                .collect()
+        };
+        Batch::new(py, batch, ids, self.owner)
+    }
+
+    /// Apply one sampled token per sample row; returns the step's events as tuples
+    /// `(request_id, token_id | None, finished, finish_reason | None)`.
+    fn commit<'py>(
+        &self,
+        py: Python<'py>,
+        batch: &Batch,
+        sampled: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        if batch.owner != self.owner {
+            return Err(new_err(
+                Kind::BatchMismatch,
+                "the batch was scheduled by another Scheduler".to_string(),
+            ));
+        }
+        let sampled = token_ids(sampled, "sampled")?;
+        let inner = &mut *self.lock();
+        let events = inner
+            .core
+            .commit(&batch.core, &sampled)
+            .map_err(sched_err)?;
+        let none = py.None();
+        let out = PyList::empty(py);
+        for e in &events {
+            let id = lookup_id(py, inner, e.slot, &e.request_id);
+            let tok = match e.token {
+                Some(t) => t.into_pyobject(py)?.into_any().unbind(),
+                None => none.clone_ref(py),
+            };
+            let (fin, reason) = match e.finish {
+                Some(r) => (true, self.reason(py, r).into_any()),
+                None => (false, none.clone_ref(py)),
+            };
+            let fin = pyo3::types::PyBool::new(py, fin)
+                .to_owned()
+                .into_any()
+                .unbind();
+            out.append(PyTuple::new(py, [id.into_any(), tok, fin, reason])?)?;
+        }
+        Ok(out)
+    }
+
+    fn abort(&self, request_id: &str) -> bool {
+        self.lock().core.abort(request_id)
+    }
+
+    #[pyo3(signature = (request_id, reason = "stop"))]
+    fn finish(&self, request_id: &str, reason: &str) -> PyResult<bool> {
+        if reason != "stop" && reason != "length" {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "reason must be 'stop' or 'length'",
+            ));
+        }
+        Ok(self.lock().core.finish(request_id))
+    }
+
+    fn has_work(&self) -> bool {
+        self.lock().core.has_work()
+    }
+
+    fn is_live(&self, request_id: &str) -> bool {
+        self.lock().core.is_live(request_id)
+    }
+
+    fn output_token_ids(&self, request_id: &str) -> PyResult<Vec<u32>> {
+        match self.lock().core.sequence(request_id) {
+            Some(seq) => Ok(seq.output().to_vec()),
+            None => Err(new_err(
+                Kind::Unknown,
+                format!("unknown request {request_id:?}"),
+            )),
+        }
+    }
+
+    fn num_cached_prompt_tokens(&self, request_id: &str) -> PyResult<usize> {
+        match self.lock().core.sequence(request_id) {
+            Some(seq) => Ok(seq.num_cached_prompt.unwrap_or(0)),
+            None => Err(new_err(
+                Kind::Unknown,
+                format!("unknown request {request_id:?}"),
+            )),
+        }
+    }
+
+    #[getter]
+    fn num_running(&self) -> usize {
+        self.lock().core.num_running()
+    }
+
+    #[getter]
+    fn num_waiting(&self) -> usize {
+        self.lock().core.num_waiting()
+    }
+
+    #[getter]
+    fn num_free_blocks(&self) -> usize {
+        self.lock().core.allocator().num_free()
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let inner = self.lock();
+        let a = inner.core.allocator();
+        let s = inner.core.stats();
+        let d = PyDict::new(py);
+        d.set_item("total_blocks", a.total())?;
+        d.set_item("free_blocks", a.num_free())?;
+        d.set_item("used_blocks", a.num_used())?;
+        d.set_item("cached_blocks", a.num_cached())?;
+        d.set_item("running", inner.core.num_running())?;
+        d.set_item("waiting", inner.core.num_waiting())?;
+        d.set_item("preemptions", s.preemptions)?;
+        d.set_item("prefix_cache_queries", s.prefix_cache_queries)?;
+        d.set_item("prefix_cache_query_tokens", s.prefix_cache_query_tokens)?;
+        d.set_item("prefix_cache_hits", s.prefix_cache_hit_tokens)?;
+        d.set_item("requests_added", s.requests_added)?;
+        d.set_item("requests_finished", s.requests_finished)?;
+        d.set_item("requests_aborted", s.requests_aborted)?;
+        Ok(d)
+    }
+
+    fn check_invariants(&self) -> PyResult<()> {
+        self.lock().core.check_invariants().map_err(alloc_err)
+    }
+
+    fn __repr__(&self) -> String {
+        let inner = self.lock();
+        format!(
+            "Scheduler(running={}, waiting={}, free_blocks={}/{})",
+            inner.core.num_running(),
+            inner.core.num_waiting(),
+            inner.core.allocator().num_free(),
+            inner.core.allocator().total()
+        )
+    }
+}

@@ -1,0 +1,254 @@
+//! Paged KV block allocator: ids only (the backend maps an id to real storage), reference
+//! counts for prefix sharing, and a prefix cache of full computed blocks with lazy eviction.
+
+use std::collections::HashMap;
+
+use crate::block_hash::{hash_block, BlockHash};
+use crate::error::AllocError;
+use crate::free_list::FreeList;
+
+pub type BlockId = u32;
+
+/// What the prefix cache remembers of one published block.
+#[derive(Debug, Clone)]
+struct CachedContent {
+    hash: BlockHash,
+    parent: Option<BlockHash>,
+    tokens: Box<[u32]>,
+}
+
+#[derive(Debug, Clone)]
+pub struct BlockAllocator {
+    block_size: usize,
+    ref_counts: Vec<u32>,
+    /// Blocks with no reference, least recently freed first. Cached blocks stay here (and
+    /// keep their content) until reused: that is the lazy eviction.
+    free: FreeList,
+    content: Vec<Option<CachedContent>>,
+    cache: HashMap<BlockHash, BlockId>,
+    caching: bool,
+}
+
+impl BlockAllocator {
+    pub fn new(total_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> Self {
+        assert!(block_size > 0, "block_size must be positive");
+        BlockAllocator {
+            block_size,
+            ref_counts: vec![0; total_blocks],
+            free: FreeList::full(total_blocks),
+            content: vec![None; total_blocks],
+            cache: HashMap::new(),
+            caching: enable_prefix_caching,
+        }
+    }
+
+    pub fn total(&self) -> usize {
+        self.ref_counts.len()
+    }
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    pub fn num_free(&self) -> usize {
+        self.free.len()
+    }
+    pub fn num_used(&self) -> usize {
+        self.total() - self.free.len()
+    }
+    /// Blocks whose content the prefix cache can serve (in use or free-but-not-evicted).
+    pub fn num_cached(&self) -> usize {
+        self.cache.len()
+    }
+    pub fn caching_enabled(&self) -> bool {
+        self.caching
+    }
+
+    fn check_id(&self, id: BlockId) -> Result<usize, AllocError> {
+        let i = id as usize;
+        if i >= self.ref_counts.len() {
+            return Err(AllocError::UnknownBlock(id, self.ref_counts.len()));
+        }
+        Ok(i)
+    }
+
+    pub fn ref_count(&self, id: BlockId) -> Result<u32, AllocError> {
+        Ok(self.ref_counts[self.check_id(id)?])
+    }
+
+    /// The cached hash of a block, if it was published and not evicted since.
+    pub fn block_hash(&self, id: BlockId) -> Option<BlockHash> {
+        self.content.get(id as usize)?.as_ref().map(|c| c.hash)
+    }
+
+    /// Take `n` blocks, least recently freed first, evicting their cached content.
+    /// Fails whole: on error nothing is taken.
+    pub fn allocate(&mut self, n: usize) -> Result<Vec<BlockId>, AllocError> {
+        let mut out = Vec::with_capacity(n);
+        self.allocate_into(n, &mut out)?;
+        Ok(out)
+    }
+
+    /// As `allocate`, appending to `out` (no temporary vector on the scheduler's hot path).
+    pub fn allocate_into(&mut self, n: usize, out: &mut Vec<BlockId>) -> Result<(), AllocError> {
+        if n > self.free.len() {
+            return Err(AllocError::OutOfBlocks {
+                requested: n,
+                free: self.free.len(),
+            });
+        }
+        out.reserve(n);
+        for _ in 0..n {
+            let id = self.free.pop_front().expect("length checked above");
+            self.evict(id);
+            self.ref_counts[id as usize] = 1;
+            out.push(id);
+        }
+        Ok(())
+    }
+
+    fn evict(&mut self, id: BlockId) {
+        if let Some(c) = self.content[id as usize].take() {
+            if self.cache.get(&c.hash) == Some(&id) {
+                self.cache.remove(&c.hash);
+            }
+        }
+    }
+
+    /// Drop one reference on each block, in the order given. A block whose count reaches
+    /// zero joins the back of the free queue and keeps its cached content. Every id is
+    /// checked before anything changes, so an error leaves the allocator as it was.
+    pub fn free(&mut self, blocks: &[BlockId]) -> Result<(), AllocError> {
+        for (k, &id) in blocks.iter().enumerate() {
+            let i = self.check_id(id)?;
+            let repeats = blocks[..k].iter().filter(|&&b| b == id).count() as u32;
+            if self.ref_counts[i] <= repeats {
+                return Err(AllocError::DoubleFree(id));
+            }
+        }
+        for &id in blocks {
+            self.release(id);
+        }
+        Ok(())
+    }
+
+    /// Drop one reference without validation; the scheduler only frees what it holds.
+    pub(crate) fn release(&mut self, id: BlockId) {
+        let i = id as usize;
+        debug_assert!(self.ref_counts[i] > 0);
+        self.ref_counts[i] -= 1;
+        if self.ref_counts[i] == 0 {
+            self.free.push_back(id);
+        }
+    }
+
+    /// Publish a full block whose KV has been computed. Returns its chained hash, which the
+    /// caller keeps as the parent of its next block. If identical content is already
+    /// cached in another block this one stays unpublished (the cache keeps the first).
+    pub fn publish(
+        &mut self,
+        id: BlockId,
+        parent: Option<BlockHash>,
+        tokens: &[u32],
+    ) -> Result<BlockHash, AllocError> {
+        let i = self.check_id(id)?;
+        if tokens.len() != self.block_size {
+            return Err(AllocError::Invariant(format!(
+                "publish of block {id} with {} tokens, block size is {}",
+                tokens.len(),
+                self.block_size
+            )));
+        }
+        if let Some(c) = &self.content[i] {
+            return Ok(c.hash);
+        }
+        let hash = hash_block(parent, tokens);
+        if self.caching && self.ref_counts[i] > 0 && !self.cache.contains_key(&hash) {
+            self.cache.insert(hash, id);
+            self.content[i] = Some(CachedContent {
+                hash,
+                parent,
+                tokens: tokens.into(),
+            });
+        }
+        Ok(hash)
+    }
+
+    /// Longest chain of cached full blocks that starts `tokens`, never covering the last
+    /// token (its logits must be computed). Takes a reference on each block returned;
+    /// `hashes` receives each block's chained hash.
+    pub fn match_prefix(&mut self, tokens: &[u32], hashes: &mut Vec<BlockHash>) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        if !self.caching || tokens.is_empty() {
+            return out;
+        }
+        let full = (tokens.len() - 1) / self.block_size;
+        let mut parent = None;
+        for b in 0..full {
+            let chunk = &tokens[b * self.block_size..(b + 1) * self.block_size];
+            let hash = hash_block(parent, chunk);
+            let Some(&id) = self.cache.get(&hash) else {
+                break;
+            };
+            let c = self.content[id as usize]
+                .as_ref()
+                .expect("cache map points at a block with content");
+            if c.parent != parent || &*c.tokens != chunk {
+                break; // a hash collision: miss rather than serve wrong KV
+            }
+            if self.ref_counts[id as usize] == 0 {
+                self.free.remove(id);
+            }
+            self.ref_counts[id as usize] += 1;
+            out.push(id);
+            hashes.push(hash);
+            parent = Some(hash);
+        }
+        out
+    }
+
+    /// Free blocks in reuse order (front first). For tests and debugging.
+    pub fn free_queue(&self) -> Vec<BlockId> {
+        self.free.iter().collect()
+    }
+
+    /// Check every structural invariant; `expected_refs` (if given) is the number of
+    /// holders of each block according to the caller.
+    pub fn check_invariants(&self, expected_refs: Option<&[u32]>) -> Result<(), AllocError> {
+        let bad = |m: String| Err(AllocError::Invariant(m));
+        let mut seen = vec![false; self.total()];
+        let mut n = 0;
+        for id in self.free.iter() {
+            if seen[id as usize] {
+                return bad(format!("block {id} twice in the free queue"));
+            }
+            seen[id as usize] = true;
+            if self.ref_counts[id as usize] != 0 {
+                return bad(format!("referenced block {id} is in the free queue"));
+            }
+            n += 1;
+        }
+        if n != self.free.len() {
+            return bad("free queue length disagrees with its walk".into());
+        }
+        let referenced = self.ref_counts.iter().filter(|&&r| r > 0).count();
+        if referenced + n != self.total() {
+            return bad(format!(
+                "free {n} + referenced {referenced} != total {}",
+                self.total()
+            ));
+        }
+        for (&hash, &id) in &self.cache {
+            match &self.content[id as usize] {
+                Some(c) if c.hash == hash => {}
+                _ => return bad(format!("cache entry for block {id} lost its content")),
+            }
+        }
+        if let Some(expected) = expected_refs {
+            for (id, (&have, &want)) in self.ref_counts.iter().zip(expected).enumerate() {
+                if have != want {
+                    return bad(format!("block {id} has ref count {have}, {want} holders"));
+                }
+            }
+        }
+        Ok(())
+    }
+}

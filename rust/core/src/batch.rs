@@ -1,0 +1,109 @@
+//! The flat description of one forward pass that the backend consumes.
+
+use std::sync::Arc;
+
+use crate::sequence::Sequence;
+
+/// One sequence's share of a step, kept for `commit`.
+#[derive(Debug, Clone)]
+pub struct BatchEntry {
+    pub request_id: Arc<str>,
+    pub slot: usize,
+    pub uid: u64,
+    pub num_tokens: usize,
+    pub sample: bool,
+}
+
+/// Arrays in the dtypes the backend wants: int64 where torch indexes with them
+/// (embedding lookup, cache writes), int32 for lengths and block tables.
+#[derive(Debug, Clone, Default)]
+pub struct Batch {
+    pub step: u64,
+    pub input_ids: Vec<i64>,
+    pub positions: Vec<i64>,
+    pub slot_mapping: Vec<i64>,
+    pub query_start_loc: Vec<i32>,
+    pub seq_lens: Vec<i32>,
+    pub num_computed_before: Vec<i32>,
+    /// Row-major `[num_seqs, max_blocks]`, padded with 0.
+    pub block_tables: Vec<i32>,
+    pub max_blocks: usize,
+    pub sample_indices: Vec<i64>,
+    pub sample_seq_indices: Vec<i64>,
+    pub entries: Vec<BatchEntry>,
+}
+
+impl Batch {
+    pub(crate) fn new(step: u64, capacity_seqs: usize) -> Self {
+        let mut b = Batch {
+            step,
+            ..Default::default()
+        };
+        b.query_start_loc.reserve(capacity_seqs + 1);
+        b.query_start_loc.push(0);
+        b
+    }
+
+    pub fn num_seqs(&self) -> usize {
+        self.entries.len()
+    }
+    pub fn num_tokens(&self) -> usize {
+        self.input_ids.len()
+    }
+    /// Rows to sample; counted from the entries so it survives moving the arrays out.
+    pub fn num_samples(&self) -> usize {
+        self.entries.iter().filter(|e| e.sample).count()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Add `n` tokens of `seq` starting at its first uncomputed token.
+    pub(crate) fn push(
+        &mut self,
+        request_id: &Arc<str>,
+        slot: usize,
+        seq: &Sequence,
+        n: usize,
+        block_size: usize,
+    ) {
+        let start = seq.num_computed;
+        let end = start + n;
+        for p in start..end {
+            self.input_ids.push(i64::from(seq.tokens[p]));
+            self.positions.push(p as i64);
+            let block = seq.blocks[p / block_size] as i64;
+            self.slot_mapping
+                .push(block * block_size as i64 + (p % block_size) as i64);
+        }
+        let sample = end == seq.tokens.len();
+        if sample {
+            self.sample_indices.push(self.input_ids.len() as i64 - 1);
+            self.sample_seq_indices.push(self.entries.len() as i64);
+        }
+        self.query_start_loc.push(self.input_ids.len() as i32);
+        self.seq_lens.push(end as i32);
+        self.num_computed_before.push(start as i32);
+        self.max_blocks = self.max_blocks.max(seq.blocks.len());
+        self.entries.push(BatchEntry {
+            request_id: request_id.clone(),
+            slot,
+            uid: seq.uid,
+            num_tokens: n,
+            sample,
+        });
+    }
+
+    /// Fill the padded block table once every sequence is in.
+    pub(crate) fn finish_block_tables<'a>(&mut self, blocks: impl Iterator<Item = &'a [u32]>) {
+        let width = self.max_blocks;
+        self.block_tables.clear();
+        self.block_tables.resize(self.entries.len() * width, 0);
+        for (row, seq_blocks) in blocks.enumerate() {
+            let dst = &mut self.block_tables[row * width..row * width + seq_blocks.len()];
+            for (d, &b) in dst.iter_mut().zip(seq_blocks) {
+                *d = b as i32;
+            }
+        }
+    }
+}

@@ -1,0 +1,104 @@
+//! Intrusive doubly linked list over block ids: O(1) push to the back, pop from the front
+//! and removal of any member (reviving a cached block that sits in the free queue).
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Clone)]
+pub struct FreeList {
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    member: Vec<bool>,
+    head: u32,
+    tail: u32,
+    len: usize,
+}
+
+impl FreeList {
+    /// A list holding every id `0..n` in ascending order.
+    pub fn full(n: usize) -> Self {
+        assert!(n < NIL as usize, "too many blocks");
+        let mut list = FreeList {
+            prev: vec![NIL; n],
+            next: vec![NIL; n],
+            member: vec![false; n],
+            head: NIL,
+            tail: NIL,
+            len: 0,
+        };
+        for id in 0..n as u32 {
+            list.push_back(id);
+        }
+        list
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn contains(&self, id: u32) -> bool {
+        self.member[id as usize]
+    }
+
+    pub fn push_back(&mut self, id: u32) {
+        debug_assert!(!self.member[id as usize]);
+        let i = id as usize;
+        self.prev[i] = self.tail;
+        self.next[i] = NIL;
+        if self.tail == NIL {
+            self.head = id;
+        } else {
+            self.next[self.tail as usize] = id;
+        }
+        self.tail = id;
+        self.member[i] = true;
+        self.len += 1;
+    }
+
+    pub fn pop_front(&mut self) -> Option<u32> {
+        if self.head == NIL {
+            return None;
+        }
+        let id = self.head;
+        self.remove(id);
+        Some(id)
+    }
+
+    /// Unlink `id`, which must be a member.
+    pub fn remove(&mut self, id: u32) {
+        let i = id as usize;
+        debug_assert!(self.member[i]);
+        let (p, n) = (self.prev[i], self.next[i]);
+        if p == NIL {
+            self.head = n;
+        } else {
+            self.next[p as usize] = n;
+        }
+        if n == NIL {
+            self.tail = p;
+        } else {
+            self.prev[n as usize] = p;
+        }
+        self.prev[i] = NIL;
+        self.next[i] = NIL;
+        self.member[i] = false;
+        self.len -= 1;
+    }
+
+    /// Ids from front (next to be reused) to back.
+    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        let mut cur = self.head;
+        std::iter::from_fn(move || {
+            if cur == NIL {
+                None
+            } else {
+                let id = cur;
+                cur = self.next[cur as usize];
+                Some(id)
+            }
+        })
+    }
+}

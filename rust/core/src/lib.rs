@@ -1,0 +1,19 @@
+//! iron-batch core: the paged KV block allocator, the continuous-batching scheduler and
+//! the flat per-step batch. Pure Rust; the Python bindings live in `rust/bindings`.
+
+pub mod allocator;
+pub mod batch;
+pub mod block_hash;
+pub mod config;
+pub mod error;
+pub mod free_list;
+pub mod scheduler;
+pub mod sequence;
+
+pub use allocator::{BlockAllocator, BlockId};
+pub use batch::{Batch, BatchEntry};
+pub use block_hash::{hash_block, BlockHash};
+pub use config::SchedulerConfig;
+pub use error::{AllocError, SchedulerError};
+pub use scheduler::{Scheduler, SchedulerStats, StepEvent};
+pub use sequence::{FinishReason, SeqState, Sequence};

@@ -1,0 +1,461 @@
+//! Continuous batching: admission under token, sequence and block budgets, chunked
+//! prefill, preemption with exact resume, and the commit of sampled tokens.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use crate::allocator::BlockAllocator;
+use crate::batch::Batch;
+use crate::config::SchedulerConfig;
+use crate::error::{AllocError, SchedulerError};
+use crate::sequence::{FinishReason, SeqState, Sequence};
+
+/// What happened to one request in a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepEvent {
+    /// Scheduler slot of the request; stays valid until the next `add_request`.
+    pub slot: usize,
+    pub request_id: Arc<str>,
+    pub token: Option<u32>,
+    pub finish: Option<FinishReason>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    pub preemptions: u64,
+    /// Admissions that looked up the prefix cache, and the prompt tokens they looked up.
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_query_tokens: u64,
+    /// Tokens served from the prefix cache.
+    pub prefix_cache_hit_tokens: u64,
+    pub requests_added: u64,
+    pub requests_finished: u64,
+    pub requests_aborted: u64,
+}
+
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    alloc: BlockAllocator,
+    seqs: Vec<Option<Sequence>>,
+    ids: Vec<Arc<str>>,
+    free_slots: Vec<usize>,
+    by_id: HashMap<Arc<str>, usize>,
+    /// Admission order: the back is the most recently admitted (first to preempt).
+    running: Vec<usize>,
+    waiting: VecDeque<usize>,
+    /// Events of requests that ended without model work (max_new_tokens == 0).
+    pending: Vec<StepEvent>,
+    step: u64,
+    committed: bool,
+    next_uid: u64,
+    stats: SchedulerStats,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> Result<Self, SchedulerError> {
+        cfg.validate().map_err(SchedulerError::Rejected)?;
+        let alloc = BlockAllocator::new(
+            cfg.total_kv_blocks,
+            cfg.kv_block_size,
+            cfg.enable_prefix_caching,
+        );
+        Ok(Scheduler {
+            cfg,
+            alloc,
+            seqs: Vec::new(),
+            ids: Vec::new(),
+            free_slots: Vec::new(),
+            by_id: HashMap::new(),
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            pending: Vec::new(),
+            step: 0,
+            committed: true,
+            next_uid: 0,
+            stats: SchedulerStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+    pub fn allocator(&self) -> &BlockAllocator {
+        &self.alloc
+    }
+    pub fn stats(&self) -> &SchedulerStats {
+        &self.stats
+    }
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty() || !self.pending.is_empty()
+    }
+    pub fn is_live(&self, request_id: &str) -> bool {
+        self.by_id.contains_key(request_id)
+    }
+    pub fn request_id_of_slot(&self, slot: usize) -> Option<&Arc<str>> {
+        self.ids.get(slot)
+    }
+    pub fn sequence(&self, request_id: &str) -> Option<&Sequence> {
+        let slot = *self.by_id.get(request_id)?;
+        self.seqs[slot].as_ref()
+    }
+
+    /// Tokens a request can hold at most: the KV pool, and the model's context if bounded.
+    pub fn max_sequence_tokens(&self) -> usize {
+        let pool = self.cfg.total_kv_blocks * self.cfg.kv_block_size;
+        self.cfg.max_model_len.map_or(pool, |m| m.min(pool))
+    }
+
+    /// Queue a request; returns its slot. Rejects, changing nothing, a request that could
+    /// never be served, so it cannot block the head of the queue forever.
+    pub fn add_request(
+        &mut self,
+        request_id: &str,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        stop_token_ids: &[u32],
+    ) -> Result<usize, SchedulerError> {
+        if self.by_id.contains_key(request_id) {
+            return Err(SchedulerError::DuplicateRequest(request_id.to_string()));
+        }
+        if prompt.is_empty() {
+            return Err(SchedulerError::Rejected(
+                "the prompt must have at least one token".into(),
+            ));
+        }
+        let pool = self.cfg.total_kv_blocks * self.cfg.kv_block_size;
+        let need = prompt.len().saturating_add(max_new_tokens);
+        if need > pool {
+            return Err(SchedulerError::Rejected(format!(
+                "prompt ({} tokens) + max_new_tokens ({max_new_tokens}) = {need} tokens exceeds \
+                 the KV pool of {pool} tokens",
+                prompt.len()
+            )));
+        }
+        if let Some(limit) = self.cfg.max_model_len {
+            if need > limit {
+                return Err(SchedulerError::Rejected(format!(
+                    "prompt ({} tokens) + max_new_tokens ({max_new_tokens}) = {need} tokens \
+                     exceeds the model context of {limit} tokens",
+                    prompt.len()
+                )));
+            }
+        }
+        self.stats.requests_added += 1;
+        let id: Arc<str> = Arc::from(request_id);
+        let slot = self.free_slots.pop().unwrap_or_else(|| {
+            self.seqs.push(None);
+            self.ids.push(Arc::from(""));
+            self.seqs.len() - 1
+        });
+        self.ids[slot] = id.clone();
+        if max_new_tokens == 0 {
+            self.free_slots.push(slot);
+            self.stats.requests_finished += 1;
+            self.pending.push(StepEvent {
+                slot,
+                request_id: id,
+                token: None,
+                finish: Some(FinishReason::Length),
+            });
+            return Ok(slot);
+        }
+        let uid = self.next_uid;
+        self.next_uid += 1;
+        let mut tokens = Vec::with_capacity(prompt.len() + max_new_tokens);
+        tokens.extend_from_slice(prompt);
+        self.seqs[slot] = Some(Sequence {
+            request_id: request_id.to_string(),
+            uid,
+            tokens,
+            prompt_len: prompt.len(),
+            max_new_tokens,
+            stop_token_ids: stop_token_ids.to_vec(),
+            blocks: Vec::new(),
+            block_hashes: Vec::new(),
+            num_computed: 0,
+            state: SeqState::Waiting,
+            num_cached_prompt: None,
+            num_preemptions: 0,
+        });
+        self.by_id.insert(id, slot);
+        self.waiting.push_back(slot);
+        Ok(slot)
+    }
+
+    /// Free all blocks of a sequence, tail first, so eviction takes a prompt's end before
+    /// its shared beginning.
+    fn release_blocks(alloc: &mut BlockAllocator, seq: &mut Sequence) {
+        for &b in seq.blocks.iter().rev() {
+            alloc.release(b);
+        }
+        seq.blocks.clear();
+        seq.block_hashes.clear();
+        seq.num_computed = 0;
+    }
+
+    /// Preempt the most recently admitted running sequence; returns its slot.
+    fn preempt_last(&mut self) -> usize {
+        let slot = self.running.pop().expect("preempt with nothing running");
+        let seq = self.seqs[slot].as_mut().expect("running slot is live");
+        Self::release_blocks(&mut self.alloc, seq);
+        seq.state = SeqState::Waiting;
+        seq.num_preemptions += 1;
+        self.waiting.push_front(slot);
+        self.stats.preemptions += 1;
+        slot
+    }
+
+    /// Plan the next step. An empty batch means nothing to compute now (there may still be
+    /// events to collect with `commit`).
+    pub fn schedule(&mut self) -> Batch {
+        self.step += 1;
+        self.committed = false;
+        let bs = self.cfg.kv_block_size;
+        let mut batch = Batch::new(self.step, self.running.len() + 1);
+        let mut budget = self.cfg.max_batch_tokens;
+        let mut preempted = false;
+
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let slot = self.running[i];
+            let seq = self.seqs[slot].as_ref().expect("running slot is live");
+            let n = (seq.tokens.len() - seq.num_computed).min(budget);
+            let need = (seq.num_computed + n)
+                .div_ceil(bs)
+                .saturating_sub(seq.blocks.len());
+            let mut self_preempted = false;
+            while self.alloc.num_free() < need {
+                preempted = true;
+                if self.preempt_last() == slot {
+                    self_preempted = true;
+                    break;
+                }
+            }
+            if self_preempted {
+                break;
+            }
+            let seq = self.seqs[slot].as_mut().expect("running slot is live");
+            self.alloc
+                .allocate_into(need, &mut seq.blocks)
+                .expect("free blocks checked");
+            batch.push(&self.ids[slot], slot, seq, n, bs);
+            budget -= n;
+            i += 1;
+        }
+
+        // A step that preempted admits nobody: admitting would only start the thrash.
+        while !preempted && budget > 0 && self.running.len() < self.cfg.max_running_seqs {
+            let Some(&slot) = self.waiting.front() else {
+                break;
+            };
+            let seq = self.seqs[slot].as_mut().expect("waiting slot is live");
+            debug_assert!(seq.blocks.is_empty() && seq.num_computed == 0);
+            if self.alloc.caching_enabled() {
+                seq.blocks = self.alloc.match_prefix(&seq.tokens, &mut seq.block_hashes);
+            }
+            let computed = seq.blocks.len() * bs;
+            let n = (seq.tokens.len() - computed).min(budget);
+            let need = (computed + n).div_ceil(bs) - seq.blocks.len();
+            if self.alloc.num_free() < need {
+                // Head of line waits for blocks; give back what the cache lookup took.
+                Self::release_blocks(&mut self.alloc, seq);
+                break;
+            }
+            if self.alloc.caching_enabled() {
+                self.stats.prefix_cache_queries += 1;
+                self.stats.prefix_cache_query_tokens += seq.tokens.len() as u64;
+                self.stats.prefix_cache_hit_tokens += computed as u64;
+            }
+            self.alloc
+                .allocate_into(need, &mut seq.blocks)
+                .expect("free blocks checked");
+            seq.num_computed = computed;
+            if seq.num_cached_prompt.is_none() {
+                seq.num_cached_prompt = Some(computed.min(seq.prompt_len));
+            }
+            seq.state = SeqState::Running;
+            self.waiting.pop_front();
+            self.running.push(slot);
+            let seq = self.seqs[slot].as_ref().expect("live");
+            batch.push(&self.ids[slot], slot, seq, n, bs);
+            budget -= n;
+        }
+
+        let seqs = &self.seqs;
+        let rows: Vec<usize> = batch.entries.iter().map(|e| e.slot).collect();
+        batch.finish_block_tables(
+            rows.iter()
+                .map(|&s| seqs[s].as_ref().expect("live").blocks.as_slice()),
+        );
+        batch
+    }
+
+    /// Apply the step's sampled tokens (one per sample row of `batch`) and return its
+    /// events. Sequences aborted since `schedule` are skipped.
+    pub fn commit(
+        &mut self,
+        batch: &Batch,
+        sampled: &[u32],
+    ) -> Result<Vec<StepEvent>, SchedulerError> {
+        if batch.step != self.step || self.committed {
+            return Err(SchedulerError::BatchMismatch(format!(
+                "batch of step {} is not the open step {}{}",
+                batch.step,
+                self.step,
+                if self.committed {
+                    " (already committed)"
+                } else {
+                    ""
+                }
+            )));
+        }
+        if sampled.len() != batch.num_samples() {
+            return Err(SchedulerError::BatchMismatch(format!(
+                "expected {} sampled tokens, got {}",
+                batch.num_samples(),
+                sampled.len()
+            )));
+        }
+        self.committed = true;
+        let bs = self.cfg.kv_block_size;
+        let max_len = self.max_sequence_tokens();
+        let mut events = std::mem::take(&mut self.pending);
+        events.reserve(batch.num_samples());
+        let mut finished = false;
+        let mut sample_row = 0;
+        for entry in &batch.entries {
+            let tok = if entry.sample {
+                sample_row += 1;
+                Some(sampled[sample_row - 1])
+            } else {
+                None
+            };
+            let Some(seq) = self.seqs[entry.slot].as_mut() else {
+                continue;
+            };
+            if seq.uid != entry.uid || seq.state != SeqState::Running {
+                continue;
+            }
+            seq.num_computed += entry.num_tokens;
+            let full = seq.num_computed / bs;
+            while seq.block_hashes.len() < full {
+                let j = seq.block_hashes.len();
+                let parent = j.checked_sub(1).map(|p| seq.block_hashes[p]);
+                let hash =
+                    self.alloc
+                        .publish(seq.blocks[j], parent, &seq.tokens[j * bs..(j + 1) * bs])?;
+                seq.block_hashes.push(hash);
+            }
+            let Some(tok) = tok else { continue };
+            seq.tokens.push(tok);
+            let finish = if seq.stop_token_ids.contains(&tok) {
+                Some(FinishReason::Stop)
+            } else if seq.num_output() >= seq.max_new_tokens || seq.tokens.len() >= max_len {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            finished |= finish.is_some();
+            events.push(StepEvent {
+                slot: entry.slot,
+                request_id: self.ids[entry.slot].clone(),
+                token: Some(tok),
+                finish,
+            });
+        }
+        if finished {
+            for e in &events {
+                if e.finish.is_some() && e.token.is_some() {
+                    self.end(e.slot);
+                    self.stats.requests_finished += 1;
+                }
+            }
+        }
+        Ok(events)
+    }
+
+    /// Remove a live sequence and free its blocks (tail first).
+    fn end(&mut self, slot: usize) {
+        let mut seq = self.seqs[slot].take().expect("ending a live sequence");
+        Self::release_blocks(&mut self.alloc, &mut seq);
+        match seq.state {
+            SeqState::Running => {
+                let pos = self.running.iter().rposition(|&s| s == slot);
+                self.running
+                    .remove(pos.expect("running sequence is in the running list"));
+            }
+            SeqState::Waiting => {
+                let pos = self.waiting.iter().position(|&s| s == slot);
+                self.waiting
+                    .remove(pos.expect("waiting sequence is in the waiting queue"));
+            }
+        }
+        self.by_id.remove(seq.request_id.as_str());
+        self.free_slots.push(slot);
+    }
+
+    /// Drop a request in any state, freeing everything it holds. False if not live.
+    pub fn abort(&mut self, request_id: &str) -> bool {
+        let Some(&slot) = self.by_id.get(request_id) else {
+            return false;
+        };
+        self.end(slot);
+        self.stats.requests_aborted += 1;
+        true
+    }
+
+    /// End a live request from outside (a stop string matched); frees its blocks.
+    pub fn finish(&mut self, request_id: &str) -> bool {
+        let Some(&slot) = self.by_id.get(request_id) else {
+            return false;
+        };
+        self.end(slot);
+        self.stats.requests_finished += 1;
+        true
+    }
+
+    /// Check allocator and queue invariants against the sequences' block tables.
+    pub fn check_invariants(&self) -> Result<(), AllocError> {
+        let bad = |m: String| Err(AllocError::Invariant(m));
+        let mut refs = vec![0u32; self.alloc.total()];
+        let mut live = 0;
+        for (slot, seq) in self.seqs.iter().enumerate() {
+            let Some(seq) = seq else { continue };
+            live += 1;
+            for &b in &seq.blocks {
+                refs[b as usize] += 1;
+            }
+            if self.by_id.get(seq.request_id.as_str()) != Some(&slot) {
+                return bad(format!(
+                    "request {} missing from the id map",
+                    seq.request_id
+                ));
+            }
+            match seq.state {
+                SeqState::Waiting if !seq.blocks.is_empty() => {
+                    return bad(format!("waiting request {} holds blocks", seq.request_id));
+                }
+                SeqState::Running
+                    if seq.blocks.len() * self.cfg.kv_block_size < seq.num_computed =>
+                {
+                    return bad(format!("request {} under-allocated", seq.request_id));
+                }
+                _ => {}
+            }
+        }
+        if live != self.running.len() + self.waiting.len() || live != self.by_id.len() {
+            return bad("queues disagree with live sequences".into());
+        }
+        if self.running.len() > self.cfg.max_running_seqs {
+            return bad("more running sequences than max_running_seqs".into());
+        }
+        self.alloc.check_invariants(Some(&refs))
+    }
+}

@@ -1,0 +1,59 @@
+//! One request's state as the scheduler sees it.
+
+use crate::allocator::BlockId;
+use crate::block_hash::BlockHash;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqState {
+    Waiting,
+    Running,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// max_new_tokens reached (or the model context is full).
+    Length,
+    /// A stop token id was sampled, or the caller ended it (stop string).
+    Stop,
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Sequence {
+    pub request_id: String,
+    /// Unique for the scheduler's lifetime, so a stale batch never touches a reused slot.
+    pub uid: u64,
+    /// Prompt followed by the generated tokens.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub max_new_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
+    pub blocks: Vec<BlockId>,
+    /// Chained hash of `blocks[i]` for every full block whose KV has been computed.
+    pub block_hashes: Vec<BlockHash>,
+    /// Tokens whose KV is in the cache.
+    pub num_computed: usize,
+    pub state: SeqState,
+    /// Prompt tokens served by the prefix cache at first admission.
+    pub num_cached_prompt: Option<usize>,
+    pub num_preemptions: u32,
+}
+
+impl Sequence {
+    pub fn num_output(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+    pub fn output(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+}
