@@ -1,0 +1,76 @@
+//! A deterministic fake model for scheduler tests: its next token is a function of the whole
+//! context, read from the scheduler's own batch (input ids per position, remembered per
+//! KV slot), so a scheduler that loses, repeats or misplaces a token changes the output.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+
+use iron_batch_core::{Batch, Scheduler, StepEvent};
+
+pub const VOCAB: u32 = 1000;
+
+/// Simulated KV cache: slot -> (token, position). Reads go through the block table, so a
+/// wrong slot mapping or a stale prefix-cache block gives a different token.
+#[derive(Default)]
+pub struct FakeModel {
+    kv: HashMap<i64, (i64, i64)>,
+}
+
+impl FakeModel {
+    pub fn execute(&mut self, b: &Batch, block_size: usize) -> Vec<u32> {
+        for t in 0..b.num_tokens() {
+            self.kv
+                .insert(b.slot_mapping[t], (b.input_ids[t], b.positions[t]));
+        }
+        let mut out = Vec::new();
+        for (k, &row) in b.sample_indices.iter().enumerate() {
+            let seq = b.sample_seq_indices[k] as usize;
+            let len = b.seq_lens[seq] as usize;
+            let table = &b.block_tables[seq * b.max_blocks..(seq + 1) * b.max_blocks];
+            let mut h: u64 = 1469598103934665603;
+            for p in 0..len {
+                let slot = table[p / block_size] as i64 * block_size as i64 + (p % block_size) as i64;
+                let (tok, pos) = self.kv[&slot];
+                assert_eq!(pos, p as i64, "KV slot {slot} holds position {pos}, wanted {p}");
+                h = (h ^ tok as u64).wrapping_mul(1099511628211);
+            }
+            assert_eq!(b.positions[row as usize] as usize, len - 1);
+            out.push((h % u64::from(VOCAB)) as u32);
+        }
+        out
+    }
+}
+
+/// Run until idle; returns every request's generated tokens and finish reason.
+pub fn run_to_completion(
+    s: &mut Scheduler,
+    model: &mut FakeModel,
+) -> HashMap<String, (Vec<u32>, String)> {
+    let bs = s.config().kv_block_size;
+    let mut out: HashMap<String, (Vec<u32>, String)> = HashMap::new();
+    let mut steps = 0;
+    while s.has_work() {
+        let b = s.schedule();
+        let sampled = model.execute(&b, bs);
+        let events = s.commit(&b, &sampled).unwrap();
+        record(&mut out, &events);
+        s.check_invariants().unwrap();
+        steps += 1;
+        assert!(steps < 1_000_000, "no progress");
+    }
+    out
+}
+
+pub fn record(out: &mut HashMap<String, (Vec<u32>, String)>, events: &[StepEvent]) {
+    for e in events {
+        let entry = out.entry(e.request_id.to_string()).or_default();
+        assert!(entry.1.is_empty(), "event after finish for {}", e.request_id);
+        if let Some(t) = e.token {
+            entry.0.push(t);
+        }
+        if let Some(r) = e.finish {
+            entry.1 = r.as_str().to_string();
+        }
+    }
+}

@@ -1,0 +1,88 @@
+//! Exactness: with a fake model whose next token depends on the whole context (read back
+//! through the block tables), every request's output is identical whether the pool is tiny
+//! (many preemptions, chunked prefill) or huge, and with the prefix cache on or off.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{run_to_completion, FakeModel};
+use iron_batch_core::{Scheduler, SchedulerConfig};
+use proptest::prelude::*;
+
+type Workload = Vec<(Vec<u32>, usize)>;
+
+fn run(w: &Workload, cfg: SchedulerConfig) -> (HashMap<String, (Vec<u32>, String)>, u64, u64) {
+    let mut s = Scheduler::new(cfg.clone()).unwrap();
+    for (i, (p, n)) in w.iter().enumerate() {
+        s.add_request(&format!("r{i}"), p, *n, &[]).unwrap();
+    }
+    let out = run_to_completion(&mut s, &mut FakeModel::default());
+    assert_eq!(s.allocator().num_free(), cfg.total_kv_blocks);
+    (out, s.stats().preemptions, s.stats().prefix_cache_hit_tokens)
+}
+
+fn workload() -> impl Strategy<Value = Workload> {
+    // Prompts share a common start so the prefix cache has something to serve.
+    (prop::collection::vec(0u32..50, 0..12), prop::collection::vec(
+        (prop::collection::vec(0u32..50, 1..10), 1usize..12), 1..12))
+        .prop_map(|(shared, reqs)| {
+            reqs.into_iter()
+                .map(|(own, n)| (shared.iter().chain(&own).copied().collect(), n))
+                .collect()
+        })
+}
+
+fn cfg(blocks: usize, tokens: usize, caching: bool) -> SchedulerConfig {
+    SchedulerConfig {
+        total_kv_blocks: blocks,
+        kv_block_size: 2,
+        max_batch_tokens: tokens,
+        max_running_seqs: 64,
+        enable_prefix_caching: caching,
+        max_model_len: None,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn output_is_identical_with_and_without_preemption(w in workload()) {
+        let (reference, pre, _) = run(&w, cfg(4096, 4096, false));
+        prop_assert_eq!(pre, 0);
+        // 17 blocks of 2 hold the longest request (at most 33 tokens) but not many together.
+        for c in [cfg(17, 3, true), cfg(17, 3, false), cfg(20, 64, true), cfg(4096, 5, true)] {
+            let (got, _, _) = run(&w, c);
+            prop_assert_eq!(&got, &reference);
+        }
+    }
+}
+
+#[test]
+fn tiny_pool_preempts_often_and_still_matches() {
+    let w: Workload = (0..16u32)
+        .map(|i| ((0..(5 + i % 7)).map(|t| t * 3 + i).collect(), 8 + (i as usize % 5)))
+        .collect();
+    let (reference, _, _) = run(&w, cfg(4096, 4096, true));
+    let (got, preemptions, _) = run(&w, cfg(14, 8, true));
+    assert!(preemptions >= 10, "only {preemptions} preemptions");
+    assert_eq!(got, reference);
+    let (got, _, _) = run(&w, cfg(14, 8, false));
+    assert_eq!(got, reference);
+}
+
+#[test]
+fn shared_prefix_hits_the_cache_and_matches() {
+    let shared: Vec<u32> = (100..140).collect();
+    let w: Workload = (0..8u32)
+        .map(|i| (shared.iter().copied().chain([i, i + 1]).collect(), 6))
+        .collect();
+    let (reference, _, no_hits) = run(&w, cfg(4096, 4096, false));
+    assert_eq!(no_hits, 0);
+    // A budget of 42 tokens admits the first prompt alone; once its prefill is committed
+    // the other seven each find the 20 shared blocks (40 tokens) in the cache.
+    let (got, _, hits) = run(&w, cfg(4096, 42, true));
+    assert_eq!(got, reference);
+    assert_eq!(hits, 7 * 40);
+}
