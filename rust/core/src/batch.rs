@@ -34,14 +34,25 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// Capacity for the common case (every sequence decodes one token) is taken up front:
+    /// growing ten vectors by doubling costs more than the whole decode bookkeeping.
     pub(crate) fn new(step: u64, capacity_seqs: usize) -> Self {
-        let mut b = Batch {
+        let mut query_start_loc = Vec::with_capacity(capacity_seqs + 1);
+        query_start_loc.push(0);
+        Batch {
             step,
-            ..Default::default()
-        };
-        b.query_start_loc.reserve(capacity_seqs + 1);
-        b.query_start_loc.push(0);
-        b
+            input_ids: Vec::with_capacity(capacity_seqs),
+            positions: Vec::with_capacity(capacity_seqs),
+            slot_mapping: Vec::with_capacity(capacity_seqs),
+            query_start_loc,
+            seq_lens: Vec::with_capacity(capacity_seqs),
+            num_computed_before: Vec::with_capacity(capacity_seqs),
+            block_tables: Vec::new(),
+            max_blocks: 0,
+            sample_indices: Vec::with_capacity(capacity_seqs),
+            sample_seq_indices: Vec::with_capacity(capacity_seqs),
+            entries: Vec::with_capacity(capacity_seqs),
+        }
     }
 
     pub fn num_seqs(&self) -> usize {
@@ -95,11 +106,15 @@ impl Batch {
     }
 
     /// Fill the padded block table once every sequence is in.
-    pub(crate) fn finish_block_tables<'a>(&mut self, blocks: impl Iterator<Item = &'a [u32]>) {
+    pub(crate) fn finish_block_tables(&mut self, seqs: &[Option<Sequence>]) {
         let width = self.max_blocks;
         self.block_tables.clear();
         self.block_tables.resize(self.entries.len() * width, 0);
-        for (row, seq_blocks) in blocks.enumerate() {
+        for (row, e) in self.entries.iter().enumerate() {
+            let seq_blocks = &seqs[e.slot]
+                .as_ref()
+                .expect("batched sequence is live")
+                .blocks;
             let dst = &mut self.block_tables[row * width..row * width + seq_blocks.len()];
             for (d, &b) in dst.iter_mut().zip(seq_blocks) {
                 *d = b as i32;

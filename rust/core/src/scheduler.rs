@@ -218,7 +218,10 @@ impl Scheduler {
         self.step += 1;
         self.committed = false;
         let bs = self.cfg.kv_block_size;
-        let mut batch = Batch::new(self.step, self.running.len() + 1);
+        let mut batch = Batch::new(
+            self.step,
+            (self.running.len() + 1).min(self.cfg.max_running_seqs),
+        );
         let mut budget = self.cfg.max_batch_tokens;
         let mut preempted = false;
 
@@ -288,12 +291,7 @@ impl Scheduler {
             budget -= n;
         }
 
-        let seqs = &self.seqs;
-        let rows: Vec<usize> = batch.entries.iter().map(|e| e.slot).collect();
-        batch.finish_block_tables(
-            rows.iter()
-                .map(|&s| seqs[s].as_ref().expect("live").blocks.as_slice()),
-        );
+        batch.finish_block_tables(&self.seqs);
         batch
     }
 

@@ -20,7 +20,10 @@ fn failed_allocation_takes_nothing() {
     let before = a.free_queue();
     assert_eq!(
         a.allocate(2),
-        Err(AllocError::OutOfBlocks { requested: 2, free: 1 })
+        Err(AllocError::OutOfBlocks {
+            requested: 2,
+            free: 1
+        })
     );
     assert_eq!(a.free_queue(), before);
     a.check_invariants(None).unwrap();
@@ -132,7 +135,9 @@ fn seeded_long_random_run_keeps_invariants() {
     let mut held: Vec<Vec<u32>> = Vec::new();
     let mut x: u64 = 42;
     let mut next = |m: u64| {
-        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (x >> 33) % m
     };
     for i in 0..100_000 {

@@ -4,28 +4,32 @@
 
 mod common;
 
-use std::collections::HashMap;
-
-use common::{run_to_completion, FakeModel};
+use common::{run_to_completion, FakeModel, Outputs};
 use iron_batch_core::{Scheduler, SchedulerConfig};
 use proptest::prelude::*;
 
 type Workload = Vec<(Vec<u32>, usize)>;
 
-fn run(w: &Workload, cfg: SchedulerConfig) -> (HashMap<String, (Vec<u32>, String)>, u64, u64) {
+fn run(w: &Workload, cfg: SchedulerConfig) -> (Outputs, u64, u64) {
     let mut s = Scheduler::new(cfg.clone()).unwrap();
     for (i, (p, n)) in w.iter().enumerate() {
         s.add_request(&format!("r{i}"), p, *n, &[]).unwrap();
     }
     let out = run_to_completion(&mut s, &mut FakeModel::default());
     assert_eq!(s.allocator().num_free(), cfg.total_kv_blocks);
-    (out, s.stats().preemptions, s.stats().prefix_cache_hit_tokens)
+    (
+        out,
+        s.stats().preemptions,
+        s.stats().prefix_cache_hit_tokens,
+    )
 }
 
 fn workload() -> impl Strategy<Value = Workload> {
     // Prompts share a common start so the prefix cache has something to serve.
-    (prop::collection::vec(0u32..50, 0..12), prop::collection::vec(
-        (prop::collection::vec(0u32..50, 1..10), 1usize..12), 1..12))
+    (
+        prop::collection::vec(0u32..50, 0..12),
+        prop::collection::vec((prop::collection::vec(0u32..50, 1..10), 1usize..12), 1..12),
+    )
         .prop_map(|(shared, reqs)| {
             reqs.into_iter()
                 .map(|(own, n)| (shared.iter().chain(&own).copied().collect(), n))
@@ -62,7 +66,12 @@ proptest! {
 #[test]
 fn tiny_pool_preempts_often_and_still_matches() {
     let w: Workload = (0..16u32)
-        .map(|i| ((0..(5 + i % 7)).map(|t| t * 3 + i).collect(), 8 + (i as usize % 5)))
+        .map(|i| {
+            (
+                (0..(5 + i % 7)).map(|t| t * 3 + i).collect(),
+                8 + (i as usize % 5),
+            )
+        })
         .collect();
     let (reference, _, _) = run(&w, cfg(4096, 4096, true));
     let (got, preemptions, _) = run(&w, cfg(14, 8, true));

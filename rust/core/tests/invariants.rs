@@ -11,7 +11,11 @@ use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Add { prompt: Vec<u32>, max_new: usize, stop: Option<u32> },
+    Add {
+        prompt: Vec<u32>,
+        max_new: usize,
+        stop: Option<u32>,
+    },
     Step,
     Abort(usize),
 }

@@ -65,7 +65,8 @@ fn decodes_and_a_prefill_chunk_share_one_step() {
     s.add_request("a", &[1, 2], 5, &[]).unwrap();
     let b = s.schedule();
     s.commit(&b, &[3]).unwrap();
-    s.add_request("b", &(10..20).collect::<Vec<_>>(), 2, &[]).unwrap();
+    s.add_request("b", &(10..20).collect::<Vec<_>>(), 2, &[])
+        .unwrap();
     let b = s.schedule();
     // One decode for a, then four prompt tokens of b within the budget of five.
     assert_eq!(b.input_ids, vec![3, 10, 11, 12, 13]);
@@ -110,7 +111,11 @@ fn out_of_blocks_preempts_the_most_recent_and_admits_nobody_that_step() {
     s.commit(&b, &third).unwrap();
     // b resumes before c, re-prefilling prompt + its generated tokens.
     let out = run_to_completion(&mut s, &mut model);
-    assert_eq!(out["b"].0.len(), 2, "b's last two of four tokens come after resume");
+    assert_eq!(
+        out["b"].0.len(),
+        2,
+        "b's last two of four tokens come after resume"
+    );
     assert_eq!(out["c"].1, "length");
     assert_eq!(s.allocator().num_free(), 4);
 }

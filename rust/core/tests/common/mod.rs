@@ -30,9 +30,13 @@ impl FakeModel {
             let table = &b.block_tables[seq * b.max_blocks..(seq + 1) * b.max_blocks];
             let mut h: u64 = 1469598103934665603;
             for p in 0..len {
-                let slot = table[p / block_size] as i64 * block_size as i64 + (p % block_size) as i64;
+                let slot =
+                    table[p / block_size] as i64 * block_size as i64 + (p % block_size) as i64;
                 let (tok, pos) = self.kv[&slot];
-                assert_eq!(pos, p as i64, "KV slot {slot} holds position {pos}, wanted {p}");
+                assert_eq!(
+                    pos, p as i64,
+                    "KV slot {slot} holds position {pos}, wanted {p}"
+                );
                 h = (h ^ tok as u64).wrapping_mul(1099511628211);
             }
             assert_eq!(b.positions[row as usize] as usize, len - 1);
@@ -42,13 +46,13 @@ impl FakeModel {
     }
 }
 
+/// Each request's generated tokens and finish reason ("" while unfinished).
+pub type Outputs = HashMap<String, (Vec<u32>, String)>;
+
 /// Run until idle; returns every request's generated tokens and finish reason.
-pub fn run_to_completion(
-    s: &mut Scheduler,
-    model: &mut FakeModel,
-) -> HashMap<String, (Vec<u32>, String)> {
+pub fn run_to_completion(s: &mut Scheduler, model: &mut FakeModel) -> Outputs {
     let bs = s.config().kv_block_size;
-    let mut out: HashMap<String, (Vec<u32>, String)> = HashMap::new();
+    let mut out = Outputs::new();
     let mut steps = 0;
     while s.has_work() {
         let b = s.schedule();
@@ -62,10 +66,14 @@ pub fn run_to_completion(
     out
 }
 
-pub fn record(out: &mut HashMap<String, (Vec<u32>, String)>, events: &[StepEvent]) {
+pub fn record(out: &mut Outputs, events: &[StepEvent]) {
     for e in events {
         let entry = out.entry(e.request_id.to_string()).or_default();
-        assert!(entry.1.is_empty(), "event after finish for {}", e.request_id);
+        assert!(
+            entry.1.is_empty(),
+            "event after finish for {}",
+            e.request_id
+        );
         if let Some(t) = e.token {
             entry.0.push(t);
         }
