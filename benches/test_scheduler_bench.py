@@ -10,7 +10,6 @@ import itertools
 
 import numpy as np
 import pytest
-
 from iron_batch import Scheduler, SchedulerConfig
 
 

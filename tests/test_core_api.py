@@ -8,7 +8,6 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from iron_batch import (
     AllocatorError,
     BatchMismatch,
@@ -25,7 +24,7 @@ from iron_batch import (
 def context_model(batch, kv: dict[int, int], block_size: int) -> np.ndarray:
     """Next token = hash of the whole context, read back through slot mapping and block
     tables, so any lost, repeated or misplaced token changes the output."""
-    for slot, tok in zip(batch.slot_mapping.tolist(), batch.input_ids.tolist()):
+    for slot, tok in zip(batch.slot_mapping.tolist(), batch.input_ids.tolist(), strict=True):
         kv[slot] = tok
     out = []
     for seq in batch.sample_seq_indices.tolist():
@@ -119,7 +118,7 @@ def test_errors_are_typed_and_change_nothing():
         s.add_request("ok", [1], 1)
     assert isinstance(DuplicateRequest("x"), IronBatchError)
     b = s.schedule()
-    with pytest.raises(BatchMismatch, match="expected 1 sampled"):
+    with pytest.raises(BatchMismatch, match="expected 1 x 1 sampled"):
         s.commit(b, [])
     other = Scheduler(SchedulerConfig())
     with pytest.raises(BatchMismatch, match="another Scheduler"):

@@ -20,6 +20,7 @@ pub struct Batch {
     block_tables: Py<PyArray2<i32>>,
     sample_indices: Py<PyArray1<i64>>,
     sample_seq_indices: Py<PyArray1<i64>>,
+    sample_max_steps: Py<PyArray1<i32>>,
 }
 
 impl Batch {
@@ -53,6 +54,9 @@ impl Batch {
                 .into_pyarray(py)
                 .unbind(),
             sample_seq_indices: std::mem::take(&mut b.sample_seq_indices)
+                .into_pyarray(py)
+                .unbind(),
+            sample_max_steps: std::mem::take(&mut b.sample_max_steps)
                 .into_pyarray(py)
                 .unbind(),
             core: b,
@@ -117,6 +121,10 @@ impl Batch {
         self.sample_seq_indices.clone_ref(py)
     }
     #[getter]
+    fn sample_max_steps(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.sample_max_steps.clone_ref(py)
+    }
+    #[getter]
     fn request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         PyList::new(py, self.ids.iter().map(|s| s.bind(py)))
     }
@@ -127,7 +135,7 @@ impl Batch {
             .entries
             .iter()
             .zip(&self.ids)
-            .filter(|(e, _)| e.sample)
+            .filter(|(e, _)| e.steps > 0)
             .map(|(_, s)| s.bind(py));
         PyList::new(py, rows)
     }

@@ -42,3 +42,16 @@ pub fn token_ids(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
         .map_err(|_| PyValueError::new_err(format!("{what}: expected a list of integers")))?;
     vals.into_iter().map(|v| check(v, what)).collect()
 }
+
+/// Sampled tokens as a flat row-major vector and the number of columns: a 1-D input is one
+/// token per row; a 2-D `[rows, steps]` array carries lookahead steps.
+pub fn token_matrix(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(Vec<u32>, usize)> {
+    if let Ok(a) = obj.cast::<numpy::PyUntypedArray>() {
+        if a.ndim() == 2 {
+            let steps = a.shape()[1];
+            let flat = a.call_method1("reshape", (-1,))?;
+            return Ok((token_ids(&flat, what)?, steps));
+        }
+    }
+    Ok((token_ids(obj, what)?, 1))
+}

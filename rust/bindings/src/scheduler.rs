@@ -187,8 +187,9 @@ impl Scheduler {
     }
 
     /// Plan the next step. The core work runs without the GIL.
-    fn schedule(&self, py: Python<'_>) -> PyResult<Batch> {
-        let batch = py.detach(|| self.lock().core.schedule());
+    #[pyo3(signature = (lookahead = 0))]
+    fn schedule(&self, py: Python<'_>, lookahead: usize) -> PyResult<Batch> {
+        let batch = py.detach(|| self.lock().core.schedule_lookahead(lookahead));
         let ids = {
             let inner = self.lock();
             batch
@@ -214,11 +215,11 @@ impl Scheduler {
                 "the batch was scheduled by another Scheduler".to_string(),
             ));
         }
-        let sampled = token_ids(sampled, "sampled")?;
+        let (sampled, steps) = crate::convert::token_matrix(sampled, "sampled")?;
         let inner = &mut *self.lock();
         let events = inner
             .core
-            .commit(&batch.core, &sampled)
+            .commit_steps(&batch.core, &sampled, steps)
             .map_err(sched_err)?;
         let none = py.None();
         let out = PyList::empty(py);

@@ -11,7 +11,8 @@ pub struct BatchEntry {
     pub slot: usize,
     pub uid: u64,
     pub num_tokens: usize,
-    pub sample: bool,
+    /// Tokens to sample for this sequence (0: mid-prefill; above 1: lookahead steps).
+    pub steps: usize,
 }
 
 /// Arrays in the dtypes the backend wants: int64 where torch indexes with them
@@ -30,6 +31,8 @@ pub struct Batch {
     pub max_blocks: usize,
     pub sample_indices: Vec<i64>,
     pub sample_seq_indices: Vec<i64>,
+    /// Per sample row: how many tokens may be sampled (1 unless scheduled with lookahead).
+    pub sample_max_steps: Vec<i32>,
     pub entries: Vec<BatchEntry>,
 }
 
@@ -51,6 +54,7 @@ impl Batch {
             max_blocks: 0,
             sample_indices: Vec::with_capacity(capacity_seqs),
             sample_seq_indices: Vec::with_capacity(capacity_seqs),
+            sample_max_steps: Vec::with_capacity(capacity_seqs),
             entries: Vec::with_capacity(capacity_seqs),
         }
     }
@@ -63,7 +67,7 @@ impl Batch {
     }
     /// Rows to sample; counted from the entries so it survives moving the arrays out.
     pub fn num_samples(&self) -> usize {
-        self.entries.iter().filter(|e| e.sample).count()
+        self.entries.iter().filter(|e| e.steps > 0).count()
     }
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
@@ -76,6 +80,7 @@ impl Batch {
         slot: usize,
         seq: &Sequence,
         n: usize,
+        steps: usize,
         block_size: usize,
     ) {
         let start = seq.num_computed;
@@ -87,10 +92,11 @@ impl Batch {
             self.slot_mapping
                 .push(block * block_size as i64 + (p % block_size) as i64);
         }
-        let sample = end == seq.tokens.len();
-        if sample {
+        debug_assert_eq!(steps > 0, end == seq.tokens.len());
+        if steps > 0 {
             self.sample_indices.push(self.input_ids.len() as i64 - 1);
             self.sample_seq_indices.push(self.entries.len() as i64);
+            self.sample_max_steps.push(steps as i32);
         }
         self.query_start_loc.push(self.input_ids.len() as i32);
         self.seq_lens.push(end as i32);
@@ -101,7 +107,7 @@ impl Batch {
             slot,
             uid: seq.uid,
             num_tokens: n,
-            sample,
+            steps,
         });
     }
 

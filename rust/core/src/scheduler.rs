@@ -215,6 +215,32 @@ impl Scheduler {
     /// Plan the next step. An empty batch means nothing to compute now (there may still be
     /// events to collect with `commit`).
     pub fn schedule(&mut self) -> Batch {
+        self.schedule_lookahead(0)
+    }
+
+    /// Tokens a sequence may take this step if its prompt ends at `end`: 1, plus up to
+    /// `lookahead` more decode steps that a remote worker runs on its own, bounded by the
+    /// sequence's limits so no slot is reserved for a token that can never exist.
+    fn sample_steps(seq: &Sequence, end: usize, lookahead: usize, max_len: usize) -> usize {
+        if end != seq.tokens.len() {
+            return 0;
+        }
+        let left = (seq.max_new_tokens - seq.num_output()).min(max_len - seq.tokens.len());
+        left.clamp(1, 1 + lookahead)
+    }
+
+    /// KV blocks a sequence still needs to compute up to `end` and then run `steps` tokens:
+    /// every token but the last sampled one gets its KV written.
+    fn blocks_needed(seq: &Sequence, end: usize, steps: usize, bs: usize) -> usize {
+        (end + steps.saturating_sub(1))
+            .div_ceil(bs)
+            .saturating_sub(seq.blocks.len())
+    }
+
+    /// `schedule`, reserving KV slots so that each sampled sequence can run `lookahead`
+    /// more decode steps before the next commit (see `commit_steps`).
+    pub fn schedule_lookahead(&mut self, lookahead: usize) -> Batch {
+        let max_len = self.max_sequence_tokens();
         self.step += 1;
         self.committed = false;
         let bs = self.cfg.kv_block_size;
@@ -230,9 +256,8 @@ impl Scheduler {
             let slot = self.running[i];
             let seq = self.seqs[slot].as_ref().expect("running slot is live");
             let n = (seq.tokens.len() - seq.num_computed).min(budget);
-            let need = (seq.num_computed + n)
-                .div_ceil(bs)
-                .saturating_sub(seq.blocks.len());
+            let steps = Self::sample_steps(seq, seq.num_computed + n, lookahead, max_len);
+            let need = Self::blocks_needed(seq, seq.num_computed + n, steps, bs);
             let mut self_preempted = false;
             while self.alloc.num_free() < need {
                 preempted = true;
@@ -248,7 +273,7 @@ impl Scheduler {
             self.alloc
                 .allocate_into(need, &mut seq.blocks)
                 .expect("free blocks checked");
-            batch.push(&self.ids[slot], slot, seq, n, bs);
+            batch.push(&self.ids[slot], slot, seq, n, steps, bs);
             budget -= n;
             i += 1;
         }
@@ -265,7 +290,8 @@ impl Scheduler {
             }
             let computed = seq.blocks.len() * bs;
             let n = (seq.tokens.len() - computed).min(budget);
-            let need = (computed + n).div_ceil(bs) - seq.blocks.len();
+            let steps = Self::sample_steps(seq, computed + n, lookahead, max_len);
+            let need = Self::blocks_needed(seq, computed + n, steps, bs);
             if self.alloc.num_free() < need {
                 // Head of line waits for blocks; give back what the cache lookup took.
                 Self::release_blocks(&mut self.alloc, seq);
@@ -287,7 +313,7 @@ impl Scheduler {
             self.waiting.pop_front();
             self.running.push(slot);
             let seq = self.seqs[slot].as_ref().expect("live");
-            batch.push(&self.ids[slot], slot, seq, n, bs);
+            batch.push(&self.ids[slot], slot, seq, n, steps, bs);
             budget -= n;
         }
 
@@ -302,6 +328,19 @@ impl Scheduler {
         batch: &Batch,
         sampled: &[u32],
     ) -> Result<Vec<StepEvent>, SchedulerError> {
+        self.commit_steps(batch, sampled, 1)
+    }
+
+    /// Commit a batch scheduled with lookahead: `sampled` is row-major
+    /// `[num_samples, steps]`, row `r` holding the tokens of `steps` consecutive decode
+    /// steps, of which the first `batch.sample_max_steps[r]` are real. Tokens after a stop
+    /// condition are discarded. One event per accepted token.
+    pub fn commit_steps(
+        &mut self,
+        batch: &Batch,
+        sampled: &[u32],
+        steps: usize,
+    ) -> Result<Vec<StepEvent>, SchedulerError> {
         if batch.step != self.step || self.committed {
             return Err(SchedulerError::BatchMismatch(format!(
                 "batch of step {} is not the open step {}{}",
@@ -314,26 +353,32 @@ impl Scheduler {
                 }
             )));
         }
-        if sampled.len() != batch.num_samples() {
+        let rows = batch.num_samples();
+        if steps == 0 || sampled.len() != rows * steps {
             return Err(SchedulerError::BatchMismatch(format!(
-                "expected {} sampled tokens, got {}",
-                batch.num_samples(),
+                "expected {rows} x {steps} sampled tokens, got {}",
                 sampled.len()
+            )));
+        }
+        if let Some(e) = batch.entries.iter().find(|e| e.steps > steps) {
+            return Err(SchedulerError::BatchMismatch(format!(
+                "the batch reserved {} steps for request {:?}, commit got {steps}",
+                e.steps, e.request_id
             )));
         }
         self.committed = true;
         let bs = self.cfg.kv_block_size;
         let max_len = self.max_sequence_tokens();
         let mut events = std::mem::take(&mut self.pending);
-        events.reserve(batch.num_samples());
+        events.reserve(rows);
         let mut finished = false;
-        let mut sample_row = 0;
+        let mut row = 0;
         for entry in &batch.entries {
-            let tok = if entry.sample {
-                sample_row += 1;
-                Some(sampled[sample_row - 1])
+            let toks = if entry.steps > 0 {
+                row += 1;
+                &sampled[(row - 1) * steps..(row - 1) * steps + entry.steps]
             } else {
-                None
+                &[][..]
             };
             let Some(seq) = self.seqs[entry.slot].as_mut() else {
                 continue;
@@ -342,6 +387,29 @@ impl Scheduler {
                 continue;
             }
             seq.num_computed += entry.num_tokens;
+            for (j, &tok) in toks.iter().enumerate() {
+                if j > 0 {
+                    seq.num_computed += 1; // the worker computed the previous token's KV
+                }
+                seq.tokens.push(tok);
+                let finish = if seq.stop_token_ids.contains(&tok) {
+                    Some(FinishReason::Stop)
+                } else if seq.num_output() >= seq.max_new_tokens || seq.tokens.len() >= max_len {
+                    Some(FinishReason::Length)
+                } else {
+                    None
+                };
+                events.push(StepEvent {
+                    slot: entry.slot,
+                    request_id: self.ids[entry.slot].clone(),
+                    token: Some(tok),
+                    finish,
+                });
+                if finish.is_some() {
+                    finished = true;
+                    break;
+                }
+            }
             let full = seq.num_computed / bs;
             while seq.block_hashes.len() < full {
                 let j = seq.block_hashes.len();
@@ -351,22 +419,6 @@ impl Scheduler {
                         .publish(seq.blocks[j], parent, &seq.tokens[j * bs..(j + 1) * bs])?;
                 seq.block_hashes.push(hash);
             }
-            let Some(tok) = tok else { continue };
-            seq.tokens.push(tok);
-            let finish = if seq.stop_token_ids.contains(&tok) {
-                Some(FinishReason::Stop)
-            } else if seq.num_output() >= seq.max_new_tokens || seq.tokens.len() >= max_len {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            finished |= finish.is_some();
-            events.push(StepEvent {
-                slot: entry.slot,
-                request_id: self.ids[entry.slot].clone(),
-                token: Some(tok),
-                finish,
-            });
         }
         if finished {
             for e in &events {

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{run_to_completion, FakeModel, Outputs};
+use common::{run_lookahead, run_to_completion, FakeModel, Outputs};
 use iron_batch_core::{Scheduler, SchedulerConfig};
 use proptest::prelude::*;
 
@@ -94,4 +94,39 @@ fn shared_prefix_hits_the_cache_and_matches() {
     let (got, _, hits) = run(&w, cfg(4096, 42, true));
     assert_eq!(got, reference);
     assert_eq!(hits, 7 * 40);
+}
+
+#[test]
+fn lookahead_steps_give_the_same_tokens_and_honour_stops() {
+    let w: Workload = (0..12u32)
+        .map(|i| {
+            (
+                (0..(3 + i % 5)).map(|t| t + i).collect(),
+                5 + (i as usize % 9),
+            )
+        })
+        .collect();
+    let run_k = |cfg: SchedulerConfig, k: usize, stop: &[u32]| {
+        let mut s = Scheduler::new(cfg.clone()).unwrap();
+        for (i, (p, n)) in w.iter().enumerate() {
+            s.add_request(&format!("r{i}"), p, *n, stop).unwrap();
+        }
+        let out = run_lookahead(&mut s, &mut FakeModel::default(), k);
+        assert_eq!(s.allocator().num_free(), cfg.total_kv_blocks);
+        (out, s.stats().preemptions)
+    };
+    let (reference, _) = run_k(cfg(4096, 4096, true), 1, &[]);
+    for k in [2, 4, 8] {
+        assert_eq!(run_k(cfg(4096, 4096, true), k, &[]).0, reference, "k={k}");
+        let (small, pre) = run_k(cfg(16, 6, true), k, &[]);
+        assert!(pre > 0, "k={k}: the small pool should preempt");
+        assert_eq!(small, reference, "k={k} under preemption");
+    }
+    // A stop token met mid-way ends the request there; the surplus is discarded.
+    let stop = reference["r3"].0[2];
+    let (with_stop, _) = run_k(cfg(4096, 4096, true), 4, &[stop]);
+    let (want, _) = run_k(cfg(4096, 4096, true), 1, &[stop]);
+    assert_eq!(with_stop, want);
+    assert_eq!(with_stop["r3"].1, "stop");
+    assert!(with_stop["r3"].0.len() <= 3);
 }

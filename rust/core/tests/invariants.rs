@@ -16,7 +16,8 @@ enum Op {
         max_new: usize,
         stop: Option<u32>,
     },
-    Step,
+    /// One step with `k` tokens per sampled sequence (k - 1 lookahead steps).
+    Step(usize),
     Abort(usize),
 }
 
@@ -24,7 +25,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (prop::collection::vec(0u32..4, 1..14), 0usize..8, prop::option::of(0u32..1000))
             .prop_map(|(prompt, max_new, stop)| Op::Add { prompt, max_new, stop }),
-        6 => Just(Op::Step),
+        6 => prop_oneof![4 => Just(1usize), 1 => 2usize..5].prop_map(Op::Step),
         1 => (0usize..64).prop_map(Op::Abort),
     ]
 }
@@ -43,7 +44,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
 
     #[test]
     fn random_operations_keep_invariants(cfg in config(), ops in prop::collection::vec(op(), 1..120)) {
@@ -65,10 +66,10 @@ proptest! {
                         prop_assert!(prompt.len() + max_new > total * bs);
                     }
                 }
-                Op::Step => {
-                    let b = s.schedule();
-                    let sampled = model.execute(&b, bs);
-                    let ev = s.commit(&b, &sampled).unwrap();
+                Op::Step(k) => {
+                    let b = s.schedule_lookahead(k - 1);
+                    let sampled = model.execute_steps(&b, bs, k);
+                    let ev = s.commit_steps(&b, &sampled, k).unwrap();
                     record(&mut out, &ev);
                 }
                 Op::Abort(k) => {

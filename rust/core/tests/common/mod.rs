@@ -46,18 +46,57 @@ impl FakeModel {
     }
 }
 
+impl FakeModel {
+    /// What a remote worker does with a lookahead batch: the step as given, then up to
+    /// `sample_max_steps[r] - 1` more decode steps per sampled row, writing each fed token's
+    /// KV into the slots the scheduler reserved. Returns `[num_samples, k]` row-major,
+    /// padded with an arbitrary token past each row's limit.
+    pub fn execute_steps(&mut self, b: &Batch, block_size: usize, k: usize) -> Vec<u32> {
+        let first = self.execute(b, block_size);
+        let mut out = vec![u32::MAX - 1; first.len() * k];
+        for (r, &tok) in first.iter().enumerate() {
+            out[r * k] = tok;
+            let seq = b.sample_seq_indices[r] as usize;
+            let table = &b.block_tables[seq * b.max_blocks..(seq + 1) * b.max_blocks];
+            let start = b.seq_lens[seq] as usize;
+            let mut prev = tok;
+            for j in 1..b.sample_max_steps[r] as usize {
+                let pos = start + j - 1;
+                let slot =
+                    table[pos / block_size] as i64 * block_size as i64 + (pos % block_size) as i64;
+                self.kv.insert(slot, (i64::from(prev), pos as i64));
+                let len = pos + 1;
+                let mut h: u64 = 1469598103934665603;
+                for p in 0..len {
+                    let s =
+                        table[p / block_size] as i64 * block_size as i64 + (p % block_size) as i64;
+                    h = (h ^ self.kv[&s].0 as u64).wrapping_mul(1099511628211);
+                }
+                prev = (h % u64::from(VOCAB)) as u32;
+                out[r * k + j] = prev;
+            }
+        }
+        out
+    }
+}
+
 /// Each request's generated tokens and finish reason ("" while unfinished).
 pub type Outputs = HashMap<String, (Vec<u32>, String)>;
 
 /// Run until idle; returns every request's generated tokens and finish reason.
 pub fn run_to_completion(s: &mut Scheduler, model: &mut FakeModel) -> Outputs {
+    run_lookahead(s, model, 1)
+}
+
+/// As `run_to_completion`, with `k` tokens per sequence per step (k - 1 lookahead steps).
+pub fn run_lookahead(s: &mut Scheduler, model: &mut FakeModel, k: usize) -> Outputs {
     let bs = s.config().kv_block_size;
     let mut out = Outputs::new();
     let mut steps = 0;
     while s.has_work() {
-        let b = s.schedule();
-        let sampled = model.execute(&b, bs);
-        let events = s.commit(&b, &sampled).unwrap();
+        let b = s.schedule_lookahead(k - 1);
+        let sampled = model.execute_steps(&b, bs, k);
+        let events = s.commit_steps(&b, &sampled, k).unwrap();
         record(&mut out, &events);
         s.check_invariants().unwrap();
         steps += 1;

