@@ -53,9 +53,14 @@ class Batch:
     """One forward pass, flattened. Arrays are owned by numpy (no copy from Rust)."""
 
     @property
+    def step(self) -> int:
+        """Step number; only the latest step's batch can be committed."""
+    @property
     def num_seqs(self) -> int: ...
     @property
     def num_tokens(self) -> int: ...
+    @property
+    def num_samples(self) -> int: ...
     @property
     def input_ids(self) -> npt.NDArray[np.int64]:
         """[num_tokens] token ids to run."""
@@ -80,6 +85,9 @@ class Batch:
     @property
     def sample_seq_indices(self) -> npt.NDArray[np.int64]:
         """[num_samples] the batch sequence index of each sample row."""
+    @property
+    def sample_max_steps(self) -> npt.NDArray[np.int32]:
+        """[num_samples] tokens each sample row may produce: 1, or up to lookahead + 1."""
     @property
     def request_ids(self) -> list[str]:
         """[num_seqs] request id of each sequence in the batch."""
@@ -108,14 +116,18 @@ class Scheduler:
         stop_token_ids: Sequence[int] = (),
     ) -> None:
         """Queue a request. Raises RequestRejected or DuplicateRequest, changing nothing."""
-    def schedule(self) -> Batch:
-        """Pick the next step's work. An empty batch (num_seqs == 0) means nothing to run."""
+    def schedule(self, lookahead: int = 0) -> Batch:
+        """Pick the next step's work. An empty batch (num_seqs == 0) means nothing to run.
+        With ``lookahead = K - 1`` KV slots are reserved so that each sampled sequence can
+        run up to ``batch.sample_max_steps[r]`` (at most K) decode steps before ``commit``."""
     def commit(
         self, batch: Batch, sampled: Sequence[int] | npt.NDArray[np.integer]
     ) -> list[tuple[str, int | None, bool, str | None]]:
-        """Apply one sampled token per sample row; returns events
-        ``(request_id, token_id or None, finished, finish_reason or None)``.
-        Requests with ``max_new_tokens == 0`` finish through an event with no token."""
+        """Apply the sampled tokens: 1-D, one per sample row; or 2-D ``[num_samples, K]``
+        for a lookahead batch (tokens past a stop condition are discarded). Returns events
+        ``(request_id, token_id or None, finished, finish_reason or None)``, one per
+        accepted token. Requests with ``max_new_tokens == 0`` finish through an event with
+        no token."""
     def abort(self, request_id: str) -> bool:
         """Free everything the request holds; False if it is not live (already ended)."""
     def finish(self, request_id: str, reason: str = "stop") -> bool:

@@ -1,0 +1,304 @@
+"""Backend whose model runs in another process or host (``python -m iron_batch.worker``).
+
+The scheduler stays here; the worker owns the model and the KV cache that the scheduler's
+block ids index. Each ``execute`` is one round trip on a persistent TCP connection: the
+batch's numpy arrays as they are (:mod:`iron_batch.wire`), plus the requests added and
+removed since the previous call, so request bookkeeping never costs a round trip of its
+own. With ``steps_per_call = K`` the engine schedules with ``lookahead = K - 1`` and the
+worker runs up to K decode steps per sampled sequence per call, which divides the number
+of round trips per token by up to K.
+
+Faults and invalidation. When the connection is lost (worker died, hung past ``timeout``,
+answered garbage) nothing the worker held can be trusted any more: a restarted worker has
+an empty KV cache, and a hung one may still write into blocks the scheduler frees. So
+:class:`WorkerLost` carries ``invalidates_kv = True``, and the engine then fails every live
+request (not just the batch's) and replaces its scheduler, dropping a prefix cache that
+points at KV the next worker never computed. The next ``execute`` reconnects; the worker
+starts a fresh session for the new connection. A worker that answers a well-formed ERROR
+(bad batch, model exception) keeps its session: only that batch fails
+(:class:`RemoteBackendError`, no invalidation).
+
+Sampling state (penalty counts, seeded generators) lives in the worker, which samples the
+lookahead tokens itself. Logprobs are not carried back; requests asking for them are
+rejected at admission.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+from itertools import count
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from iron_batch import wire
+from iron_batch.wire import Kind, WireError
+
+if TYPE_CHECKING:
+    from iron_batch._core import Batch
+    from iron_batch.sampling_params import SamplingParams
+    from iron_batch.tokenizer import Tokenizer
+
+#: INFO fields that size the server's scheduler: a reconnect must find the same values.
+_GEOMETRY = ("kv_block_size", "max_model_len", "vocab_size")
+
+
+class RemoteBackendError(RuntimeError):
+    """The worker refused or failed one batch; the connection and its KV are intact."""
+
+    invalidates_kv = False
+
+
+class WorkerLost(RemoteBackendError):
+    """The connection to the worker is gone: its KV cache and request state are lost.
+
+    The engine fails every live request and starts a fresh scheduler when it sees
+    ``invalidates_kv``; the next ``execute`` reconnects.
+    """
+
+    invalidates_kv = True
+
+
+def parse_url(url: str) -> tuple[str, int]:
+    """``tcp://host:port``, ``host:port`` (or any scheme with a host and a port)."""
+    parts = urlsplit(url if "//" in url else f"tcp://{url}")
+    if not parts.hostname or parts.port is None:
+        raise ValueError(f"worker URL needs a host and a port, got {url!r}")
+    return parts.hostname, parts.port
+
+
+def _sampling_settings(params: SamplingParams) -> dict[str, Any]:
+    return {name: getattr(params, name) for name in wire.PARAM_FIELDS}
+
+
+def _tokenizer_from_info(info: dict[str, Any] | None) -> Tokenizer | None:
+    if not info:
+        return None
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from iron_batch.tokenizer import Tokenizer
+
+    return Tokenizer(
+        HFTokenizer.from_str(info["json"]),
+        chat_template=info.get("chat_template"),
+        eos_token_ids=[int(i) for i in info.get("eos_token_ids", [])],
+        bos_token=info.get("bos_token"),
+        eos_token=info.get("eos_token"),
+        add_bos=bool(info.get("add_bos", False)),
+    )
+
+
+class RemoteBackend:
+    """Backend protocol over a worker connection; connects (and reads INFO) on creation."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+        steps_per_call: int = 1,
+        max_reply_body: int = wire.MAX_BODY,
+    ) -> None:
+        if not 1 <= steps_per_call <= wire.MAX_STEPS:
+            raise ValueError(f"steps_per_call must be in 1..{wire.MAX_STEPS}")
+        if not timeout > 0:
+            raise ValueError("timeout must be > 0")
+        self.url = url
+        self.address = parse_url(url)
+        self.api_key = api_key
+        self.timeout = timeout
+        #: Decode steps per call; the engine schedules with lookahead = steps_per_call - 1.
+        self.steps_per_call = steps_per_call
+        self.max_reply_body = max_reply_body
+        self._sock: socket.socket | None = None
+        self._handles: dict[str, int] = {}
+        self._next_handle = count(1)
+        #: handle -> (prompt, sampling settings), kept to re-send after an ERROR reply.
+        self._requests: dict[int, tuple[list[int], dict[str, Any]]] = {}
+        self._pending_adds: dict[int, tuple[list[int], dict[str, Any]]] = {}
+        self._pending_removes: list[int] = []
+        self._sent: set[int] = set()
+        self.reconnects = 0
+        info = self._connect()
+        self.info = info
+        self.model_name: str = str(info["model_name"])
+        self.num_kv_blocks: int = int(info["num_kv_blocks"])
+        self.kv_block_size: int = int(info["kv_block_size"])
+        self.max_model_len: int | None = info["max_model_len"]
+        self.vocab_size: int = int(info["vocab_size"])
+        self.eos_token_ids: list[int] = [int(i) for i in info["eos_token_ids"]]
+        self.tokenizer: Tokenizer | None = _tokenizer_from_info(info.get("tokenizer"))
+
+    # ------------------------------------------------------------------ connection
+
+    def _connect(self) -> dict[str, Any]:
+        try:
+            sock = socket.create_connection(self.address, timeout=self.timeout)
+        except OSError as exc:
+            raise ConnectionError(f"cannot reach worker at {self.url}: {exc}") from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire.write_json(sock, Kind.HELLO, {"protocol": wire.PROTOCOL,
+                                               "api_key": self.api_key})
+            kind, body = wire.read_frame(sock, self.max_reply_body)
+            if kind == Kind.ERROR:
+                raise ConnectionRefusedError(
+                    f"worker at {self.url} refused: {bytes(body).decode('utf-8', 'replace')}"
+                )
+            if kind != Kind.INFO:
+                raise WireError(f"expected INFO, got {kind.name}")
+            info = wire.parse_json(body)
+            for key in ("model_name", "num_kv_blocks", "eos_token_ids", *_GEOMETRY):
+                if key not in info:
+                    raise WireError(f"INFO lacks {key!r}")
+        except (OSError, WireError) as exc:
+            sock.close()
+            if isinstance(exc, ConnectionRefusedError):
+                raise
+            raise ConnectionError(f"handshake with worker at {self.url} failed: {exc}") from exc
+        self._sock = sock
+        return info
+
+    def _reconnect(self) -> None:
+        try:
+            info = self._connect()
+        except ConnectionError as exc:
+            # Nothing was sent: this batch fails, but no KV was lost since the last reset.
+            raise RemoteBackendError(str(exc)) from None
+        changed = [k for k in _GEOMETRY if info[k] != self.info[k]]
+        if info["num_kv_blocks"] < self.num_kv_blocks:
+            changed.append("num_kv_blocks")
+        if changed:
+            self.close()
+            raise RemoteBackendError(
+                f"worker at {self.url} came back with different {', '.join(changed)}; "
+                "restart the server to adopt it"
+            )
+        self.reconnects += 1
+
+    def _lose(self, why: str) -> WorkerLost:
+        """Drop the connection; everything the worker held is forgotten on this side too."""
+        self.close()
+        # Requests still registered are re-announced to the next session.
+        for handle in self._sent:
+            if handle in self._requests:
+                self._pending_adds[handle] = self._requests[handle]
+        self._sent.clear()
+        self._pending_removes.clear()
+        return WorkerLost(f"worker at {self.url}: {why}")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+
+    def _peer_closed(self, sock: socket.socket) -> bool:
+        """Between calls the worker never speaks: readable now means EOF or garbage."""
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if params.logprobs is not None:
+            raise ValueError("logprobs are not supported by the remote backend")
+        if request_id in self._handles:
+            self.remove_request(request_id)
+        handle = next(self._next_handle)
+        entry = (list(prompt_token_ids), _sampling_settings(params))
+        self._handles[request_id] = handle
+        self._requests[handle] = entry
+        self._pending_adds[handle] = entry  # goes out with the next execute
+
+    def remove_request(self, request_id: str) -> None:
+        handle = self._handles.pop(request_id, None)
+        if handle is None:
+            return
+        self._requests.pop(handle, None)
+        if self._pending_adds.pop(handle, None) is None and handle in self._sent:
+            self._sent.discard(handle)
+            self._pending_removes.append(handle)
+
+    def _handle_of(self, request_id: str) -> int:
+        handle = self._handles.get(request_id)
+        if handle is None:
+            # Scheduler-only users may skip add_request: greedy, like the torch backend.
+            from iron_batch.sampling_params import SamplingParams
+
+            self.add_request(request_id, [], SamplingParams())
+            handle = self._handles[request_id]
+        return handle
+
+    def last_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
+        return None
+
+    # ------------------------------------------------------------------ execute
+
+    def execute(self, batch: Batch) -> np.ndarray:
+        """[num_samples] int64 when steps_per_call == 1, else [num_samples, K] int64."""
+        k = self.steps_per_call
+        if self._sock is None:
+            self._reconnect()
+        sock = self._sock
+        assert sock is not None
+        if self._peer_closed(sock):
+            raise self._lose("connection closed while idle")
+        handles = np.fromiter(
+            (self._handle_of(rid) for rid in batch.sample_request_ids),
+            dtype=np.int64,
+            count=len(batch.sample_indices),
+        )
+        adds = [(h, p, s) for h, (p, s) in self._pending_adds.items()]
+        removes = self._pending_removes
+        parts = wire.encode_execute(
+            k,
+            [
+                batch.input_ids,
+                batch.positions,
+                batch.slot_mapping,
+                batch.query_start_loc,
+                batch.seq_lens,
+                batch.num_computed_before,
+                batch.block_tables,
+                batch.sample_indices,
+                batch.sample_seq_indices,
+                batch.sample_max_steps,
+            ],
+            handles,
+            removes,
+            adds,
+        )
+        try:
+            sock.settimeout(self.timeout)
+            wire.write_frame(sock, Kind.EXECUTE, parts)
+            kind, body = wire.read_frame(sock, self.max_reply_body)
+        except TimeoutError:
+            raise self._lose(f"no answer within {self.timeout:g} s") from None
+        except WireError as exc:
+            raise self._lose(f"garbage reply: {exc}") from None
+        except OSError as exc:
+            raise self._lose(f"connection lost: {exc}") from None
+        if kind == Kind.ERROR:
+            # The worker may or may not have applied this frame's adds and removes; both
+            # are idempotent there, so they simply go out again with the next frame.
+            raise RemoteBackendError(
+                f"worker error: {bytes(body).decode('utf-8', 'replace')}"
+            )
+        if kind != Kind.RESULT:
+            raise self._lose(f"unexpected {kind.name} reply")
+        try:
+            tokens = wire.decode_result(body, len(handles), k, self.vocab_size)
+        except WireError as exc:
+            raise self._lose(f"garbage reply: {exc}") from None
+        for h, _, _ in adds:
+            self._sent.add(h)
+            self._pending_adds.pop(h, None)
+        self._pending_removes = []
+        return tokens[:, 0].copy() if k == 1 else tokens

@@ -1,0 +1,367 @@
+"""``python -m iron_batch.worker``: the model half of a split deployment.
+
+The server keeps the scheduler; this process keeps the model and its KV cache, whose block
+ids are the scheduler's. The server connects (persistent TCP, frames of
+:mod:`iron_batch.wire`), learns the KV geometry from the INFO reply and sizes its allocator
+to match, then sends one EXECUTE per scheduler step: the batch as raw arrays, plus the
+requests added and removed since the previous frame (so request bookkeeping costs no round
+trip of its own). The worker runs the batch, then up to ``sample_max_steps[r] - 1`` more
+decode steps per sampled row, and answers ``[num_samples, K]`` token ids.
+
+One client session at a time: a new authenticated connection takes over (the server
+reconnects after a timeout or a network error), and the worker forgets the old session's
+requests, because the server starts over with a fresh scheduler then. The KV tensor is not
+cleared: a fresh scheduler never reads a slot before writing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from iron_batch import wire
+from iron_batch.sampling_params import SamplingParams
+from iron_batch.wire import ExecuteRequest, Kind, WireError, WorkerLimits
+
+logger = logging.getLogger("iron_batch.worker")
+
+#: Seconds a new connection has to send its hello; a silent stranger must not hold a thread.
+HELLO_TIMEOUT_S = 10.0
+
+
+@dataclass
+class WireBatch:
+    """The attributes of ``_core.Batch`` that backends read, built from a received frame."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    num_computed_before: np.ndarray
+    block_tables: np.ndarray
+    sample_indices: np.ndarray
+    sample_request_ids: list[str]
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def run_steps(backend: Any, req: ExecuteRequest, block_size: int) -> np.ndarray:
+    """Run the received batch, then the lookahead decode steps; [num_samples, K] int64.
+
+    Step j >= 1 feeds row r's token from step j - 1 at position ``seq_lens[seq] + j - 1``,
+    into the slot the scheduler reserved for it in the sequence's block table. Every token
+    sampled here goes through the backend's sampler, surplus ones (after a stop the server
+    will find) included, so per-request sampling state sees them all; the request ends at
+    that stop anyway, so the extra counts are never used.
+    """
+    rids = [str(h) for h in req.sample_handles.tolist()]
+    first = backend.execute(
+        WireBatch(
+            input_ids=req.input_ids,
+            positions=req.positions,
+            slot_mapping=req.slot_mapping,
+            query_start_loc=req.query_start_loc,
+            seq_lens=req.seq_lens,
+            num_computed_before=req.num_computed_before,
+            block_tables=req.block_tables,
+            sample_indices=req.sample_indices,
+            sample_request_ids=rids,
+        )
+    )
+    n, k = len(rids), req.steps
+    out = np.zeros((n, k), dtype=np.int64)  # unused entries stay 0 (the server ignores them)
+    if n == 0:
+        return out
+    out[:, 0] = first
+    active = np.arange(n)
+    prev = np.asarray(first, dtype=np.int64)
+    seqs = req.sample_seq_indices
+    base = req.seq_lens[seqs].astype(np.int64)
+    for j in range(1, k):
+        keep = req.sample_max_steps[active] > j
+        active, prev = active[keep], prev[keep]
+        m = len(active)
+        if m == 0:
+            break
+        pos = base[active] + (j - 1)
+        tables = req.block_tables[seqs[active]]
+        slots = tables[np.arange(m), pos // block_size].astype(np.int64) * block_size + (
+            pos % block_size
+        )
+        prev = np.asarray(
+            backend.execute(
+                WireBatch(
+                    input_ids=prev,
+                    positions=pos,
+                    slot_mapping=slots,
+                    query_start_loc=np.arange(m + 1, dtype=np.int32),
+                    seq_lens=(pos + 1).astype(np.int32),
+                    num_computed_before=pos.astype(np.int32),
+                    block_tables=tables,
+                    sample_indices=np.arange(m, dtype=np.int64),
+                    sample_request_ids=[rids[i] for i in active.tolist()],
+                )
+            ),
+            dtype=np.int64,
+        )
+        out[active, j] = prev
+    return out
+
+
+class Worker:
+    """Serves one backend to one client session at a time (see the module docstring)."""
+
+    def __init__(
+        self,
+        backend: Any,
+        info: dict[str, Any],
+        *,
+        api_key: str | None = None,
+        delay_s: float = 0.0,
+        max_body: int = wire.MAX_BODY,
+    ) -> None:
+        self.backend = backend
+        self.info = info
+        self.limits = WorkerLimits(
+            num_kv_blocks=int(info["num_kv_blocks"]),
+            kv_block_size=int(info["kv_block_size"]),
+            vocab_size=int(info["vocab_size"]),
+            max_model_len=info["max_model_len"],
+        )
+        self.api_key = api_key
+        self.delay_s = delay_s
+        self.max_body = max_body
+        # Held while a batch runs and while a session starts: one batch at a time.
+        self._lock = threading.Lock()
+        self._session = 0
+        self._live: set[int] = set()
+
+    # ------------------------------------------------------------------ serving
+
+    def serve(self, listener: socket.socket) -> None:
+        while True:
+            conn, peer = listener.accept()
+            threading.Thread(
+                target=self._serve_connection, args=(conn, peer), daemon=True,
+                name=f"worker-conn-{peer}",
+            ).start()
+
+    def _reply(self, conn: socket.socket, kind: Kind, parts: list[bytes | memoryview]) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s)  # emulated network round trip (benchmarks)
+        wire.write_frame(conn, kind, parts)
+
+    def _error(self, conn: socket.socket, message: str) -> None:
+        self._reply(conn, Kind.ERROR, [message.encode("utf-8", "replace")])
+
+    def _serve_connection(self, conn: socket.socket, peer: Any) -> None:
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                session = self._handshake(conn)
+                if session is not None:
+                    self._session_loop(conn, session)
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                logger.info("connection from %s ended: %s", peer, exc)
+
+    def _handshake(self, conn: socket.socket) -> int | None:
+        conn.settimeout(HELLO_TIMEOUT_S)
+        try:
+            kind, body = wire.read_frame(conn, wire.MAX_HELLO_BODY)
+            if kind != Kind.HELLO:
+                raise WireError("the first frame must be HELLO")
+            hello = wire.parse_json(body)
+        except WireError as exc:
+            self._error(conn, f"bad hello: {exc}")
+            return None
+        if hello.get("protocol") != wire.PROTOCOL:
+            self._error(conn, f"protocol {hello.get('protocol')!r} unsupported "
+                              f"(worker speaks {wire.PROTOCOL})")
+            return None
+        if self.api_key is not None:
+            key = hello.get("api_key")
+            if not isinstance(key, str) or not hmac.compare_digest(
+                key.encode(), self.api_key.encode()
+            ):
+                self._error(conn, "invalid api key")
+                return None
+        conn.settimeout(None)
+        with self._lock:
+            self._session += 1
+            session = self._session
+            # The new client has a fresh scheduler: the old session's requests are gone.
+            for handle in self._live:
+                self.backend.remove_request(str(handle))
+            self._live.clear()
+        self._reply(conn, Kind.INFO, [json.dumps(self.info).encode()])
+        return session
+
+    def _session_loop(self, conn: socket.socket, session: int) -> None:
+        while True:
+            try:
+                kind, body = wire.read_frame(conn, self.max_body)
+            except WireError as exc:
+                # The header is bad, so frame boundaries are lost: answer, then hang up.
+                self._error(conn, f"malformed frame: {exc}")
+                return
+            if kind != Kind.EXECUTE:
+                self._error(conn, f"unexpected frame kind {kind.name}")
+                continue
+            try:
+                req = wire.decode_execute(body, self.limits)
+                params = [SamplingParams(**s) for _, _, s in req.adds]
+                for p in params:
+                    p.validate()
+            except (WireError, ValueError, TypeError) as exc:
+                self._error(conn, f"malformed EXECUTE: {exc}")
+                continue
+            with self._lock:
+                if self._session != session:
+                    return  # another connection took over; this client is gone
+                try:
+                    tokens = self._run(req, params)
+                except Exception as exc:  # a model error fails one batch, not the worker
+                    logger.exception("execute failed")
+                    self._error(conn, f"execute failed: {type(exc).__name__}: {exc}")
+                    continue
+            self._reply(conn, Kind.RESULT, wire.encode_result(tokens))
+
+    def _run(self, req: ExecuteRequest, params: list[SamplingParams]) -> np.ndarray:
+        backend = self.backend
+        for handle in req.remove_handles.tolist():
+            backend.remove_request(str(handle))
+            self._live.discard(handle)
+        for (handle, prompt, _), p in zip(req.adds, params, strict=True):
+            backend.add_request(str(handle), prompt, p)
+            self._live.add(handle)
+        return run_steps(backend, req, self.limits.kv_block_size)
+
+
+# ---------------------------------------------------------------------------- backends
+
+
+def tokenizer_info(tokenizer: Any) -> dict[str, Any] | None:
+    """What the server needs to rebuild the tokenizer: tokenizers' own JSON, no code."""
+    if tokenizer is None:
+        return None
+    return {
+        "json": tokenizer._tok.to_str(),
+        "chat_template": tokenizer.chat_template,
+        "eos_token_ids": list(tokenizer.eos_token_ids),
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "add_bos": bool(tokenizer._add_bos),
+    }
+
+
+def build_backend(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The backend and the INFO the server sizes its scheduler from."""
+    if args.backend == "mock":
+        from iron_batch.backends.mock import MockBackend
+
+        mock = MockBackend(
+            token_latency_us=args.mock_token_latency_us,
+            prefill_token_latency_us=args.mock_prefill_token_latency_us,
+        )
+        return mock, {
+            "model_name": "mock",
+            "num_kv_blocks": args.total_kv_blocks or 4096,
+            "kv_block_size": args.kv_block_size,
+            "max_model_len": None,
+            "eos_token_ids": [],
+            "vocab_size": mock.vocab_size,
+            "tokenizer": None,
+        }
+    if not args.model:
+        raise SystemExit("--backend torch needs --model PATH")
+    from iron_batch.backends.torch_backend import TorchBackend
+
+    be = TorchBackend.from_model(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        total_kv_blocks=args.total_kv_blocks,
+        kv_block_size=args.kv_block_size,
+    )
+    return be, {
+        "model_name": be.model_name,
+        "num_kv_blocks": be.num_kv_blocks,
+        "kv_block_size": be.kv_block_size,
+        "max_model_len": be.max_model_len,
+        "eos_token_ids": list(be.eos_token_ids),
+        "vocab_size": be.model.config.vocab_size,
+        "tokenizer": tokenizer_info(be.tokenizer),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from iron_batch.server.cli import parse_addr
+
+    p = argparse.ArgumentParser(
+        prog="python -m iron_batch.worker",
+        description="Serve a model (and its KV cache) to an iron-batch server over TCP.",
+    )
+    p.add_argument("--addr", type=parse_addr, default="127.0.0.1:9090",
+                   help="HOST:PORT to listen on; port 0 picks a free one (default "
+                   "127.0.0.1:9090). The chosen address is printed on stdout.")
+    p.add_argument("--backend", choices=("torch", "mock"), default="torch",
+                   help="torch (a local checkpoint, --model) or mock (no weights, for tests)")
+    p.add_argument("--model", default=None, help="torch: checkpoint folder, .gguf or short name")
+    p.add_argument("--device", default="auto", help="torch: cpu, cuda, cuda:1 (default auto)")
+    p.add_argument("--dtype", default="auto", help="torch: float32, bfloat16, float16 (auto)")
+    p.add_argument("--total-kv-blocks", type=int, default=None,
+                   help="KV blocks (default: sized from memory; 4096 for mock)")
+    p.add_argument("--kv-block-size", type=int, default=16, help="token slots per block (16)")
+    p.add_argument("--api-key", default=os.environ.get("IRON_BATCH_WORKER_API_KEY"),
+                   help="clients must send this key in their first frame "
+                   "(default $IRON_BATCH_WORKER_API_KEY; none: open)")
+    p.add_argument("--delay-ms", type=float, default=0.0,
+                   help="added round-trip delay per reply, to emulate a network (benchmarks)")
+    p.add_argument("--mock-token-latency-us", type=float, default=200.0,
+                   help="mock: duration of one decode step (default 200)")
+    p.add_argument("--mock-prefill-token-latency-us", type=float, default=1.0,
+                   help="mock: extra time per prompt token (default 1)")
+    p.add_argument("--log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    if args.delay_ms < 0:
+        raise SystemExit("--delay-ms must be >= 0")
+    backend, info = build_backend(args)
+    host, port = args.addr
+    listener = socket.create_server((host, port), reuse_port=False, backlog=16)
+    bound = listener.getsockname()
+    # Tests and scripts wait for this line (and read the port when --addr ends in :0).
+    print(f"iron_batch.worker listening on {bound[0]}:{bound[1]}", flush=True)
+    worker = Worker(backend, info, api_key=args.api_key, delay_s=args.delay_ms / 1e3)
+    try:
+        worker.serve(listener)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        listener.close()
+
+
+if __name__ == "__main__":
+    main()
