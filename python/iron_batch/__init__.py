@@ -1,4 +1,9 @@
-"""iron-batch: a continuous-batching LLM serving engine with a Rust core."""
+"""iron-batch: a Rust continuous-batching scheduler with Python backends and a server.
+
+Importing this package never imports torch: the torch backend loads on first use.
+"""
+
+from __future__ import annotations
 
 from iron_batch._core import (
     AllocatorError,
@@ -14,6 +19,8 @@ from iron_batch._core import (
     UnknownRequest,
 )
 from iron_batch._core import __version__ as __version__
+from iron_batch.engine import Engine, TokenEvent
+from iron_batch.llm import LLM, RequestOutput
 from iron_batch.sampling_params import SamplingParams
 
 __all__ = [
@@ -22,11 +29,15 @@ __all__ = [
     "BatchMismatch",
     "BlockAllocator",
     "DuplicateRequest",
+    "Engine",
     "IronBatchError",
+    "LLM",
     "OutOfBlocks",
+    "RequestOutput",
     "RequestRejected",
     "SamplingParams",
     "Scheduler",
     "SchedulerConfig",
+    "TokenEvent",
     "UnknownRequest",
 ]

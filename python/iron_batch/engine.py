@@ -1,0 +1,593 @@
+"""The engine: one thread that turns requests into tokens by stepping the Rust scheduler.
+
+One step: drain pending adds/aborts -> ``scheduler.schedule()`` -> ``backend.execute(batch)``
+-> ``scheduler.commit(batch, sampled)`` -> hand the step's token events to each asyncio loop
+in a single ``call_soon_threadsafe``. Only the engine thread touches the scheduler and the
+backend, so neither needs locks; the rest of the world talks to it through the inbox.
+
+Two ways to drive it:
+- ``start()`` runs the step loop on a background thread; ``submit()`` (called on an asyncio
+  loop) returns a :class:`RequestStream` of events. The thread sleeps on a condition when
+  there is nothing to do, so an idle engine costs no CPU.
+- Without ``start()``, ``add_request()`` + ``step()`` run everything on the caller's thread
+  (the offline :class:`iron_batch.llm.LLM` does this).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from iron_batch._core import IronBatchError, Scheduler, SchedulerConfig
+from iron_batch.sampling_params import SamplingParams
+from iron_batch.stats import EngineStats
+
+if TYPE_CHECKING:
+    from iron_batch.backends.base import Backend
+
+logger = logging.getLogger(__name__)
+
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+class TokenEvent:
+    """One thing that happened to a request in one step.
+
+    ``token_id`` is None for an event without a token: a request that ends without
+    producing one (``max_new_tokens == 0``, abort, error) or was rejected at admission
+    (``finish_reason == "rejected"``, ``error``/``error_type`` say why).
+
+    ``logprobs`` is ``(chosen token logprob, [(token id, logprob)] top alternatives)`` for
+    requests whose ``params.logprobs`` is set (and a backend that computes them).
+    ``num_cached_tokens`` is set on the finishing event: prompt tokens the prefix cache
+    served at the request's first admission (the scheduler forgets it once the request ends).
+    """
+
+    __slots__ = (
+        "request_id",
+        "index",
+        "token_id",
+        "text",
+        "finished",
+        "finish_reason",
+        "error",
+        "error_type",
+        "logprobs",
+        "num_cached_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        token_id: int | None,
+        text: str | None,
+        finished: bool,
+        finish_reason: str | None,
+        error: str | None = None,
+        error_type: str | None = None,
+        logprobs: tuple[float, list[tuple[int, float]]] | None = None,
+        num_cached_tokens: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.index = index
+        self.token_id = token_id
+        self.text = text
+        self.finished = finished
+        self.finish_reason = finish_reason
+        self.error = error
+        self.error_type = error_type
+        self.logprobs = logprobs
+        self.num_cached_tokens = num_cached_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenEvent({self.request_id!r}, index={self.index}, token_id={self.token_id}, "
+            f"text={self.text!r}, finished={self.finished}, reason={self.finish_reason!r}"
+            + (f", error={self.error!r}" if self.error else "")
+            + ")"
+        )
+
+
+class _Request:
+    """Engine-thread state of one live request."""
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "params",
+        "sink",
+        "detok",
+        "arrival",
+        "last_time",
+        "num_tokens",
+        "num_cached",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        sink: RequestStream | None,
+        arrival: float,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.sink = sink
+        self.detok: Any = None
+        self.arrival = arrival
+        self.last_time: float | None = None
+        self.num_tokens = 0
+        # Prefix-cache hits at first admission; None until the scheduler has admitted it.
+        self.num_cached: int | None = None
+
+
+class RequestStream:
+    """Asyncio side of one request: a buffer the engine fills once per step.
+
+    Lives on the loop that called :meth:`Engine.submit`; every method must be called there.
+    ``get()`` returns every event that arrived since the last call, so a slow consumer
+    catches up in one write instead of one wakeup per token.
+    """
+
+    __slots__ = ("request_id", "done", "_engine", "_req", "_loop", "_buf", "_waiter", "_closed")
+
+    def __init__(self, engine: Engine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.done = False
+        self._engine = engine
+        self._req: _Request | None = None
+        self._loop = loop
+        self._buf: list[TokenEvent] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._closed = False
+
+    def _push(self, event: TokenEvent) -> None:
+        if self._closed:
+            return
+        self._buf.append(event)
+        if event.finished:
+            self.done = True
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def get(self) -> list[TokenEvent]:
+        """Wait for and return the pending events; [] once the stream was aborted."""
+        while not self._buf:
+            if self._closed:
+                return []
+            waiter = self._loop.create_future()
+            self._waiter = waiter
+            await waiter
+        events = self._buf
+        self._buf = []
+        return events
+
+    def abort(self) -> None:
+        """Stop the request (client went away): the engine frees its blocks next step."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.done and self._req is not None:
+            self._engine._enqueue(("abort", self._req))
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> list[TokenEvent]:
+        if self.done and not self._buf:
+            raise StopAsyncIteration
+        events = await self.get()
+        if not events:
+            raise StopAsyncIteration
+        return events
+
+
+def _deliver(items: list[tuple[RequestStream, TokenEvent]]) -> None:
+    # Runs on the asyncio loop: the one hop per engine step.
+    for stream, event in items:
+        stream._push(event)
+
+
+class Engine:
+    """Continuous batching over one backend; see the module docstring."""
+
+    def __init__(self, backend: Backend, config: SchedulerConfig | None = None) -> None:
+        self.backend = backend
+        self.config = config if config is not None else SchedulerConfig()
+        self.scheduler = Scheduler(self.config)
+        self.stats = EngineStats()
+        self.stats.scheduler = self.scheduler.stats()
+        self._requests: dict[str, _Request] = {}
+        self._cond = threading.Condition(threading.Lock())
+        self._inbox: list[tuple[str, Any]] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._tokenizer = getattr(backend, "tokenizer", None)
+        self._eos = list(getattr(backend, "eos_token_ids", None) or [])
+        # Liveness for /health: the loop stamps ``heartbeat`` every iteration and sets
+        # ``idle`` while it sleeps with nothing to do (then an old stamp is not a stall).
+        self.heartbeat = time.monotonic()
+        self.idle = True
+        # Live requests whose prefix-cache hit count is not captured yet (see _sample_extras).
+        self._uncounted: set[str] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._thread = threading.Thread(target=self._run, name="iron-batch-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the thread; live requests end with finish_reason "abort"."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ requests in
+
+    def _enqueue(self, item: tuple[str, Any]) -> None:
+        with self._cond:
+            self._inbox.append(item)
+            self._cond.notify()
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> RequestStream:
+        """Queue a request from an asyncio loop; events arrive on the returned stream.
+
+        Admission errors (request can never fit, duplicate id) arrive as a first event with
+        ``finish_reason == "rejected"``.
+        """
+        if self._stopping:
+            raise RuntimeError("engine is shut down")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, request_id, loop)
+        req = _Request(request_id, prompt_token_ids, params, stream, time.perf_counter())
+        stream._req = req
+        self._enqueue(("add", req))
+        return stream
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        """Queue a request for the synchronous API: its events come out of :meth:`step`."""
+        req = _Request(request_id, list(prompt_token_ids), params, None, time.perf_counter())
+        self._enqueue(("add", req))
+
+    def abort(self, request_id: str) -> None:
+        self._enqueue(("abort_id", request_id))
+
+    def has_unfinished(self) -> bool:
+        """Synchronous API: anything queued or live?"""
+        return bool(self._requests) or bool(self._inbox)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[TokenEvent]:
+        """Run one step on the caller's thread (only when the thread is not started)."""
+        if self._thread is not None:
+            raise RuntimeError("step() drives the engine synchronously; this one has a thread")
+        return [event for _, event in self._step()]
+
+    def _run(self) -> None:
+        empty_steps = 0
+        busy = False
+        while True:
+            with self._cond:
+                while not self._inbox and not busy and not self._stopping:
+                    self.idle = True
+                    self._cond.wait()
+                self.idle = False
+                self.heartbeat = time.monotonic()
+                if self._stopping:
+                    break
+                if empty_steps > 2:
+                    # has_work() but nothing schedulable and nothing to report: should not
+                    # last, but never spin a core on it.
+                    self._cond.wait(0.001)
+            try:
+                items = self._step()
+            except Exception as exc:  # a scheduler bug must not kill the server
+                logger.exception("engine step failed")
+                items = self._fail_all(f"engine error: {exc}")
+            empty_steps = 0 if items or not busy else empty_steps + 1
+            if items:
+                self._publish(items)
+            busy = self.scheduler.has_work()
+        self._publish(self._close())
+
+    def _close(self) -> list[tuple[_Request, TokenEvent]]:
+        out: list[tuple[_Request, TokenEvent]] = []
+        with self._cond:
+            pending, self._inbox = self._inbox, []
+        for kind, obj in pending:
+            if kind == "add":
+                out.append((obj, TokenEvent(obj.request_id, 0, None, None, True, "abort")))
+        for req in list(self._requests.values()):
+            try:
+                self.scheduler.abort(req.request_id)
+            except IronBatchError:
+                logger.exception("abort at shutdown failed")
+            self._retire(req)
+            out.append(
+                (req, TokenEvent(req.request_id, req.num_tokens, None, None, True, "abort"))
+            )
+        self.stats.scheduler = self.scheduler.stats()
+        return out
+
+    def _publish(self, items: list[tuple[_Request, TokenEvent]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, TokenEvent]]] = {}
+        for req, event in items:
+            sink = req.sink
+            if sink is None:
+                continue
+            batch = by_loop.get(sink._loop)
+            if batch is None:
+                batch = by_loop[sink._loop] = []
+            batch.append((sink, event))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:
+                pass  # the loop is closed: nobody is listening any more
+
+    def _step(self) -> list[tuple[_Request, TokenEvent]]:
+        out: list[tuple[_Request, TokenEvent]] = []
+        self._drain(out)
+        scheduler = self.scheduler
+        if scheduler.has_work():
+            # A backend that runs several decode steps per call (remote) needs their KV
+            # slots reserved now: lookahead = steps_per_call - 1.
+            batch = scheduler.schedule(lookahead=getattr(self.backend, "steps_per_call", 1) - 1)
+            # Readers see admissions (blocks taken) while the backend runs, not a step late.
+            self.stats.scheduler = scheduler.stats()
+            if batch.num_seqs:
+                try:
+                    sampled = self.backend.execute(batch)
+                except Exception as exc:
+                    logger.exception("backend.execute failed")
+                    self._fail_requests(set(batch.request_ids), f"backend error: {exc}", out)
+                    if getattr(exc, "invalidates_kv", False):
+                        # The backend lost its KV (remote worker gone): every live request
+                        # and every prefix-cache entry points at KV that no longer exists.
+                        self._fail_requests(set(self._requests), f"backend error: {exc}", out)
+                        self.scheduler = Scheduler(self.config)
+                    self.stats.scheduler = self.scheduler.stats()
+                    return out
+            else:
+                sampled = _EMPTY
+            extras = self._sample_extras(batch, sampled) if batch.num_samples else None
+            raw = scheduler.commit(batch, sampled)
+            if raw:
+                self._on_commit(raw, out, extras)
+        self.stats.scheduler = scheduler.stats()
+        return out
+
+    def _sample_extras(
+        self, batch: Any, sampled: np.ndarray
+    ) -> dict[str, tuple[float, list[tuple[int, float]]]] | None:
+        """Per-request data that must be read before ``commit`` ends requests.
+
+        Captures the prefix-cache hit count of requests sampling for the first time (the
+        scheduler only answers for live requests), and maps the backend's per-sample-row
+        logprobs to request ids for those that asked. Only for one token per row: with
+        lookahead the backend's rows no longer match tokens one to one.
+        """
+        rids: list[str] = batch.sample_request_ids
+        requests = self._requests
+        uncounted = self._uncounted
+        if uncounted:
+            for rid in rids:
+                if rid in uncounted:
+                    uncounted.discard(rid)
+                    req = requests.get(rid)
+                    if req is not None:
+                        req.num_cached = self.scheduler.num_cached_prompt_tokens(rid)
+        get_logprobs = getattr(self.backend, "last_logprobs", None)
+        if get_logprobs is None or getattr(sampled, "ndim", 1) != 1:
+            return None
+        rows = get_logprobs()
+        if rows is None or len(rows) != len(rids):
+            return None
+        wanted: dict[str, tuple[float, list[tuple[int, float]]]] = {}
+        for rid, row in zip(rids, rows, strict=True):
+            req = requests.get(rid)
+            if req is not None and req.params.logprobs is not None:
+                wanted[rid] = row
+        return wanted
+
+    def _on_commit(
+        self,
+        raw: list[tuple[str, int | None, bool, str | None]],
+        out: list[tuple[_Request, TokenEvent]],
+        extras: dict[str, tuple[float, list[tuple[int, float]]]] | None = None,
+    ) -> None:
+        now = time.perf_counter()
+        stats = self.stats
+        ttft = stats.ttft
+        itl = stats.itl
+        requests = self._requests
+        tokens = 0
+        # Requests that also got a token last step share the same gap: count gaps per
+        # previous timestamp and observe each distinct one once (one log() per step).
+        gaps: dict[float, int] = {}
+        for request_id, token_id, finished, reason in raw:
+            req = requests.get(request_id)
+            if req is None:
+                # Already retired earlier in this list: a stop string matched on one of the
+                # request's several lookahead tokens; the rest are discarded.
+                continue
+            text: str | None = None
+            index = req.num_tokens
+            if token_id is not None:
+                req.num_tokens = index + 1
+                tokens += 1
+                last = req.last_time
+                if last is None:
+                    ttft.observe(now - req.arrival)
+                else:
+                    gaps[last] = gaps.get(last, 0) + 1
+                req.last_time = now
+                detok = req.detok
+                if detok is not None:
+                    text, stop_matched = detok.add(token_id)
+                    if stop_matched:
+                        if not finished:
+                            # The scheduler only knows token ids; a stop string is ours to
+                            # enforce, from this thread, before the next schedule().
+                            self.scheduler.finish(request_id, "stop")
+                            finished = True
+                        reason = "stop"
+                    elif finished:
+                        text += detok.flush()
+            event = TokenEvent(request_id, index, token_id, text, finished, reason)
+            if extras and token_id is not None:
+                event.logprobs = extras.get(request_id)
+            if finished:
+                stats.requests_completed += 1
+                event.num_cached_tokens = req.num_cached or 0
+                self._retire(req)
+            out.append((req, event))
+        for last, n in gaps.items():
+            itl.observe_many(now - last, n)
+        stats.tokens_generated += tokens
+
+    def _drain(self, out: list[tuple[_Request, TokenEvent]]) -> None:
+        with self._cond:
+            if not self._inbox:
+                return
+            items, self._inbox = self._inbox, []
+        for kind, obj in items:
+            if kind == "add":
+                self._admit(obj, out)
+            elif kind == "abort":
+                target: _Request = obj
+                # Only if still live and the same request (not a later one reusing the id).
+                if self._requests.get(target.request_id) is target:
+                    self._abort(target, out)
+            else:  # abort_id
+                live = self._requests.get(obj)
+                if live is not None:
+                    self._abort(live, out)
+
+    def _admit(self, req: _Request, out: list[tuple[_Request, TokenEvent]]) -> None:
+        request_id = req.request_id
+        params = req.params
+        if request_id in self._requests:
+            self._reject(req, f"request id {request_id!r} is already live", "DuplicateRequest", out)
+            return
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.extend(self._eos)
+        try:
+            self.backend.add_request(request_id, req.prompt_token_ids, params)
+        except (ValueError, TypeError) as exc:
+            self._reject(req, str(exc), "ValueError", out)
+            return
+        try:
+            self.scheduler.add_request(
+                request_id, req.prompt_token_ids, params.max_new_tokens, stop_ids
+            )
+        except (IronBatchError, ValueError, TypeError, OverflowError) as exc:
+            self.backend.remove_request(request_id)
+            self._reject(req, str(exc), type(exc).__name__, out)
+            return
+        self._requests[request_id] = req
+        self._uncounted.add(request_id)
+        if self._tokenizer is not None:
+            from iron_batch.tokenizer import IncrementalDetokenizer
+
+            req.detok = IncrementalDetokenizer(
+                self._tokenizer, req.prompt_token_ids, params.stop, params.skip_special_tokens
+            )
+
+    def _reject(
+        self,
+        req: _Request,
+        message: str,
+        error_type: str,
+        out: list[tuple[_Request, TokenEvent]],
+    ) -> None:
+        out.append(
+            (
+                req,
+                TokenEvent(req.request_id, 0, None, None, True, "rejected", message, error_type),
+            )
+        )
+
+    def _abort(self, req: _Request, out: list[tuple[_Request, TokenEvent]]) -> None:
+        self.scheduler.abort(req.request_id)
+        self.stats.requests_aborted += 1
+        self._retire(req)
+        out.append(
+            (
+                req,
+                TokenEvent(
+                    req.request_id, req.num_tokens, None, None, True, "abort",
+                    num_cached_tokens=req.num_cached or 0,
+                ),
+            )
+        )
+
+    def _retire(self, req: _Request) -> None:
+        self._requests.pop(req.request_id, None)
+        self._uncounted.discard(req.request_id)
+        try:
+            self.backend.remove_request(req.request_id)
+        except Exception:
+            logger.exception("backend.remove_request failed")
+
+    def _fail_requests(
+        self, request_ids: set[str], message: str, out: list[tuple[_Request, TokenEvent]]
+    ) -> None:
+        for request_id in request_ids:
+            req = self._requests.get(request_id)
+            try:
+                self.scheduler.abort(request_id)
+            except IronBatchError:
+                logger.exception("abort after failure failed")
+            if req is None:
+                continue
+            self.stats.requests_failed += 1
+            self._retire(req)
+            out.append(
+                (
+                    req,
+                    TokenEvent(request_id, req.num_tokens, None, None, True, "error", message),
+                )
+            )
+
+    def _fail_all(self, message: str) -> list[tuple[_Request, TokenEvent]]:
+        out: list[tuple[_Request, TokenEvent]] = []
+        try:
+            self._fail_requests(set(self._requests), message, out)
+            self.stats.scheduler = self.scheduler.stats()
+        except Exception:
+            logger.exception("failing requests failed")
+        return out

@@ -1,0 +1,153 @@
+"""Offline batch generation: ``LLM(model=...).generate(prompts, SamplingParams(...))``.
+
+Drives the same :class:`Engine` as the server, synchronously on the caller's thread (no
+background thread, no asyncio): add every request, step until all have finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from iron_batch._core import SchedulerConfig
+from iron_batch.engine import Engine
+from iron_batch.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from iron_batch.backends.base import Backend
+
+_SCHEDULER_KEYS = ("max_batch_tokens", "max_running_seqs", "enable_prefix_caching")
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+class LLM:
+    """Generate for a list of prompts with continuous batching.
+
+    ``model`` is a checkpoint directory for the torch backend (``device``, ``dtype`` and
+    ``total_kv_blocks`` go to it); or pass any ``backend`` (e.g. ``MockBackend()``).
+    Scheduler options (``total_kv_blocks``, ``kv_block_size``, ``max_batch_tokens``,
+    ``max_running_seqs``, ``enable_prefix_caching``) are keyword arguments.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        backend: Backend | None = None,
+        *,
+        total_kv_blocks: int | None = None,
+        kv_block_size: int = 16,
+        device: str | None = None,
+        dtype: str | None = None,
+        **scheduler_kwargs: Any,
+    ) -> None:
+        unknown = set(scheduler_kwargs) - set(_SCHEDULER_KEYS)
+        if unknown:
+            raise TypeError(f"unknown LLM argument(s): {', '.join(sorted(unknown))}")
+        if backend is None:
+            if model is None:
+                raise ValueError("pass model= (a checkpoint directory) or backend=")
+            # Lazy: importing iron_batch must not import torch.
+            from iron_batch.backends.torch_backend import TorchBackend
+
+            backend = TorchBackend.from_model(
+                model,
+                device=device or "auto",
+                dtype=dtype or "auto",
+                total_kv_blocks=total_kv_blocks,
+                kv_block_size=kv_block_size,
+            )
+        elif model is not None:
+            raise ValueError("pass model= or backend=, not both")
+        # A backend that owns KV storage decides the pool; otherwise the arguments do.
+        num_blocks = getattr(backend, "num_kv_blocks", None) or total_kv_blocks or 4096
+        block_size = getattr(backend, "kv_block_size", None) or kv_block_size
+        config = SchedulerConfig(
+            total_kv_blocks=int(num_blocks),
+            kv_block_size=int(block_size),
+            max_model_len=backend.max_model_len,
+            **scheduler_kwargs,
+        )
+        self.backend = backend
+        self.engine = Engine(backend, config)
+        self._next_id = 0
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.backend.tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``. A request the scheduler rejects (it can
+        never fit) raises ValueError before anything runs."""
+        items: list[str | Sequence[int]] = (
+            [prompts] if isinstance(prompts, str) else list(prompts)
+        )
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(items)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(items):
+                raise ValueError("need one SamplingParams per prompt, or a single one")
+        for params in params_list:
+            params.validate()
+
+        outputs: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for prompt, params in zip(items, params_list, strict=True):
+            ids = self._encode(prompt)
+            request_id = f"llm-{self._next_id}"
+            self._next_id += 1
+            outputs[request_id] = RequestOutput(request_id, ids)
+            order.append(request_id)
+            self.engine.add_request(request_id, ids, params)
+
+        engine = self.engine
+        try:
+            while engine.has_unfinished():
+                for event in engine.step():
+                    out = outputs.get(event.request_id)
+                    if out is None:
+                        continue
+                    if event.finish_reason == "rejected":
+                        raise ValueError(f"request {order.index(event.request_id)}: {event.error}")
+                    if event.token_id is not None:
+                        out.token_ids.append(event.token_id)
+                    if event.text:
+                        out.text += event.text
+                    if event.finished:
+                        out.finish_reason = event.finish_reason
+        except BaseException:
+            # Leave the engine clean for the next call (KeyboardInterrupt included).
+            for request_id in order:
+                engine.abort(request_id)
+            while engine.has_unfinished():
+                engine.step()
+            raise
+        return [outputs[r] for r in order]
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            tokenizer = self.backend.tokenizer
+            if tokenizer is None:
+                raise ValueError("text prompts need a backend with a tokenizer")
+            return list(tokenizer.encode(prompt))
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt")
+        return ids

@@ -1,0 +1,19 @@
+"""HTTP server: ``python -m iron_batch.server`` (see :mod:`iron_batch.server.cli`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+    from iron_batch.engine import Engine
+
+__all__ = ["create_app"]
+
+
+def create_app(engine: Engine, *, api_key: str | None = None) -> Starlette:
+    # Imported on call so that `import iron_batch.server` stays cheap.
+    from iron_batch.server.app import create_app as _create_app
+
+    return _create_app(engine, api_key=api_key)

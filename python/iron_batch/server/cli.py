@@ -1,0 +1,209 @@
+"""Command line of ``python -m iron_batch.server``: flags, backend construction, uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import sys
+from typing import Any
+
+DEFAULT_TOTAL_KV_BLOCKS = 4096
+
+_DESCRIPTION = """\
+iron-batch server: continuous batching over a paged KV cache, streaming NDJSON.
+
+Endpoints:
+  POST /generate  {"prompt_tokens": 128, "max_new_tokens": 64} (or "prompt_token_ids": [...],
+                  or "prompt": "text" with a tokenizer) streams one JSON line per token.
+  GET  /metrics   JSON; Prometheus text when the Accept header asks for text/plain or
+                  application/openmetrics-text.
+  GET  /health
+"""
+
+_MOCK_HELP = """\
+mock backend latency model: a memory-bound accelerator reads all weights once per decode
+step, so one step costs --mock-token-latency-us whatever the batch size, and every running
+sequence gets its next token after that long (batching raises tok/s with concurrency).
+Prompt tokens add --mock-prefill-token-latency-us each to the step that processes them.
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def parse_addr(text: str) -> tuple[str, int]:
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be an integer, got {port_text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return host.strip("[]"), port
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m iron_batch.server",
+        description=_DESCRIPTION,
+        epilog=_MOCK_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--addr", type=parse_addr, default="0.0.0.0:8080",
+                   help="HOST:PORT to listen on (default 0.0.0.0:8080)")
+    p.add_argument("--total-kv-blocks", type=_positive_int, default=None,
+                   help=f"KV cache blocks in the pool (default {DEFAULT_TOTAL_KV_BLOCKS} for "
+                   "mock; torch sizes the pool from free device memory unless given)")
+    p.add_argument("--kv-block-size", type=_positive_int, default=16,
+                   help="token slots per KV block (default 16)")
+    p.add_argument("--max-batch-tokens", type=_positive_int, default=8192,
+                   help="token budget of one step, prefill chunks included (default 8192)")
+    p.add_argument("--max-running-seqs", type=_positive_int, default=256,
+                   help="sequences in one step at most (default 256)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="disable reuse of cached KV blocks across requests")
+    p.add_argument("--mock-token-latency-us", type=_non_negative_float, default=200.0,
+                   help="mock: time of one decode step in microseconds, whatever the batch "
+                   "size (default 200)")
+    p.add_argument("--mock-prefill-token-latency-us", type=_non_negative_float, default=1.0,
+                   help="mock: extra time per prompt token in microseconds (default 1)")
+    p.add_argument("--backend", choices=("mock", "torch", "real"), default="mock",
+                   help="mock (no weights), torch (local HF checkpoint, --model), or real "
+                   "(remote worker at --backend-url; not implemented yet) (default mock)")
+    p.add_argument("--backend-url", default="",
+                   help="URL of the remote worker for --backend real")
+    p.add_argument("--model", default=None,
+                   help="torch: path of a Hugging Face-format checkpoint directory")
+    p.add_argument("--device", default=None,
+                   help="torch: device, e.g. cpu or cuda:0 (default auto: cuda if present, "
+                   "else cpu)")
+    p.add_argument("--dtype", default=None,
+                   help="torch: float32, bfloat16 or float16 (default auto: bf16/fp16 on CUDA, "
+                   "float32 on CPU)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /generate and /metrics")
+    p.add_argument("--switch-interval-us", type=_non_negative_float, default=200.0,
+                   help="Python GIL switch interval in microseconds (default 200; Python's "
+                   "own is 5000, which lets a busy HTTP loop delay each engine step by "
+                   "up to 5 ms)")
+    p.add_argument("--log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug"),
+                   help="log level (default warning; access logs are off for speed)")
+    return p
+
+
+def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    """Backend and engine from parsed flags; bad combinations exit through ``parser.error``."""
+    from iron_batch._core import SchedulerConfig
+    from iron_batch.engine import Engine
+
+    backend: Any
+    if args.backend == "real":
+        if not args.backend_url:
+            parser.error("--backend real requires --backend-url")
+        parser.error("--backend real is not implemented yet (use mock or torch)")
+    if args.backend == "torch":
+        if not args.model:
+            parser.error("--backend torch requires --model PATH")
+        # Imported lazily: the mock server must not need (or pay for) torch.
+        from iron_batch.backends.torch_backend import TorchBackend
+
+        try:
+            backend = TorchBackend.from_model(
+                args.model,
+                device=args.device or "auto",
+                dtype=args.dtype or "auto",
+                total_kv_blocks=args.total_kv_blocks,
+                kv_block_size=args.kv_block_size,
+            )
+        except (OSError, ValueError) as exc:
+            parser.error(f"cannot load --model {args.model!r}: {exc}")
+        total_kv_blocks = int(backend.num_kv_blocks)
+        kv_block_size = int(backend.kv_block_size)
+        max_model_len = backend.max_model_len
+    else:
+        for flag in ("model", "device", "dtype"):
+            if getattr(args, flag):
+                parser.error(f"--{flag} only applies to --backend torch")
+        from iron_batch.backends.mock import MockBackend
+
+        backend = MockBackend(
+            token_latency_us=args.mock_token_latency_us,
+            prefill_token_latency_us=args.mock_prefill_token_latency_us,
+        )
+        total_kv_blocks = args.total_kv_blocks or DEFAULT_TOTAL_KV_BLOCKS
+        kv_block_size = args.kv_block_size
+        max_model_len = None
+    try:
+        config = SchedulerConfig(
+            total_kv_blocks=total_kv_blocks,
+            kv_block_size=kv_block_size,
+            max_batch_tokens=args.max_batch_tokens,
+            max_running_seqs=args.max_running_seqs,
+            enable_prefix_caching=not args.no_prefix_caching,
+            max_model_len=max_model_len,
+        )
+        return Engine(backend, config)
+    except (ValueError, OverflowError) as exc:
+        parser.error(f"invalid scheduler configuration: {exc}")
+
+
+def uvicorn_options() -> dict[str, str]:
+    """The fastest loop and HTTP parser installed (uvloop/httptools are C; the fallbacks
+    are pure Python and cost throughput, not correctness)."""
+    return {
+        "loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        "http": "httptools" if importlib.util.find_spec("httptools") else "h11",
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # string defaults go through type= too (parse_addr)
+    logging.basicConfig(level=args.log_level.upper())
+    if args.switch_interval_us > 0:
+        # The engine thread wakes from the backend (sleep, GPU wait) needing the GIL for
+        # commit + publish; with the default 5 ms interval the asyncio thread, busy writing
+        # the previous step's tokens, keeps it that long and the engine stalls.
+        sys.setswitchinterval(args.switch_interval_us / 1e6)
+    engine = build_engine(args, parser)
+
+    import uvicorn
+
+    from iron_batch.server.app import create_app
+
+    host, port = args.addr
+    app = create_app(engine, api_key=args.api_key)
+    try:
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level=args.log_level,
+            access_log=False,
+            lifespan="on",
+            **uvicorn_options(),  # type: ignore[arg-type]
+        )
+    except OSError as exc:
+        print(f"error: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        sys.exit(1)

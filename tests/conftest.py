@@ -1,0 +1,162 @@
+"""Shared fixtures: in-process servers on free loopback ports, stopped by the fixture."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from iron_batch import Engine, SchedulerConfig
+from iron_batch.backends.mock import MockBackend
+from iron_batch.server.app import create_app
+from iron_batch.server.cli import uvicorn_options
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns something truthy, or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerHandle:
+    url: str
+    host: str
+    port: int
+    engine: Engine
+    backend: Any
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def metrics(self) -> dict[str, Any]:
+        response = httpx.get(f"{self.url}/metrics", timeout=10)
+        assert response.status_code == 200
+        return dict(response.json())
+
+    def generate(self, body: dict[str, Any] | bytes, **kw: Any) -> tuple[int, list[dict[str, Any]]]:
+        """POST /generate; (status, parsed NDJSON lines) or (status, [error body])."""
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = httpx.post(f"{self.url}/generate", content=content, timeout=30, **kw)
+        if response.status_code != 200:
+            return response.status_code, [response.json()]
+        lines = [json.loads(line) for line in response.text.splitlines() if line]
+        return response.status_code, lines
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Wait until nothing runs or waits and every KV block is free again."""
+
+        def idle() -> dict[str, Any] | None:
+            m = self.metrics()
+            free = m["kv_blocks_free"] == m["kv_blocks_total"]
+            return m if free and m["running"] == 0 and m["waiting"] == 0 else None
+
+        return dict(wait_for(idle, timeout, "all KV blocks free"))
+
+
+ServerFactory = Callable[..., ServerHandle]
+
+
+class ServerStarter:
+    """Starts in-process servers (uvicorn in a thread) and stops them all on close()."""
+
+    def __init__(self) -> None:
+        self.handles: list[ServerHandle] = []
+
+    def __call__(
+        self,
+        backend: Any = None,
+        *,
+        api_key: str | None = None,
+        token_latency_us: float = 20.0,
+        prefill_token_latency_us: float = 0.0,
+        **config: Any,
+    ) -> ServerHandle:
+        if backend is None:
+            backend = MockBackend(token_latency_us, prefill_token_latency_us)
+        engine = Engine(backend, SchedulerConfig(**config))
+        app = create_app(engine, api_key=api_key)
+        # Bind here and hand the socket to uvicorn: no race for the port.
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        host, port = sock.getsockname()
+        uv_config = uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="on", **uvicorn_options()
+        )
+        server = uvicorn.Server(uv_config)
+        thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True
+        )
+        thread.start()
+        handle = ServerHandle(f"http://{host}:{port}", host, port, engine, backend, server, thread)
+        self.handles.append(handle)
+        wait_for(lambda: server.started or not thread.is_alive(), 20, "server start")
+        assert server.started, "server failed to start"
+        return handle
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.server.should_exit = True
+        for handle in self.handles:
+            handle.thread.join(20)
+            assert not handle.thread.is_alive(), "server thread did not stop"
+            assert not handle.engine.running, "engine thread did not stop"
+
+
+@pytest.fixture
+def start_server() -> Iterator[ServerFactory]:
+    """Factory: ``start_server(backend=None, api_key=None, **scheduler_config)``."""
+    starter = ServerStarter()
+    yield starter
+    starter.close()
+
+
+@pytest.fixture(scope="module")
+def shared_server() -> Iterator[ServerHandle]:
+    """One default server for a whole module (many small independent requests)."""
+    starter = ServerStarter()
+    yield starter()
+    starter.close()
+
+
+class CharTokenizer:
+    """A tiny tokenizer for tests: token id i is the letter chr(97 + i), 26 ids."""
+
+    vocab_size = 26
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if any(not "a" <= c <= "z" for c in text):
+            raise ValueError("CharTokenizer only knows a-z")
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + i) for i in ids)
+
+
+class TextMockBackend(MockBackend):
+    """The mock backend with a character tokenizer, to test text and stop strings."""
+
+    def __init__(self, token_latency_us: float = 20.0) -> None:
+        super().__init__(token_latency_us, 0.0, vocab_size=26)
+        self.tokenizer = CharTokenizer()  # type: ignore[assignment]
+        self.model_name = "mock-text"

@@ -1,0 +1,262 @@
+"""The engine without HTTP: synchronous stepping, the thread + asyncio API, the mock backend."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import TextMockBackend, wait_for
+from iron_batch import LLM, Engine, SamplingParams, SchedulerConfig
+from iron_batch.backends.base import Backend
+from iron_batch.backends.mock import MockBackend
+from iron_batch.engine import TokenEvent
+
+
+def fast_mock() -> MockBackend:
+    return MockBackend(token_latency_us=0, prefill_token_latency_us=0)
+
+
+def prompts(n: int, length: int = 10) -> list[list[int]]:
+    return [[(31 * i + j) % 1000 + 1 for j in range(length)] for i in range(n)]
+
+
+def test_mock_backend_satisfies_protocol() -> None:
+    assert isinstance(fast_mock(), Backend)
+
+
+def test_llm_generate_mock() -> None:
+    llm = LLM(backend=fast_mock(), total_kv_blocks=64)
+    outs = llm.generate(prompts(3), [SamplingParams(max_new_tokens=n) for n in (5, 0, 9)])
+    assert [len(o.token_ids) for o in outs] == [5, 0, 9]
+    assert [o.finish_reason for o in outs] == ["length"] * 3
+    assert outs[0].prompt_token_ids == prompts(3)[0]
+    # Deterministic: the same prompt gives the same tokens in a new engine.
+    again = LLM(backend=fast_mock()).generate([prompts(1)[0]], SamplingParams(max_new_tokens=5))
+    assert again[0].token_ids == outs[0].token_ids
+    assert llm.engine.stats.scheduler["free_blocks"] == 64
+
+
+def test_llm_rejects_request_that_never_fits() -> None:
+    llm = LLM(backend=fast_mock(), total_kv_blocks=4, kv_block_size=4)
+    with pytest.raises(ValueError, match="KV"):
+        llm.generate([[1] * 10], SamplingParams(max_new_tokens=10))
+    # The engine is clean afterwards.
+    assert not llm.engine.has_unfinished()
+    assert len(llm.generate([[1, 2]], SamplingParams(max_new_tokens=3))[0].token_ids) == 3
+
+
+def test_llm_needs_model_or_backend() -> None:
+    with pytest.raises(ValueError):
+        LLM()
+    with pytest.raises(ValueError, match="text prompts"):
+        LLM(backend=fast_mock()).generate(["hello"])
+
+
+def test_preemption_gives_the_same_tokens_as_a_big_pool() -> None:
+    work = prompts(10, 9)
+    params = SamplingParams(max_new_tokens=30)
+    tiny = LLM(backend=fast_mock(), total_kv_blocks=16, kv_block_size=4)
+    big = LLM(backend=fast_mock(), total_kv_blocks=1024, kv_block_size=4)
+    tiny_out = tiny.generate(work, params)
+    big_out = big.generate(work, params)
+    assert tiny.engine.stats.scheduler["preemptions"] > 0
+    assert [o.token_ids for o in tiny_out] == [o.token_ids for o in big_out]
+    assert all(len(o.token_ids) == 30 for o in tiny_out)
+    assert tiny.engine.stats.scheduler["free_blocks"] == 16
+
+
+def test_stop_string_finishes_through_the_scheduler() -> None:
+    llm = LLM(backend=TextMockBackend(token_latency_us=0))
+    full = llm.generate(["abc"], SamplingParams(max_new_tokens=20))[0]
+    assert full.text == "".join(chr(97 + t) for t in full.token_ids)
+    stop = full.text[6:8]
+    cut = llm.generate(["abc"], SamplingParams(max_new_tokens=20, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert len(cut.token_ids) < 20
+    assert llm.engine.stats.scheduler["running"] == 0
+
+
+def test_eos_and_stop_token_ids() -> None:
+    backend = fast_mock()
+    first = LLM(backend=backend).generate([[1, 2, 3]], SamplingParams(max_new_tokens=8))[0]
+    stop_at = first.token_ids[3]
+    backend.eos_token_ids = [stop_at]
+    llm = LLM(backend=backend)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8))[0]
+    assert out.token_ids == first.token_ids[:4]
+    assert out.finish_reason == "stop"
+    ignored = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+    assert ignored.token_ids == first.token_ids
+    by_param = LLM(backend=fast_mock()).generate(
+        [[1, 2, 3]], SamplingParams(max_new_tokens=8, stop_token_ids=[stop_at])
+    )[0]
+    assert by_param.token_ids == first.token_ids[:4]
+
+
+class FailingBackend(MockBackend):
+    def __init__(self) -> None:
+        super().__init__(0, 0)
+        self.fail = True
+
+    def execute(self, batch):  # type: ignore[no-untyped-def]
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("device fell off the bus")
+        return super().execute(batch)
+
+
+def test_backend_error_fails_the_batch_and_engine_goes_on() -> None:
+    engine = Engine(FailingBackend(), SchedulerConfig(total_kv_blocks=64))
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_new_tokens=4))
+    events = engine.step()
+    assert [(e.request_id, e.finish_reason) for e in events] == [("a", "error")]
+    assert events[0].error is not None and "bus" in events[0].error
+    engine.add_request("b", [1, 2, 3], SamplingParams(max_new_tokens=4))
+    got: list[TokenEvent] = []
+    while engine.has_unfinished():
+        got.extend(engine.step())
+    assert [e.index for e in got] == [0, 1, 2, 3]
+    assert engine.stats.scheduler["free_blocks"] == 64
+    assert engine.stats.requests_failed == 1
+
+
+async def _collect(engine: Engine, request_id: str, prompt: list[int], n: int) -> list[TokenEvent]:
+    stream = engine.submit(request_id, prompt, SamplingParams(max_new_tokens=n))
+    out: list[TokenEvent] = []
+    async for events in stream:
+        out.extend(events)
+    return out
+
+
+def test_threaded_engine_with_asyncio_streams() -> None:
+    engine = Engine(MockBackend(50, 0), SchedulerConfig(total_kv_blocks=256))
+    engine.start()
+    try:
+
+        async def main() -> list[list[TokenEvent]]:
+            jobs = [_collect(engine, f"r{i}", p, 5 + i) for i, p in enumerate(prompts(20))]
+            return await asyncio.gather(*jobs)
+
+        results = asyncio.run(main())
+        for i, events in enumerate(results):
+            assert [e.index for e in events] == list(range(5 + i))
+            assert events[-1].finished and events[-1].finish_reason == "length"
+            assert not any(e.finished for e in events[:-1])
+        assert wait_for(lambda: engine.stats.scheduler["free_blocks"] == 256)
+    finally:
+        engine.shutdown()
+    assert not engine.running
+
+
+def test_duplicate_and_rejected_arrive_as_events() -> None:
+    engine = Engine(MockBackend(1000, 0), SchedulerConfig(total_kv_blocks=8, kv_block_size=4))
+    engine.start()
+    try:
+
+        async def main() -> tuple[list[TokenEvent], list[TokenEvent], list[TokenEvent]]:
+            long = engine.submit("x", [1, 2], SamplingParams(max_new_tokens=20))
+            first = await long.get()
+            dup = await engine.submit("x", [1, 2], SamplingParams(max_new_tokens=2)).get()
+            huge = await engine.submit("y", [1] * 40, SamplingParams(max_new_tokens=2)).get()
+            long.abort()
+            return first, dup, huge
+
+        first, dup, huge = asyncio.run(main())
+        assert first[0].token_id is not None
+        assert dup[0].finish_reason == "rejected" and dup[0].error_type == "DuplicateRequest"
+        assert huge[0].finish_reason == "rejected" and "KV" in (huge[0].error or "")
+        assert wait_for(lambda: engine.stats.scheduler["free_blocks"] == 8)
+        assert wait_for(lambda: engine.stats.requests_aborted == 1)
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_ends_live_requests_with_abort() -> None:
+    engine = Engine(MockBackend(1000, 0), SchedulerConfig())
+    engine.start()
+
+    async def main() -> list[TokenEvent]:
+        stream = engine.submit("long", [1, 2, 3], SamplingParams(max_new_tokens=50_000))
+        events = await stream.get()
+        # Joining the engine thread blocks, so do it off the loop.
+        await asyncio.to_thread(engine.shutdown)
+        async for more in stream:
+            events.extend(more)
+        return events
+
+    events = asyncio.run(main())
+    assert events[-1].finished and events[-1].finish_reason == "abort"
+    assert engine.stats.scheduler["free_blocks"] == engine.config.total_kv_blocks
+
+
+def test_idle_engine_sleeps_on_its_condition() -> None:
+    engine = Engine(fast_mock(), SchedulerConfig())
+    engine.start()
+    try:
+        thread = engine._thread
+        assert thread is not None and thread.ident is not None
+
+        def parked() -> bool:
+            frame = sys._current_frames().get(thread.ident)  # type: ignore[arg-type]
+            # Blocked inside Condition.wait, called from the engine loop: no busy polling.
+            return frame is not None and frame.f_code.co_name == "wait" and (
+                frame.f_back is not None and frame.f_back.f_code.co_name == "_run"
+            )
+
+        assert wait_for(parked, what="engine parked")
+        steps = engine.backend.steps  # type: ignore[attr-defined]
+        assert parked() and engine.backend.steps == steps  # type: ignore[attr-defined]
+    finally:
+        engine.shutdown()
+
+
+def test_batching_raises_throughput_with_concurrency() -> None:
+    """A decode step costs the same for 1 or 32 sequences: tok/s must grow with batch."""
+    latency_us = 2000.0
+
+    def tokens_per_sec(concurrency: int) -> float:
+        llm = LLM(backend=MockBackend(latency_us, 0))
+        started = time.perf_counter()
+        outs = llm.generate(prompts(concurrency), SamplingParams(max_new_tokens=20))
+        elapsed = time.perf_counter() - started
+        return sum(len(o.token_ids) for o in outs) / elapsed
+
+    one = tokens_per_sec(1)
+    many = tokens_per_sec(32)
+    assert one < 1e6 / latency_us * 1.05  # one sequence: at most one token per step
+    assert many > 8 * one, (one, many)
+
+
+def test_mock_prefill_cost_scales_with_prompt_tokens() -> None:
+    backend = MockBackend(token_latency_us=100, prefill_token_latency_us=10)
+
+    class FakeBatch:
+        num_seqs = 2
+        num_tokens = 2 + 500
+
+    assert backend.step_seconds(FakeBatch()) == pytest.approx(100e-6 + 500 * 10e-6)  # type: ignore[arg-type]
+
+
+def test_mock_tokens_in_vocab() -> None:
+    backend = MockBackend(0, 0, vocab_size=50)
+    llm = LLM(backend=backend)
+    out = llm.generate(prompts(4), SamplingParams(max_new_tokens=50))
+    ids = np.array([t for o in out for t in o.token_ids])
+    assert ids.min() >= 0 and ids.max() < 50
+    assert len(set(ids.tolist())) > 10  # not a constant
+
+
+def test_engine_step_is_for_unthreaded_engines_only() -> None:
+    engine = Engine(fast_mock(), SchedulerConfig())
+    engine.start()
+    try:
+        with pytest.raises(RuntimeError):
+            engine.step()
+    finally:
+        engine.shutdown()
+    assert threading.active_count() >= 1

@@ -1,0 +1,115 @@
+"""``python -m iron_batch.server`` as a subprocess: flags, help, errors, the README example."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from conftest import free_port, wait_for
+
+SERVER = [sys.executable, "-m", "iron_batch.server"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SERVER, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_help_documents_every_flag() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for flag in (
+        "--addr",
+        "--total-kv-blocks",
+        "--kv-block-size",
+        "--max-batch-tokens",
+        "--max-running-seqs",
+        "--mock-token-latency-us",
+        "--mock-prefill-token-latency-us",
+        "--backend",
+        "--backend-url",
+        "--model",
+        "--device",
+        "--dtype",
+        "--api-key",
+    ):
+        assert flag in result.stdout, flag
+    for default in ("0.0.0.0:8080", "4096", "16", "8192", "256", "200"):
+        assert default in result.stdout, default
+    assert "whatever the batch" in result.stdout  # the mock latency model is explained
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--total-kv-blocks", "-1"], "positive integer"),
+        (["--kv-block-size", "zero"], "positive integer"),
+        (["--max-batch-tokens", "0"], "positive integer"),
+        (["--mock-token-latency-us", "-5"], ">= 0"),
+        (["--addr", "nonsense"], "HOST:PORT"),
+        (["--addr", "127.0.0.1:99999"], "port"),
+        (["--backend", "gpu"], "invalid choice"),
+        (["--backend", "real"], "--backend-url"),
+        (["--backend", "real", "--backend-url", "http://x"], "not implemented"),
+        (["--backend", "torch"], "--model"),
+        (["--model", "/tmp/x"], "--backend torch"),
+    ],
+)
+def test_bad_flags_exit_with_a_clear_message(args: list[str], needle: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode != 0
+    assert needle in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.fixture
+def cli_server() -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [*SERVER, "--addr", f"127.0.0.1:{port}", "--mock-token-latency-us", "100"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stdout.read() if proc.stdout else ''}")
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(up, 30, "server /health")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_readme_examples_against_the_cli_server(cli_server: str) -> None:
+    response = httpx.post(
+        f"{cli_server}/generate",
+        headers={"content-type": "application/json"},
+        content=b'{"prompt_tokens": 128, "max_new_tokens": 64}',
+        timeout=30,
+    )
+    assert response.status_code == 200
+    lines = [json.loads(x) for x in response.text.splitlines()]
+    assert [x["token_index"] for x in lines] == list(range(64))
+    assert [x["done"] for x in lines] == [False] * 63 + [True]
+
+    zero = httpx.post(f"{cli_server}/generate", json={"prompt_tokens": 8, "max_new_tokens": 0})
+    assert [json.loads(x)["done"] for x in zero.text.splitlines()] == [True]
+
+    metrics = httpx.get(f"{cli_server}/metrics").json()
+    assert metrics["tokens_generated"] == 64
+    assert metrics["requests_completed"] == 2
+    for key in ("elapsed_secs", "tokens_per_sec", "ttft_p50_ms", "ttft_p99_ms"):
+        assert key in metrics
