@@ -414,3 +414,59 @@ def test_bad_url_and_unreachable_worker() -> None:
     with pytest.raises(ConnectionError):
         RemoteBackend(f"127.0.0.1:{port}", timeout=2)
     assert issubclass(RemoteBackendError, RuntimeError)
+
+
+def test_server_cli_drives_a_worker_with_the_original_flags(
+    worker_factory: list[WorkerProcess],
+) -> None:
+    """`python -m iron_batch.server --backend real --backend-url URL`, end to end over HTTP:
+    the server sizes its pool from the worker and streams the same tokens the in-process
+    mock gives."""
+    import httpx
+    from conftest import free_port
+
+    w = _mock_worker(worker_factory)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "iron_batch.server", "--addr", f"127.0.0.1:{port}",
+         "--backend", "real", "--backend-url", w.url, "--steps-per-call", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONPATH=os.path.join(_ROOT, "python")),
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read() if proc.stdout else b"")
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(up, 30, "server /health")
+        prompt = [5, 6, 7, 8, 9]
+        r = httpx.post(f"{url}/generate",
+                       json={"prompt_token_ids": prompt, "max_new_tokens": 10}, timeout=30)
+        assert r.status_code == 200
+        lines = [json.loads(x) for x in r.text.splitlines()]
+        assert [x["token_index"] for x in lines] == list(range(10))
+        assert lines[-1]["done"] and lines[-1]["finish_reason"] == "length"
+
+        local = Engine(MockBackend(token_latency_us=0, prefill_token_latency_us=0),
+                       _config())
+        local.add_request("x", prompt, SamplingParams(max_new_tokens=10))
+        want = []
+        while local.has_unfinished():
+            want += [e.token_id for e in local.step() if e.token_id is not None]
+        assert [x["token_id"] for x in lines] == want
+
+        metrics = httpx.get(f"{url}/metrics").json()
+        assert metrics["kv_blocks_total"] == 40  # the worker's pool, not the default 4096
+        assert metrics["kv_blocks_free"] == 40
+        too_big = httpx.post(f"{url}/generate",
+                             json={"prompt_tokens": 150, "max_new_tokens": 20}, timeout=30)
+        assert too_big.status_code == 400
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

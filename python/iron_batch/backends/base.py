@@ -30,6 +30,8 @@ class Backend(Protocol):
     tokenizer: Tokenizer | None
     #: Short name shown by the server (/v1/models).
     model_name: str
+    #: Token ids must be in [0, vocab_size); add_request raises ValueError otherwise.
+    vocab_size: int
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

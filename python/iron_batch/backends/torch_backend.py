@@ -63,6 +63,7 @@ class TorchBackend:
         self.num_kv_blocks = num_kv_blocks
         self.kv_block_size = kv_block_size
         self.max_model_len: int | None = model.config.max_position_embeddings
+        self.vocab_size = model.config.vocab_size
         eos = list(model.config.eos_token_ids)
         for i in tokenizer.eos_token_ids if tokenizer else []:
             if i not in eos:
@@ -100,6 +101,13 @@ class TorchBackend:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
+        # An id past the embedding table would fail the whole step for every request in it:
+        # refuse it here, where the engine turns the error into a rejection of this one.
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
         self._requests[request_id] = self.sampler.new_state(prompt_token_ids, params)
 
     def remove_request(self, request_id: str) -> None:

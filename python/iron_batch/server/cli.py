@@ -89,9 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mock: extra time per prompt token in microseconds (default 1)")
     p.add_argument("--backend", choices=("mock", "torch", "real"), default="mock",
                    help="mock (no weights), torch (local HF checkpoint, --model), or real "
-                   "(remote worker at --backend-url; not implemented yet) (default mock)")
+                   "(a `python -m iron_batch.worker` at --backend-url) (default mock)")
     p.add_argument("--backend-url", default="",
-                   help="URL of the remote worker for --backend real")
+                   help="real: worker address, tcp://HOST:PORT or HOST:PORT")
+    p.add_argument("--backend-api-key", default=None,
+                   help="real: the worker's --api-key (default: this server's --api-key)")
+    p.add_argument("--backend-timeout", type=_non_negative_float, default=30.0,
+                   help="real: seconds to wait for one worker call before failing its "
+                   "requests (default 30)")
+    p.add_argument("--steps-per-call", type=_positive_int, default=1,
+                   help="real: decode steps the worker runs per call; K > 1 amortises the "
+                   "network round trip, surplus tokens after a stop are discarded (default 1)")
     p.add_argument("--model", default=None,
                    help="torch: path of a Hugging Face-format checkpoint directory")
     p.add_argument("--device", default=None,
@@ -121,8 +129,28 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
     if args.backend == "real":
         if not args.backend_url:
             parser.error("--backend real requires --backend-url")
-        parser.error("--backend real is not implemented yet (use mock or torch)")
-    if args.backend == "torch":
+        from iron_batch.backends.remote import RemoteBackend
+
+        try:
+            backend = RemoteBackend(
+                args.backend_url,
+                api_key=args.backend_api_key or args.api_key,
+                timeout=args.backend_timeout,
+                steps_per_call=args.steps_per_call,
+            )
+        except (OSError, ValueError) as exc:
+            parser.error(f"cannot use worker {args.backend_url!r}: {exc}")
+        # The worker owns the KV memory: the allocator takes its size from it.
+        if args.total_kv_blocks and args.total_kv_blocks > backend.num_kv_blocks:
+            parser.error(f"--total-kv-blocks {args.total_kv_blocks} exceeds the worker's "
+                         f"{backend.num_kv_blocks} blocks")
+        if args.kv_block_size != 16 and args.kv_block_size != backend.kv_block_size:
+            parser.error(f"--kv-block-size {args.kv_block_size} differs from the worker's "
+                         f"{backend.kv_block_size}")
+        total_kv_blocks = args.total_kv_blocks or backend.num_kv_blocks
+        kv_block_size = backend.kv_block_size
+        max_model_len = backend.max_model_len
+    elif args.backend == "torch":
         if not args.model:
             parser.error("--backend torch requires --model PATH")
         # Imported lazily: the mock server must not need (or pay for) torch.

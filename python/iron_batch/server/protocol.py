@@ -119,6 +119,20 @@ def synthetic_prompt(n: int, vocab_size: int) -> list[int]:
     return [(1 + i * 7919) % vocab_size for i in range(n)]
 
 
+def load_json_object(text: str) -> dict[str, Any]:
+    """Parse a request body that must be a JSON object; NaN/Infinity and pathologically deep
+    nesting (which exhausts the parser's recursion) are client errors, not server errors."""
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise BadRequest(f"malformed JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise BadRequest("malformed JSON: nested too deeply") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    return body
+
+
 def parse_generate(raw: bytes, tokenizer: Any, vocab_size: int) -> GenerateRequest:
     """Turn a /generate body into a validated request, or raise :class:`BadRequest`."""
     try:
@@ -126,12 +140,7 @@ def parse_generate(raw: bytes, tokenizer: Any, vocab_size: int) -> GenerateReque
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadRequest("body is not valid UTF-8") from exc
-    try:
-        body = json.loads(text, parse_constant=_reject_constant)
-    except ValueError as exc:
-        raise BadRequest(f"malformed JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("body must be a JSON object")
+    body = load_json_object(text)
     unknown = sorted(set(body) - _ALLOWED_FIELDS)
     if unknown:
         raise BadRequest(f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
