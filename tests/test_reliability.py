@@ -64,8 +64,8 @@ def test_disconnect_storm_under_preemption(start_server: ServerFactory) -> None:
     plans = []
     for i in range(1000):
         long_prefill = rng.random() < 0.1
-        prompt = [rng.randrange(1, 30000) for _ in range(rng.randrange(100, 180)
-                                                          if long_prefill else rng.randrange(1, 24))]
+        length = rng.randrange(100, 180) if long_prefill else rng.randrange(1, 24)
+        prompt = [rng.randrange(1, 30000) for _ in range(length)]
         cut = None
         if rng.random() < 0.3:
             cut = "prefill" if long_prefill else rng.choice(["before", "mid"])
@@ -204,7 +204,8 @@ _HOSTILE: list[tuple[str, bytes, dict[str, str]]] = [
     ("deep nesting", b'{"prompt_tokens": ' + b"[" * 5000 + b"]" * 5000 + b"}", {}),
     ("request id too long", json.dumps({"prompt_tokens": 4, "request_id": "x" * 5000}).encode(),
      {}),
-    ("form content type", b"prompt_tokens=4", {"content-type": "application/x-www-form-urlencoded"}),
+    ("form content type", b"prompt_tokens=4",
+     {"content-type": "application/x-www-form-urlencoded"}),
     ("oversized body", b'{"prompt_token_ids": [' + b"1," * (9 << 20) + b"1]}", {}),
 ]
 
