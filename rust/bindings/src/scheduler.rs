@@ -6,7 +6,7 @@
 //! deadlock against it.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 use iron_batch_core as core;
 use pyo3::prelude::*;
@@ -85,9 +85,10 @@ impl SchedulerConfig {
 
 struct Inner {
     core: core::Scheduler,
-    /// Python id of the request in each core slot, made once at `add_request`; the Arc is
-    /// the core's id, to tell a stale slot from a reused one.
-    py_ids: Vec<Option<(Arc<str>, Py<PyString>)>>,
+    /// Python id of the request in each core slot, made once at `add_request`. The core
+    /// reuses a slot only from the `schedule` after its request ended, so this names every
+    /// row of the latest batch and every event of its commit.
+    py_ids: Vec<Option<Py<PyString>>>,
 }
 
 static NEXT_OWNER: AtomicUsize = AtomicUsize::new(1);
@@ -115,10 +116,10 @@ impl Scheduler {
     }
 }
 
-fn lookup_id(py: Python<'_>, inner: &Inner, slot: usize, id: &Arc<str>) -> Py<PyString> {
+fn lookup_id(py: Python<'_>, inner: &Inner, slot: usize) -> Py<PyString> {
     match inner.py_ids.get(slot) {
-        Some(Some((arc, s))) if Arc::ptr_eq(arc, id) => s.clone_ref(py),
-        _ => PyString::new(py, id).unbind(),
+        Some(Some(s)) => s.clone_ref(py),
+        _ => PyString::new(py, inner.core.request_id(slot)).unbind(),
     }
 }
 
@@ -174,15 +175,10 @@ impl Scheduler {
             .core
             .add_request(id, &prompt, max_new, &stops)
             .map_err(sched_err)?;
-        let arc = inner
-            .core
-            .request_id_of_slot(slot)
-            .expect("slot just assigned")
-            .clone();
         if inner.py_ids.len() <= slot {
             inner.py_ids.resize_with(slot + 1, || None);
         }
-        inner.py_ids[slot] = Some((arc, request_id.clone().unbind()));
+        inner.py_ids[slot] = Some(request_id.clone().unbind());
         Ok(())
     }
 
@@ -195,7 +191,7 @@ impl Scheduler {
             batch
                 .entries
                 .iter()
-                .map(|e| lookup_id(py, &inner, e.slot, &e.request_id))
+                .map(|e| lookup_id(py, &inner, e.slot))
                 .collect()
         };
         Batch::new(py, batch, ids, self.owner)
@@ -224,7 +220,7 @@ impl Scheduler {
         let none = py.None();
         let out = PyList::empty(py);
         for e in &events {
-            let id = lookup_id(py, inner, e.slot, &e.request_id);
+            let id = lookup_id(py, inner, e.slot);
             let tok = match e.token {
                 Some(t) => t.into_pyobject(py)?.into_any().unbind(),
                 None => none.clone_ref(py),

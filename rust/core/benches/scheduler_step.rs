@@ -63,7 +63,7 @@ impl Steady {
         let events = self.s.commit(&b, &self.sampled).unwrap();
         let done = events
             .iter()
-            .filter(|e| e.finish.is_some() && e.request_id.starts_with("req"))
+            .filter(|e| e.finish.is_some() && self.s.request_id(e.slot).starts_with("req"))
             .count();
         for _ in 0..done {
             self.add(192);

@@ -1,13 +1,10 @@
 //! The flat description of one forward pass that the backend consumes.
 
-use std::sync::Arc;
-
 use crate::sequence::Sequence;
 
 /// One sequence's share of a step, kept for `commit`.
 #[derive(Debug, Clone)]
 pub struct BatchEntry {
-    pub request_id: Arc<str>,
     pub slot: usize,
     pub uid: u64,
     pub num_tokens: usize,
@@ -76,7 +73,6 @@ impl Batch {
     /// Add `n` tokens of `seq` starting at its first uncomputed token.
     pub(crate) fn push(
         &mut self,
-        request_id: &Arc<str>,
         slot: usize,
         seq: &Sequence,
         n: usize,
@@ -103,7 +99,6 @@ impl Batch {
         self.num_computed_before.push(start as i32);
         self.max_blocks = self.max_blocks.max(seq.blocks.len());
         self.entries.push(BatchEntry {
-            request_id: request_id.clone(),
             slot,
             uid: seq.uid,
             num_tokens: n,

@@ -2,7 +2,6 @@
 //! prefill, preemption with exact resume, and the commit of sampled tokens.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
 
 use crate::allocator::BlockAllocator;
 use crate::batch::Batch;
@@ -10,12 +9,11 @@ use crate::config::SchedulerConfig;
 use crate::error::{AllocError, SchedulerError};
 use crate::sequence::{FinishReason, SeqState, Sequence};
 
-/// What happened to one request in a step.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What happened to one request in a step. `Scheduler::request_id(slot)` names the request
+/// until the next `schedule` (slots are reused only from then on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepEvent {
-    /// Scheduler slot of the request; stays valid until the next `add_request`.
     pub slot: usize,
-    pub request_id: Arc<str>,
     pub token: Option<u32>,
     pub finish: Option<FinishReason>,
 }
@@ -38,9 +36,12 @@ pub struct Scheduler {
     cfg: SchedulerConfig,
     alloc: BlockAllocator,
     seqs: Vec<Option<Sequence>>,
-    ids: Vec<Arc<str>>,
+    ids: Vec<String>,
     free_slots: Vec<usize>,
-    by_id: HashMap<Arc<str>, usize>,
+    /// Slots ended since the last `schedule`: their ids stay readable for that step's
+    /// batch and events, so they join `free_slots` only at the next `schedule`.
+    retired_slots: Vec<usize>,
+    by_id: HashMap<String, usize>,
     /// Admission order: the back is the most recently admitted (first to preempt).
     running: Vec<usize>,
     waiting: VecDeque<usize>,
@@ -66,6 +67,7 @@ impl Scheduler {
             seqs: Vec::new(),
             ids: Vec::new(),
             free_slots: Vec::new(),
+            retired_slots: Vec::new(),
             by_id: HashMap::new(),
             running: Vec::new(),
             waiting: VecDeque::new(),
@@ -98,8 +100,10 @@ impl Scheduler {
     pub fn is_live(&self, request_id: &str) -> bool {
         self.by_id.contains_key(request_id)
     }
-    pub fn request_id_of_slot(&self, slot: usize) -> Option<&Arc<str>> {
-        self.ids.get(slot)
+    /// The request id in `slot` (of a batch row or an event), valid until the next
+    /// `schedule`.
+    pub fn request_id(&self, slot: usize) -> &str {
+        &self.ids[slot]
     }
     pub fn sequence(&self, request_id: &str) -> Option<&Sequence> {
         let slot = *self.by_id.get(request_id)?;
@@ -148,19 +152,18 @@ impl Scheduler {
             }
         }
         self.stats.requests_added += 1;
-        let id: Arc<str> = Arc::from(request_id);
         let slot = self.free_slots.pop().unwrap_or_else(|| {
             self.seqs.push(None);
-            self.ids.push(Arc::from(""));
+            self.ids.push(String::new());
             self.seqs.len() - 1
         });
-        self.ids[slot] = id.clone();
+        self.ids[slot].clear();
+        self.ids[slot].push_str(request_id);
         if max_new_tokens == 0 {
-            self.free_slots.push(slot);
+            // The slot retires when its event is handed out, in `commit`.
             self.stats.requests_finished += 1;
             self.pending.push(StepEvent {
                 slot,
-                request_id: id,
                 token: None,
                 finish: Some(FinishReason::Length),
             });
@@ -184,7 +187,7 @@ impl Scheduler {
             num_cached_prompt: None,
             num_preemptions: 0,
         });
-        self.by_id.insert(id, slot);
+        self.by_id.insert(request_id.to_string(), slot);
         self.waiting.push_back(slot);
         Ok(slot)
     }
@@ -240,6 +243,7 @@ impl Scheduler {
     /// `schedule`, reserving KV slots so that each sampled sequence can run `lookahead`
     /// more decode steps before the next commit (see `commit_steps`).
     pub fn schedule_lookahead(&mut self, lookahead: usize) -> Batch {
+        self.free_slots.append(&mut self.retired_slots);
         let max_len = self.max_sequence_tokens();
         self.step += 1;
         self.committed = false;
@@ -273,7 +277,7 @@ impl Scheduler {
             self.alloc
                 .allocate_into(need, &mut seq.blocks)
                 .expect("free blocks checked");
-            batch.push(&self.ids[slot], slot, seq, n, steps, bs);
+            batch.push(slot, seq, n, steps, bs);
             budget -= n;
             i += 1;
         }
@@ -313,7 +317,7 @@ impl Scheduler {
             self.waiting.pop_front();
             self.running.push(slot);
             let seq = self.seqs[slot].as_ref().expect("live");
-            batch.push(&self.ids[slot], slot, seq, n, steps, bs);
+            batch.push(slot, seq, n, steps, bs);
             budget -= n;
         }
 
@@ -363,13 +367,14 @@ impl Scheduler {
         if let Some(e) = batch.entries.iter().find(|e| e.steps > steps) {
             return Err(SchedulerError::BatchMismatch(format!(
                 "the batch reserved {} steps for request {:?}, commit got {steps}",
-                e.steps, e.request_id
+                e.steps, self.ids[e.slot]
             )));
         }
         self.committed = true;
         let bs = self.cfg.kv_block_size;
         let max_len = self.max_sequence_tokens();
         let mut events = std::mem::take(&mut self.pending);
+        self.retired_slots.extend(events.iter().map(|e| e.slot));
         events.reserve(rows);
         let mut finished = false;
         let mut row = 0;
@@ -401,7 +406,6 @@ impl Scheduler {
                 };
                 events.push(StepEvent {
                     slot: entry.slot,
-                    request_id: self.ids[entry.slot].clone(),
                     token: Some(tok),
                     finish,
                 });
@@ -448,7 +452,7 @@ impl Scheduler {
             }
         }
         self.by_id.remove(seq.request_id.as_str());
-        self.free_slots.push(slot);
+        self.retired_slots.push(slot);
     }
 
     /// Drop a request in any state, freeing everything it holds. False if not live.

@@ -70,7 +70,7 @@ proptest! {
                     let b = s.schedule_lookahead(k - 1);
                     let sampled = model.execute_steps(&b, bs, k);
                     let ev = s.commit_steps(&b, &sampled, k).unwrap();
-                    record(&mut out, &ev);
+                    record(&s, &mut out, &ev);
                 }
                 Op::Abort(k) => {
                     if let Some(id) = added.get(k % added.len().max(1)) {
@@ -86,7 +86,8 @@ proptest! {
         while s.has_work() {
             let b = s.schedule();
             let sampled = model.execute(&b, bs);
-            record(&mut out, &s.commit(&b, &sampled).unwrap());
+            let ev = s.commit(&b, &sampled).unwrap();
+            record(&s, &mut out, &ev);
             s.check_invariants().unwrap();
             steps += 1;
             prop_assert!(steps < 10_000, "scheduler made no progress");

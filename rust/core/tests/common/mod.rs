@@ -97,7 +97,7 @@ pub fn run_lookahead(s: &mut Scheduler, model: &mut FakeModel, k: usize) -> Outp
         let b = s.schedule_lookahead(k - 1);
         let sampled = model.execute_steps(&b, bs, k);
         let events = s.commit_steps(&b, &sampled, k).unwrap();
-        record(&mut out, &events);
+        record(s, &mut out, &events);
         s.check_invariants().unwrap();
         steps += 1;
         assert!(steps < 1_000_000, "no progress");
@@ -105,14 +105,11 @@ pub fn run_lookahead(s: &mut Scheduler, model: &mut FakeModel, k: usize) -> Outp
     out
 }
 
-pub fn record(out: &mut Outputs, events: &[StepEvent]) {
+pub fn record(s: &Scheduler, out: &mut Outputs, events: &[StepEvent]) {
     for e in events {
-        let entry = out.entry(e.request_id.to_string()).or_default();
-        assert!(
-            entry.1.is_empty(),
-            "event after finish for {}",
-            e.request_id
-        );
+        let id = s.request_id(e.slot);
+        let entry = out.entry(id.to_string()).or_default();
+        assert!(entry.1.is_empty(), "event after finish for {id}");
         if let Some(t) = e.token {
             entry.0.push(t);
         }
