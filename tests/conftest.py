@@ -90,12 +90,13 @@ class ServerStarter:
         api_key: str | None = None,
         token_latency_us: float = 20.0,
         prefill_token_latency_us: float = 0.0,
+        app_options: dict[str, Any] | None = None,
         **config: Any,
     ) -> ServerHandle:
         if backend is None:
             backend = MockBackend(token_latency_us, prefill_token_latency_us)
         engine = Engine(backend, SchedulerConfig(**config))
-        app = create_app(engine, api_key=api_key)
+        app = create_app(engine, api_key=api_key, **(app_options or {}))
         # Bind here and hand the socket to uvicorn: no race for the port.
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))

@@ -54,7 +54,7 @@ def test_help_documents_every_flag() -> None:
         (["--addr", "127.0.0.1:99999"], "port"),
         (["--backend", "gpu"], "invalid choice"),
         (["--backend", "real"], "--backend-url"),
-        (["--backend", "real", "--backend-url", "http://x"], "not implemented"),
+        (["--backend", "real", "--backend-url", "tcp://127.0.0.1:1"], "cannot use worker"),
         (["--backend", "torch"], "--model"),
         (["--model", "/tmp/x"], "--backend torch"),
     ],

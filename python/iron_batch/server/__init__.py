@@ -12,8 +12,19 @@ if TYPE_CHECKING:
 __all__ = ["create_app"]
 
 
-def create_app(engine: Engine, *, api_key: str | None = None) -> Starlette:
+def create_app(
+    engine: Engine,
+    *,
+    api_key: str | None = None,
+    max_waiting_requests: int | None = None,
+    served_model_name: str | None = None,
+) -> Starlette:
     # Imported on call so that `import iron_batch.server` stays cheap.
     from iron_batch.server.app import create_app as _create_app
 
-    return _create_app(engine, api_key=api_key)
+    return _create_app(
+        engine,
+        api_key=api_key,
+        max_waiting_requests=max_waiting_requests,
+        served_model_name=served_model_name,
+    )

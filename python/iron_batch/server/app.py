@@ -12,6 +12,7 @@ import contextlib
 import hmac
 import itertools
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -173,8 +174,26 @@ def _on_disconnect(task: asyncio.Future[Message], stream: RequestStream) -> None
         stream.abort()
 
 
-def create_app(engine: Engine, *, api_key: str | None = None) -> Starlette:
-    """The server app; its lifespan starts the engine thread and stops it."""
+#: /health fails when the engine has been inside one loop iteration this long: a step
+#: that slow is a hang (a long CPU prefill takes seconds, not a minute).
+HEALTH_STALL_S = 60.0
+
+
+def create_app(
+    engine: Engine,
+    *,
+    api_key: str | None = None,
+    max_waiting_requests: int | None = None,
+    served_model_name: str | None = None,
+) -> Starlette:
+    """The server app; its lifespan starts the engine thread and stops it.
+
+    ``max_waiting_requests`` caps the queue the OpenAI endpoints add to (503 beyond it);
+    ``served_model_name`` is the model id of /v1 (default: the backend's model_name).
+    """
+    # Imported here: openai_api imports this module's helpers.
+    from iron_batch.server.openai_api import DEFAULT_MAX_WAITING_REQUESTS, OpenAIServer
+
     registry = make_registry(engine.stats)
     api_key_bytes = api_key.encode() if api_key else None
 
@@ -190,6 +209,12 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> Starlette:
     async def health(request: Request) -> Response:
         if engine._thread is not None and not engine.running:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
+        if (
+            engine._thread is not None
+            and not engine.idle
+            and time.monotonic() - engine.heartbeat > HEALTH_STALL_S
+        ):
+            return JSONResponse({"status": "engine stalled"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @contextlib.asynccontextmanager
@@ -207,6 +232,16 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
+    openai_server = OpenAIServer(
+        engine,
+        api_key=api_key,
+        max_waiting_requests=(
+            DEFAULT_MAX_WAITING_REQUESTS if max_waiting_requests is None else max_waiting_requests
+        ),
+        served_model_name=served_model_name,
+        vocab_size=_vocab_size(engine.backend),
+    )
+    routes.extend(openai_server.routes())
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.engine = engine
     app.state.registry = registry

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import sys
 from typing import Any
 
@@ -18,7 +19,10 @@ Endpoints:
                   or "prompt": "text" with a tokenizer) streams one JSON line per token.
   GET  /metrics   JSON; Prometheus text when the Accept header asks for text/plain or
                   application/openmetrics-text.
-  GET  /health
+  GET  /health    200 while the engine thread runs steps (never needs the API key)
+  OpenAI-compatible: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
+                  (stream: true for server-sent events); POST /tokenize, /detokenize;
+                  GET /openapi.json
 """
 
 _MOCK_HELP = """\
@@ -36,6 +40,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 
@@ -108,8 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None,
                    help="torch: float32, bfloat16 or float16 (default auto: bf16/fp16 on CUDA, "
                    "float32 on CPU)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /generate and /metrics")
+    p.add_argument("--api-key", default=os.environ.get("IRON_BATCH_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                   "(default: $IRON_BATCH_API_KEY; none when unset)")
+    p.add_argument("--max-waiting-requests", type=_non_negative_int, default=4096,
+                   help="OpenAI endpoints answer 503 + Retry-After while this many requests "
+                   "wait for admission (default 4096)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id of the /v1 endpoints (default: the backend's model name, "
+                   "e.g. the checkpoint folder or short name; 'mock' for mock)")
     p.add_argument("--switch-interval-us", type=_non_negative_float, default=200.0,
                    help="Python GIL switch interval in microseconds (default 200; Python's "
                    "own is 5000, which lets a busy HTTP loop delay each engine step by "
@@ -221,7 +242,12 @@ def main(argv: list[str] | None = None) -> None:
     from iron_batch.server.app import create_app
 
     host, port = args.addr
-    app = create_app(engine, api_key=args.api_key)
+    app = create_app(
+        engine,
+        api_key=args.api_key,
+        max_waiting_requests=args.max_waiting_requests,
+        served_model_name=args.served_model_name,
+    )
     try:
         uvicorn.run(
             app,

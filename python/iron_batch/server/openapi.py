@@ -1,0 +1,436 @@
+"""The server's OpenAPI 3.1 document (GET /openapi.json), written by hand.
+
+Hand-written rather than generated because most endpoints are raw ASGI callables with no
+annotations to generate from, and because the document is a contract for fuzzers
+(schemathesis): each request schema states the ranges the server accepts, and every
+status an endpoint can answer is listed, so a fuzzer can tell a documented 4xx from a bug.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from iron_batch import __version__
+from iron_batch.server.openai_protocol import MAX_CHOICES, MAX_LOGPROBS, MAX_STOP
+
+_INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return _json(_ref("Error"), description)
+
+
+_AUTH_ERRORS = {"401": _error("Missing or wrong API key (when the server has one).")}
+_BODY_ERRORS = {
+    "400": _error("Invalid request: malformed JSON or a bad parameter (error.param names it)."),
+    "404": _error("Unknown model."),
+    "413": _error("Body too large."),
+}
+_FULL = {
+    "503": {
+        **_error("The server is full; retry after the Retry-After header's seconds."),
+        "headers": {"Retry-After": {"schema": {"type": "integer"}}},
+    },
+    "500": _error("The backend failed while generating."),
+}
+
+_SAMPLING: dict[str, Any] = {
+    "model": _nullable({"type": "string", "description": "Served model name (optional)."}),
+    "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 100, "default": 1}),
+    "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+    "top_k": _nullable({"type": "integer", "minimum": -1, "maximum": 1 << 20}),
+    "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+    "seed": _nullable({"type": "integer", "minimum": _INT64_MIN, "maximum": _INT64_MAX,
+                       "description": "Choice i uses seed + i."}),
+    "stop": _nullable({"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP},
+    ]}),
+    "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0}}),
+    "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES}),
+    "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+    "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+    "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 100}),
+    "ignore_eos": _nullable({"type": "boolean"}),
+    "skip_special_tokens": _nullable({"type": "boolean"}),
+    "stream": _nullable({"type": "boolean"}),
+    "stream_options": _nullable({
+        "type": "object",
+        "properties": {"include_usage": _nullable({"type": "boolean"})},
+        "description": "Only with stream: true.",
+    }),
+    "user": _nullable({"type": "string"}),
+    "max_tokens": _nullable({
+        "type": "integer", "minimum": 0, "maximum": _INT64_MAX,
+        "description": "Clamped to what fits the model context and the KV pool.",
+    }),
+}
+
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+_LOGPROB_TOP: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "token": {"type": "string"},
+        "logprob": {"type": "number"},
+        "bytes": _nullable({"type": "array", "items": {"type": "integer"}}),
+    },
+    "required": ["token", "logprob"],
+}
+
+_SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object",
+        "properties": {
+            "error": {
+                "type": "object",
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "null"]},
+                },
+                "required": ["message", "type"],
+            }
+        },
+        "required": ["error"],
+    },
+    "Usage": {
+        "type": "object",
+        "properties": {
+            "prompt_tokens": {"type": "integer"},
+            "completion_tokens": {"type": "integer"},
+            "total_tokens": {"type": "integer"},
+            "prompt_tokens_details": {
+                "type": "object", "properties": {"cached_tokens": {"type": "integer"}},
+            },
+        },
+        "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    },
+    "CompletionRequest": {
+        "type": "object",
+        "properties": {
+            **_SAMPLING,
+            "prompt": {"anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                _TOKEN_IDS,
+                {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+            ]},
+            "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+            "echo": _nullable({"type": "boolean"}),
+            "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
+                                  "description": "Must equal n."}),
+        },
+        "required": ["prompt"],
+    },
+    "ChatMessage": {
+        "type": "object",
+        "properties": {
+            "role": {"type": "string",
+                     "enum": ["system", "developer", "user", "assistant", "tool"]},
+            "content": _nullable({"anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {
+                    "type": "object",
+                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                    "required": ["type", "text"],
+                }},
+            ]}),
+            "name": {"type": "string"},
+        },
+        "required": ["role"],
+    },
+    "ChatCompletionRequest": {
+        "type": "object",
+        "properties": {
+            **_SAMPLING,
+            "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
+            "max_completion_tokens": _SAMPLING["max_tokens"],
+            "logprobs": _nullable({"type": "boolean"}),
+            "top_logprobs": _nullable({"type": "integer", "minimum": 0,
+                                       "maximum": MAX_LOGPROBS,
+                                       "description": "Needs logprobs: true."}),
+            "add_generation_prompt": _nullable({"type": "boolean"}),
+        },
+        "required": ["messages"],
+    },
+    "CompletionLogprobs": {
+        "type": "object",
+        "properties": {
+            "tokens": {"type": "array", "items": {"type": "string"}},
+            "token_logprobs": {"type": "array", "items": {"type": "number"}},
+            "top_logprobs": {"type": "array", "items": {
+                "type": "object", "additionalProperties": {"type": "number"}}},
+            "text_offset": {"type": "array", "items": {"type": "integer"}},
+        },
+    },
+    "ChatLogprobs": {
+        "type": "object",
+        "properties": {"content": {"type": "array", "items": {
+            **_LOGPROB_TOP,
+            "properties": {**_LOGPROB_TOP["properties"],
+                           "top_logprobs": {"type": "array", "items": _LOGPROB_TOP}},
+        }}},
+    },
+    "Completion": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "text_completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": {
+                "type": "object",
+                "properties": {
+                    "index": {"type": "integer"},
+                    "text": {"type": "string"},
+                    "logprobs": _nullable(_ref("CompletionLogprobs")),
+                    "finish_reason": {"type": ["string", "null"]},
+                },
+                "required": ["index", "text", "finish_reason"],
+            }},
+            "usage": _ref("Usage"),
+        },
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+    },
+    "ChatCompletion": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "chat.completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": {
+                "type": "object",
+                "properties": {
+                    "index": {"type": "integer"},
+                    "message": {
+                        "type": "object",
+                        "properties": {"role": {"const": "assistant"},
+                                       "content": {"type": "string"}},
+                        "required": ["role", "content"],
+                    },
+                    "logprobs": _nullable(_ref("ChatLogprobs")),
+                    "finish_reason": {"type": ["string", "null"]},
+                },
+                "required": ["index", "message", "finish_reason"],
+            }},
+            "usage": _ref("Usage"),
+        },
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+    },
+    "Model": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "model"},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+            "max_model_len": {"type": "integer"},
+        },
+        "required": ["id", "object", "created", "owned_by"],
+    },
+    "GenerateRequest": {
+        "type": "object",
+        "description": "Exactly one of prompt_tokens, prompt_token_ids, prompt. Unknown "
+        "fields are rejected.",
+        "properties": {
+            "prompt_tokens": {"type": "integer", "minimum": 1, "maximum": 1 << 20},
+            "prompt_token_ids": _TOKEN_IDS,
+            "prompt": {"type": "string", "minLength": 1},
+            "max_new_tokens": {"type": "integer", "minimum": 0, "maximum": 1 << 20,
+                               "default": 16},
+            "request_id": {"type": "string", "minLength": 1, "maxLength": 256},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 100},
+            "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+            "top_k": {"type": "integer", "minimum": -1, "maximum": 1 << 20},
+            "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+            "seed": {"type": "integer", "minimum": 0, "maximum": _INT64_MAX},
+            "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
+            "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+            "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+            "stop": {"anyOf": [{"type": "string", "minLength": 1}, {
+                "type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]},
+            "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+            "ignore_eos": {"type": "boolean"},
+            "skip_special_tokens": {"type": "boolean"},
+        },
+        "additionalProperties": False,
+    },
+}
+
+
+def _sse_or_json(schema_name: str, description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {
+            "application/json": {"schema": _ref(schema_name)},
+            "text/event-stream": {"schema": {
+                "type": "string",
+                "description": "stream: true. `data: {chunk}` events, then `data: [DONE]`.",
+            }},
+        },
+    }
+
+
+def openapi_schema(model_name: str) -> dict[str, Any]:
+    """The whole document; ``model_name`` appears in descriptions and examples."""
+    auth_gen = {**_AUTH_ERRORS, **_BODY_ERRORS, **_FULL}
+    auth_body = {**_AUTH_ERRORS, **_BODY_ERRORS}
+    paths: dict[str, Any] = {
+        "/v1/models": {"get": {
+            "operationId": "listModels",
+            "summary": "The served model.",
+            "responses": {
+                "200": _json({"type": "object", "properties": {
+                    "object": {"const": "list"},
+                    "data": {"type": "array", "items": _ref("Model")},
+                }, "required": ["object", "data"]}, "Model list."),
+                **_AUTH_ERRORS,
+            },
+        }},
+        "/v1/models/{model}": {"get": {
+            "operationId": "getModel",
+            "summary": "One model by name.",
+            "parameters": [{"name": "model", "in": "path", "required": True,
+                            "schema": {"type": "string"}}],
+            "responses": {"200": _json(_ref("Model"), "The model."),
+                          "404": _error("Unknown model."), **_AUTH_ERRORS},
+        }},
+        "/v1/completions": {"post": {
+            "operationId": "createCompletion",
+            "summary": "OpenAI-compatible text completion.",
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": _ref("CompletionRequest"),
+                "example": {"model": model_name, "prompt": "Once upon a time",
+                            "max_tokens": 16},
+            }}},
+            "responses": {"200": _sse_or_json("Completion", "The completion."), **auth_gen},
+        }},
+        "/v1/chat/completions": {"post": {
+            "operationId": "createChatCompletion",
+            "summary": "OpenAI-compatible chat completion (the checkpoint's chat template).",
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": _ref("ChatCompletionRequest"),
+                "example": {"model": model_name,
+                            "messages": [{"role": "user", "content": "Hello!"}]},
+            }}},
+            "responses": {"200": _sse_or_json("ChatCompletion", "The completion."),
+                          **auth_gen},
+        }},
+        "/tokenize": {"post": {
+            "operationId": "tokenize",
+            "summary": "Text (or chat messages through the template) to token ids.",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object",
+                "description": "Exactly one of prompt and messages.",
+                "properties": {
+                    "model": _SAMPLING["model"],
+                    "prompt": {"type": "string"},
+                    "messages": {"type": "array", "items": _ref("ChatMessage"),
+                                 "minItems": 1},
+                    "add_special_tokens": {"type": "boolean", "default": True},
+                    "add_generation_prompt": {"type": "boolean", "default": True},
+                },
+            }}}},
+            "responses": {
+                "200": _json({"type": "object", "properties": {
+                    "tokens": {"type": "array", "items": {"type": "integer"}},
+                    "count": {"type": "integer"},
+                    "max_model_len": {"type": "integer"},
+                }, "required": ["tokens", "count"]}, "Token ids."),
+                **auth_body,
+            },
+        }},
+        "/detokenize": {"post": {
+            "operationId": "detokenize",
+            "summary": "Token ids to text.",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object",
+                "properties": {"model": _SAMPLING["model"],
+                               "tokens": {"type": "array",
+                                          "items": {"type": "integer", "minimum": 0}}},
+                "required": ["tokens"],
+            }}}},
+            "responses": {
+                "200": _json({"type": "object", "properties": {"prompt": {"type": "string"}},
+                              "required": ["prompt"]}, "The text."),
+                **auth_body,
+            },
+        }},
+        "/generate": {"post": {
+            "operationId": "generate",
+            "summary": "Native streaming endpoint: one JSON line per token.",
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": _ref("GenerateRequest"),
+                "example": {"prompt_tokens": 128, "max_new_tokens": 64},
+            }}},
+            "responses": {
+                "200": {"description": "NDJSON: one line per token, the last with "
+                        "done: true and finish_reason.",
+                        "content": {"application/x-ndjson": {"schema": {"type": "string"}}}},
+                "400": _error("Invalid request."),
+                "409": _error("request_id is already live."),
+                "413": _error("Body too large."),
+                **_AUTH_ERRORS,
+            },
+        }},
+        "/metrics": {"get": {
+            "operationId": "metrics",
+            "summary": "Engine metrics: JSON, or Prometheus text when Accept asks for text.",
+            "responses": {
+                "200": {"description": "Metrics.", "content": {
+                    "application/json": {"schema": {"type": "object"}},
+                    "text/plain": {"schema": {"type": "string"}},
+                }},
+                **_AUTH_ERRORS,
+            },
+        }},
+        "/health": {"get": {
+            "operationId": "health",
+            "summary": "200 while the engine thread runs steps; never needs the API key.",
+            "security": [],
+            "responses": {
+                "200": _json({"type": "object", "properties": {"status": {"type": "string"}}},
+                             "Healthy."),
+                "503": _json({"type": "object", "properties": {"status": {"type": "string"}}},
+                             "Engine stopped or stalled."),
+            },
+        }},
+        "/openapi.json": {"get": {
+            "operationId": "openapi",
+            "summary": "This document.",
+            "responses": {"200": _json({"type": "object"}, "OpenAPI document."),
+                          **_AUTH_ERRORS},
+        }},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "iron-batch",
+            "version": __version__,
+            "description": f"Continuous-batching LLM server serving {model_name!r}. "
+            "OpenAI-compatible under /v1.",
+        },
+        "paths": paths,
+        "components": {
+            "schemas": _SCHEMAS,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        # Only enforced when the server was started with --api-key.
+        "security": [{"bearer": []}, {}],
+    }
