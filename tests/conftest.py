@@ -91,11 +91,12 @@ class ServerStarter:
         token_latency_us: float = 20.0,
         prefill_token_latency_us: float = 0.0,
         app_options: dict[str, Any] | None = None,
+        engine_options: dict[str, Any] | None = None,
         **config: Any,
     ) -> ServerHandle:
         if backend is None:
             backend = MockBackend(token_latency_us, prefill_token_latency_us)
-        engine = Engine(backend, SchedulerConfig(**config))
+        engine = Engine(backend, SchedulerConfig(**config), **(engine_options or {}))
         app = create_app(engine, api_key=api_key, **(app_options or {}))
         # Bind here and hand the socket to uvicorn: no race for the port.
         sock = socket.socket()

@@ -5,15 +5,32 @@ KV block is free again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-from conftest import ServerFactory, ServerHandle
+from conftest import (
+    CharTokenizer,
+    ServerFactory,
+    ServerHandle,
+    ServerStarter,
+    TextMockBackend,
+    free_port,
+    wait_for,
+)
+from iron_batch.backends.base import FatalBackendError
 from iron_batch.backends.mock import MockBackend
+from iron_batch.server.admission import ServerLimits
 
 # ---------------------------------------------------------------- raw streaming client
 
@@ -229,3 +246,552 @@ def test_hostile_generate_bodies_get_a_4xx_and_change_nothing(
 def test_wrong_methods_are_4xx(shared_server: ServerHandle, method: str) -> None:
     response = httpx.request(method, f"{shared_server.url}/generate", timeout=10)
     assert 400 <= response.status_code < 500
+
+
+# ================================================================ every endpoint, faults, limits
+
+_FUZZ_BODY_LIMIT = 1 << 20
+
+
+class ChatCharTokenizer(CharTokenizer):
+    """CharTokenizer with a trivial chat template (the messages' contents, concatenated)."""
+
+    chat_template = "concat"
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        return "".join(m["content"] for m in messages)
+
+
+class SwitchBackend(TextMockBackend):
+    """Text mock whose execute fails while ``fail`` (RuntimeError) or ``fatal`` is set."""
+
+    def __init__(self, token_latency_us: float = 20.0) -> None:
+        super().__init__(token_latency_us)
+        self.tokenizer = ChatCharTokenizer()  # type: ignore[assignment]
+        self.fail = False
+        self.fatal = False
+
+    def execute(self, batch: Any) -> np.ndarray:
+        if self.fatal:
+            raise FatalBackendError("injected: device lost")
+        if self.fail:
+            raise RuntimeError("injected fault")
+        return super().execute(batch)
+
+
+@pytest.fixture(scope="module")
+def text_server() -> Iterator[ServerHandle]:
+    starter = ServerStarter()
+    yield starter(SwitchBackend(), total_kv_blocks=256, kv_block_size=4,
+                  app_options={"limits": ServerLimits(max_body_bytes=_FUZZ_BODY_LIMIT)})
+    starter.close()
+
+
+def _j(body: Any) -> bytes:
+    return json.dumps(body).encode()
+
+
+_MSG = [{"role": "user", "content": "abc"}]
+_COMMON_HOSTILE: list[tuple[str, bytes, dict[str, str]]] = [
+    ("empty body", b"", {}),
+    ("not json", b"{nope", {}),
+    ("json array", b"[1, 2, 3]", {}),
+    ("json string", b'"hello"', {}),
+    ("null", b"null", {}),
+    ("invalid utf-8", b'{"prompt": "\xff\xfe", "tokens": [1]}', {}),
+    ("nan", b'{"prompt": [1], "messages": [], "tokens": [1], "temperature": NaN}', {}),
+    ("deep nesting", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", {}),
+    ("form content type", b"prompt=abc", {"content-type": "application/x-www-form-urlencoded"}),
+    ("text content type", b"abc", {"content-type": "text/plain"}),
+    ("utf-16 body", '{"prompt": "abc"}'.encode("utf-16"), {}),
+    ("wrong model", _j({"model": "gpt-9", "prompt": "abc", "messages": _MSG, "tokens": [1]}), {}),
+    ("oversized body", b'{"prompt": "' + b"a" * (_FUZZ_BODY_LIMIT + 10) + b'"}', {}),
+]
+_ENDPOINT_HOSTILE: dict[str, list[tuple[str, bytes, dict[str, str]]]] = {
+    "/v1/completions": [
+        ("no prompt", _j({}), {}),
+        ("huge max_tokens", _j({"prompt": [1], "max_tokens": 10**30}), {}),
+        ("negative max_tokens", _j({"prompt": [1], "max_tokens": -1}), {}),
+        ("infinite top_p", b'{"prompt": [1], "top_p": 1e999}', {}),
+        ("string n", _j({"prompt": [1], "n": "2"}), {}),
+        ("float n", _j({"prompt": [1], "n": 2.0}), {}),
+        ("huge n", _j({"prompt": [1], "n": 10**6}), {}),
+        ("empty prompt", _j({"prompt": ""}), {}),
+        ("empty prompt list", _j({"prompt": []}), {}),
+        ("unknown token id", _j({"prompt": [1, 26]}), {}),
+        ("negative token id", _j({"prompt": [-1]}), {}),
+        ("token id past int64", _j({"prompt": [2**64]}), {}),
+        ("bool token", _j({"prompt": [True]}), {}),
+        ("prompt nested too deep", _j({"prompt": [[[1]]]}), {}),
+        ("untokenizable prompt", _j({"prompt": "ABC!"}), {}),
+        ("huge prompt", _j({"prompt": [1] * 200_000}), {}),
+        ("too many prompts", _j({"prompt": ["a"] * 100}), {}),
+        ("stream not bool", _j({"prompt": [1], "stream": "yes"}), {}),
+        ("stream_options without stream", _j({"prompt": [1],
+                                              "stream_options": {"include_usage": True}}), {}),
+        ("huge logprobs", _j({"prompt": [1], "logprobs": 1000}), {}),
+        ("huge seed", _j({"prompt": [1], "seed": 2**70}), {}),
+        ("stop not a string", _j({"prompt": [1], "stop": 5}), {}),
+        ("suffix", _j({"prompt": [1], "suffix": "x"}), {}),
+    ],
+    "/v1/chat/completions": [
+        ("no messages", _j({}), {}),
+        ("messages a string", _j({"messages": "hi"}), {}),
+        ("empty messages", _j({"messages": []}), {}),
+        ("message not an object", _j({"messages": [1]}), {}),
+        ("bad role", _j({"messages": [{"role": "wizard", "content": "a"}]}), {}),
+        ("content a number", _j({"messages": [{"role": "user", "content": 5}]}), {}),
+        ("image part", _j({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+         {}),
+        ("untokenizable content", _j({"messages": [{"role": "user", "content": "ÄÖ"}]}), {}),
+        ("empty rendering", _j({"messages": [{"role": "user", "content": ""}]}), {}),
+        ("tools", _j({"messages": _MSG, "tools": [{"type": "function"}]}), {}),
+        ("negative max_completion_tokens", _j({"messages": _MSG, "max_completion_tokens": -5}),
+         {}),
+        ("top_logprobs without logprobs", _j({"messages": _MSG, "top_logprobs": 2}), {}),
+        ("huge temperature", _j({"messages": _MSG, "temperature": 1e308}), {}),
+        ("huge prompt", _j({"messages": [{"role": "user", "content": "a" * 200_000}]}), {}),
+    ],
+    "/tokenize": [
+        ("neither prompt nor messages", _j({}), {}),
+        ("both prompt and messages", _j({"prompt": "a", "messages": _MSG}), {}),
+        ("prompt a number", _j({"prompt": 5}), {}),
+        ("untokenizable prompt", _j({"prompt": "ÄÖ"}), {}),
+        ("add_special_tokens a string", _j({"prompt": "a", "add_special_tokens": "no"}), {}),
+        ("bad message", _j({"messages": [{"role": "x"}]}), {}),
+    ],
+    "/detokenize": [
+        ("no tokens", _j({}), {}),
+        ("tokens a string", _j({"tokens": "abc"}), {}),
+        ("unknown token id", _j({"tokens": [26]}), {}),
+        ("negative token id", _j({"tokens": [-1]}), {}),
+        ("huge token id", _j({"tokens": [2**70]}), {}),
+        ("float token", _j({"tokens": [1.0]}), {}),
+        ("bool token", _j({"tokens": [True]}), {}),
+    ],
+}
+_ALL_HOSTILE = [
+    (path, *case) for path, cases in _ENDPOINT_HOSTILE.items()
+    for case in [*_COMMON_HOSTILE, *cases]
+]
+
+
+@pytest.mark.parametrize(("path", "name", "body", "headers"), _ALL_HOSTILE,
+                         ids=[f"{c[0]}:{c[1]}" for c in _ALL_HOSTILE])
+def test_hostile_bodies_on_every_endpoint_get_a_4xx(
+    text_server: ServerHandle, path: str, name: str, body: bytes, headers: dict[str, str]
+) -> None:
+    response = httpx.post(f"{text_server.url}{path}", content=body,
+                          headers={"content-type": "application/json", **headers}, timeout=30)
+    assert 400 <= response.status_code < 500, (name, response.status_code, response.text[:300])
+    err = response.json()["error"]
+    assert err["message"] and err["type"], name
+    m = text_server.metrics()
+    assert m["kv_blocks_free"] == m["kv_blocks_total"] and m["running"] == 0
+
+
+@pytest.mark.parametrize("path", list(_ENDPOINT_HOSTILE))
+def test_every_endpoint_still_serves_after_hostile_input(
+    text_server: ServerHandle, path: str
+) -> None:
+    bodies = {
+        "/v1/completions": {"prompt": "abc", "max_tokens": 3},
+        "/v1/chat/completions": {"messages": _MSG, "max_tokens": 3},
+        "/tokenize": {"prompt": "abc"},
+        "/detokenize": {"tokens": [0, 1, 2]},
+    }
+    response = httpx.post(f"{text_server.url}{path}", json=bodies[path], timeout=30)
+    assert response.status_code == 200, response.text
+    for method in ("GET", "PUT", "DELETE"):
+        assert 400 <= httpx.request(method, f"{text_server.url}{path}").status_code < 500
+
+
+# ---------------------------------------------------------------- faults on the OpenAI paths
+
+
+def _sse_payloads(text: str) -> list[Any]:
+    out: list[Any] = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_backend_fault_on_openai_paths(start_server: ServerFactory, path: str,
+                                       stream: bool) -> None:
+    backend = SwitchBackend(token_latency_us=100)
+    srv = start_server(backend=backend, total_kv_blocks=256, kv_block_size=4)
+    body: dict[str, Any] = {"max_tokens": 8, "stream": stream, "n": 2}
+    body.update({"prompt": "abc"} if path == "/v1/completions" else {"messages": _MSG})
+    backend.fail = True
+    response = httpx.post(f"{srv.url}{path}", json=body, timeout=30)
+    if stream:
+        assert response.status_code == 200
+        events = _sse_payloads(response.text)
+        assert events[-1] == "[DONE]"
+        err = events[-2]["error"]
+        assert err["type"] == "server_error" and "injected fault" in err["message"]
+    else:
+        assert response.status_code == 500, response.text
+        err = response.json()["error"]
+        assert err["type"] == "server_error" and "injected fault" in err["message"]
+    m = srv.wait_idle()
+    # SSE ends at the first failed choice and aborts the other if it has not failed yet.
+    assert m["requests_failed"] >= 1 and m["requests_failed"] + m["requests_aborted"] == 2
+    backend.fail = False
+    ok = httpx.post(f"{srv.url}{path}", json=body, timeout=30)
+    assert ok.status_code == 200
+    if stream:
+        events = _sse_payloads(ok.text)
+        assert events[-1] == "[DONE]"
+        reasons = [c["finish_reason"] for e in events[:-1] for c in e["choices"]]
+        assert reasons.count("length") == 2
+    else:
+        assert [c["finish_reason"] for c in ok.json()["choices"]] == ["length", "length"]
+    srv.wait_idle()
+
+
+async def _open_raw(host: str, port: int, path: str, body: dict[str, Any]) -> tuple[Any, Any]:
+    reader, writer = await asyncio.open_connection(host, port)
+    payload = json.dumps(body).encode()
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n".encode()
+        + b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(payload), payload)
+    )
+    await writer.drain()
+    return reader, writer
+
+
+async def _read_head(reader: Any) -> int:
+    status = int((await reader.readline()).split()[1])
+    while (await reader.readline()) not in (b"\r\n", b""):
+        pass
+    return status
+
+
+async def _read_chunks(reader: Any, until: bytes | None = None) -> bytes:
+    """Chunked body after the head: everything, or up to the first chunk containing
+    ``until``."""
+    body = b""
+    while True:
+        size_line = await reader.readline()
+        if not size_line:
+            return body
+        size = int(size_line.strip() or b"0", 16)
+        if size == 0:
+            return body
+        body += (await reader.readexactly(size + 2))[:-2]
+        if until is not None and until in body:
+            return body
+
+
+def test_fatal_backend_fault_fails_everything_and_health(start_server: ServerFactory) -> None:
+    backend = SwitchBackend(token_latency_us=200)
+    srv = start_server(backend=backend, total_kv_blocks=1024, kv_block_size=4)
+
+    async def run() -> list[bytes]:
+        opened = [
+            await _open_raw(srv.host, srv.port, "/generate",
+                            {"prompt_token_ids": [1, 2, 3], "max_new_tokens": 3000}),
+            await _open_raw(srv.host, srv.port, "/v1/completions",
+                            {"prompt": "abc", "max_tokens": 3000, "stream": True}),
+        ]
+        heads = []
+        for reader, _ in opened:
+            assert await _read_head(reader) == 200
+            heads.append(await _read_chunks(reader, until=b"\n"))
+        backend.fatal = True
+        try:
+            return [head + await _read_chunks(reader) for head, (reader, _) in
+                    zip(heads, opened, strict=True)]
+        finally:
+            for _, writer in opened:
+                writer.close()
+
+    ndjson, sse = asyncio.run(run())
+    last = json.loads(ndjson.splitlines()[-1])
+    assert last["done"] and last["finish_reason"] == "error"
+    assert "device lost" in last["error"]
+    events = _sse_payloads(sse.decode())
+    assert events[-1] == "[DONE]" and "device lost" in events[-2]["error"]["message"]
+    health = httpx.get(f"{srv.url}/health", timeout=10)
+    assert health.status_code == 503 and health.json()["status"] == "engine failed"
+    wait_for(lambda: not srv.engine.running, what="engine thread stopped")
+    for path, body in [("/generate", {"prompt_tokens": 3}),
+                       ("/v1/completions", {"prompt": "abc", "max_tokens": 2})]:
+        response = httpx.post(f"{srv.url}{path}", json=body, timeout=10)
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"] == "1"
+    m = srv.metrics()
+    assert m["kv_blocks_free"] == m["kv_blocks_total"] and m["requests_failed"] == 2
+
+
+def test_consecutive_failed_steps_are_fatal(start_server: ServerFactory) -> None:
+    backend = SwitchBackend(token_latency_us=100)
+    srv = start_server(backend=backend, total_kv_blocks=256, kv_block_size=4,
+                       engine_options={"max_consecutive_failures": 3})
+    backend.fail = True
+    for i in range(3):
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        status, lines = srv.generate({"prompt_token_ids": [1, 2], "max_new_tokens": 4})
+        assert status == 200 and lines[-1]["finish_reason"] == "error", (i, lines)
+    health = wait_for(lambda: (r := httpx.get(f"{srv.url}/health")).status_code == 503 and r,
+                      what="/health failing")
+    assert "3 failed steps in a row" in health.json()["error"]
+    status, body = srv.generate({"prompt_tokens": 3})
+    assert status == 503 and body[0]["error"]["code"] == "engine_failed"
+
+
+# ---------------------------------------------------------------- limits and backpressure
+
+
+def test_limits_on_generate_and_openai(start_server: ServerFactory) -> None:
+    limits = ServerLimits(max_body_bytes=4096, max_prompt_tokens=50, max_new_tokens=20)
+    srv = start_server(SwitchBackend(), total_kv_blocks=256, kv_block_size=4,
+                       app_options={"limits": limits})
+    big = {"prompt_token_ids": [1] * 3000}
+    for path, body in [("/generate", big), ("/v1/completions", {"prompt": [1] * 3000})]:
+        response = httpx.post(f"{srv.url}{path}", json=body, timeout=10)
+        assert response.status_code == 413, (path, response.text)
+    status, body = srv.generate({"prompt_token_ids": [1] * 51})
+    assert status == 400 and "at most 50" in body[0]["error"]["message"]
+    status, body = srv.generate({"prompt_tokens": 4, "max_new_tokens": 21})
+    assert status == 400 and "max_new_tokens" in body[0]["error"]["message"]
+    status, lines = srv.generate({"prompt_token_ids": [1] * 50, "max_new_tokens": 20})
+    assert status == 200 and len(lines) == 20
+    v1 = f"{srv.url}/v1/completions"
+    response = httpx.post(v1, json={"prompt": [1] * 51}, timeout=10)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    response = httpx.post(v1, json={"prompt": [1], "max_tokens": 21}, timeout=10)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+    # Chat-style "no max_tokens" is clamped to the limit, not to the KV pool.
+    response = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": _MSG}, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 20
+    srv.wait_idle()
+
+
+def test_full_queue_is_503_on_generate_too(start_server: ServerFactory) -> None:
+    srv = start_server(app_options={"max_waiting_requests": 0})
+    response = httpx.post(f"{srv.url}/generate", json={"prompt_tokens": 3}, timeout=10)
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "server_overloaded"
+
+
+def test_waiting_tokens_limit_refuses_new_work_and_keeps_accepted_work(
+    start_server: ServerFactory,
+) -> None:
+    srv = start_server(total_kv_blocks=1024, kv_block_size=4, max_running_seqs=1,
+                       token_latency_us=1000,
+                       app_options={"limits": ServerLimits(max_waiting_tokens=15)})
+
+    async def run() -> list[bytes]:
+        first = await _open_raw(srv.host, srv.port, "/generate",
+                                {"prompt_token_ids": [1] * 10, "max_new_tokens": 2000})
+        assert await _read_head(first[0]) == 200
+        head = await _read_chunks(first[0], until=b"\n")  # running: its prompt no longer waits
+        second = await _open_raw(srv.host, srv.port, "/generate",
+                                 {"prompt_token_ids": [2] * 10, "max_new_tokens": 5})
+        await _wait_until(lambda: srv.engine.waiting_prompt_tokens == 10)
+        for path, body in [("/generate", {"prompt_token_ids": [3] * 10}),
+                           ("/v1/completions", {"prompt": [3] * 10})]:
+            async with httpx.AsyncClient() as c:
+                response = await c.post(f"{srv.url}{path}", json=body, timeout=10)
+            assert response.status_code == 503, response.text
+            assert response.headers["retry-after"] == "1"
+        small = {"prompt_token_ids": [4] * 5, "max_new_tokens": 1}
+        third = await _open_raw(srv.host, srv.port, "/generate", small)  # 10 + 5 fits
+        out = [head + await _read_chunks(first[0])]
+        first[1].close()
+        for reader, writer in (second, third):
+            assert await _read_head(reader) == 200
+            out.append(await _read_chunks(reader))
+            writer.close()
+        return out
+
+    bodies = asyncio.run(run())
+    for body, n in zip(bodies, (2000, 5, 1), strict=True):
+        lines = [json.loads(x) for x in body.splitlines()]
+        assert lines[-1]["finish_reason"] == "length" and lines[-1]["token_index"] == n - 1
+    srv.wait_idle()
+    assert srv.engine.waiting_prompt_tokens == 0
+
+
+# ---------------------------------------------------------------- slow readers
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_slow_reader_is_aborted_and_others_complete(start_server: ServerFactory,
+                                                     path: str) -> None:
+    # The bound is in engine steps a reader may lag: 1,000 steps of 100 us is 0.1 s, far
+    # more than a reading client ever lags, far less than a client that stopped reading.
+    srv = start_server(total_kv_blocks=1 << 17, kv_block_size=16, token_latency_us=100,
+                       engine_options={"max_stream_buffer_events": 1000})
+    body = ({"prompt_token_ids": [1, 2, 3], "max_new_tokens": 1_000_000} if path == "/generate"
+            else {"prompt": [1, 2, 3], "max_tokens": 1_000_000, "stream": True})
+    payload = json.dumps(body).encode()
+    # Small socket buffers on both ends (accepted sockets inherit the listener's): without
+    # them the kernel absorbs megabytes before the server's writes block.
+    for listener in srv.server.servers[0].sockets:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    slow.connect((srv.host, srv.port))
+    try:
+        slow.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+            + b"Content-Length: %d\r\n\r\n" % len(payload) + payload
+        )
+        # Never read: the server's socket buffers fill, its writes block, the stream's
+        # buffer fills, and the engine aborts the request.
+        status, lines = srv.generate({"prompt_token_ids": [5, 6], "max_new_tokens": 5000})
+        assert status == 200 and len(lines) == 5000 and lines[-1]["finish_reason"] == "length"
+        m = wait_for(lambda: (m := srv.metrics())["requests_aborted"] == 1 and m, timeout=60,
+                     what="the slow reader's request aborted")
+        assert m["running"] == 0
+        srv.wait_idle()
+    finally:
+        slow.close()
+    status, lines = srv.generate({"prompt_tokens": 3, "max_new_tokens": 2})
+    assert status == 200 and lines[-1]["done"]
+
+
+# ---------------------------------------------------------------- schemathesis
+
+
+def test_schemathesis_finds_no_server_error(start_server: ServerFactory) -> None:
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+    from schemathesis import GenerationMode
+    from schemathesis.checks import not_a_server_error
+
+    srv = start_server(SwitchBackend(token_latency_us=0), total_kv_blocks=512, kv_block_size=4,
+                       app_options={"limits": ServerLimits(max_new_tokens=32)})
+    schema = schemathesis.openapi.from_url(f"{srv.url}/openapi.json")
+    strategy = st.one_of(schema.as_strategy(GenerationMode.POSITIVE),
+                         schema.as_strategy(GenerationMode.NEGATIVE))
+    calls = 0
+
+    @settings(max_examples=400, deadline=None, database=None, derandomize=True,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=strategy)
+    def fuzz(case: Any) -> None:
+        nonlocal calls
+        calls += 1
+        response = case.call(base_url=srv.url, timeout=30)
+        case.validate_response(response, checks=[not_a_server_error])
+
+    fuzz()
+    assert calls >= 100
+    srv.wait_idle(30)
+    status, lines = srv.generate({"prompt_tokens": 3, "max_new_tokens": 2})
+    assert status == 200 and lines[-1]["done"]
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+# ---------------------------------------------------------------- the CLI process: fatal, SIGTERM
+
+_FATAL_BOOT = """
+import sys
+from iron_batch.backends import mock
+from iron_batch.backends.base import FatalBackendError
+execute = mock.MockBackend.execute
+def failing(self, batch):
+    if self.steps >= 20:
+        raise FatalBackendError("injected: device lost")
+    return execute(self, batch)
+mock.MockBackend.execute = failing
+from iron_batch.server.cli import main
+main(sys.argv[1:])
+"""
+
+
+@contextlib.contextmanager
+def _cli(*args: str, boot: str | None = None) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    port = free_port()
+    cmd = [sys.executable, "-c", boot] if boot else [sys.executable, "-m", "iron_batch.server"]
+    proc = subprocess.Popen([*cmd, "--addr", f"127.0.0.1:{port}", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stdout.read() if proc.stdout else ''}")
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(up, 30, "server /health")
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        if proc.stdout:
+            proc.stdout.close()
+
+
+def test_cli_exits_non_zero_on_a_fatal_backend_fault() -> None:
+    with _cli("--mock-token-latency-us", "1000", boot=_FATAL_BOOT) as (proc, port):
+        response = httpx.post(f"http://127.0.0.1:{port}/generate",
+                              json={"prompt_tokens": 4, "max_new_tokens": 1000}, timeout=30)
+        lines = [json.loads(x) for x in response.text.splitlines()]
+        assert lines[-1]["finish_reason"] == "error" and "device lost" in lines[-1]["error"]
+        assert proc.wait(30) == 1
+        assert proc.stdout is not None and "fatal engine fault" in proc.stdout.read()
+
+
+def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
+    with _cli("--mock-token-latency-us", "2000", "--drain-timeout", "3") as (proc, port):
+        url = f"http://127.0.0.1:{port}"
+        keep_alive = httpx.Client(timeout=10)
+        assert keep_alive.get(f"{url}/health").status_code == 200
+
+        async def run() -> tuple[list[bytes], bytes]:
+            plans = [("/generate", {"prompt_tokens": 4, "max_new_tokens": 200}),
+                     ("/generate", {"prompt_tokens": 4, "max_new_tokens": 60_000}),
+                     ("/v1/completions", {"prompt": [1, 2], "max_tokens": 200, "stream": True}),
+                     ("/v1/completions", {"prompt": [1, 2], "max_tokens": 60_000,
+                                          "stream": True})]
+            opened = [await _open_raw("127.0.0.1", port, path, body) for path, body in plans]
+            heads = []
+            for reader, _ in opened:
+                assert await _read_head(reader) == 200
+                heads.append(await _read_chunks(reader, until=b"\n"))
+            proc.send_signal(signal.SIGTERM)
+            try:
+                bodies = [head + await _read_chunks(reader)
+                          for head, (reader, _) in zip(heads, opened, strict=True)]
+            finally:
+                for _, writer in opened:
+                    writer.close()
+            return bodies, b""
+
+        bodies, _ = asyncio.run(run())
+        short, long, short_sse, long_sse = bodies
+        assert json.loads(short.splitlines()[-1])["finish_reason"] == "length"
+        assert len(short.splitlines()) == 200
+        last = json.loads(long.splitlines()[-1])
+        assert last["done"] and last["finish_reason"] == "abort"
+        for body, reason in ((short_sse, "length"), (long_sse, "abort")):
+            events = _sse_payloads(body.decode())
+            assert events[-1] == "[DONE]"
+            assert events[-2]["choices"][0]["finish_reason"] == reason
+        # Draining or gone: no new request is served.
+        try:
+            status = keep_alive.get(f"{url}/health").status_code
+        except httpx.HTTPError:
+            status = None
+        assert status != 200
+        keep_alive.close()
+        assert proc.wait(30) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=2)

@@ -19,12 +19,13 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from iron_batch._core import IronBatchError, Scheduler, SchedulerConfig
+from iron_batch.backends.base import FatalBackendError
 from iron_batch.sampling_params import SamplingParams
 from iron_batch.stats import EngineStats
 
@@ -34,6 +35,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _EMPTY = np.empty(0, dtype=np.int64)
+
+#: Default bound on the events one :class:`RequestStream` holds for a consumer that does not
+#: keep up (a client that stopped reading); past it the request is aborted.
+DEFAULT_MAX_STREAM_BUFFER_EVENTS = 4096
+
+
+class EngineUnavailable(RuntimeError):
+    """``submit`` on an engine that is shutting down or has failed fatally."""
 
 
 class TokenEvent:
@@ -108,6 +117,7 @@ class _Request:
         "last_time",
         "num_tokens",
         "num_cached",
+        "started",
     )
 
     def __init__(
@@ -128,6 +138,8 @@ class _Request:
         self.num_tokens = 0
         # Prefix-cache hits at first admission; None until the scheduler has admitted it.
         self.num_cached: int | None = None
+        # First token out (or ended without one): its prompt no longer counts as waiting.
+        self.started = False
 
 
 class RequestStream:
@@ -135,10 +147,15 @@ class RequestStream:
 
     Lives on the loop that called :meth:`Engine.submit`; every method must be called there.
     ``get()`` returns every event that arrived since the last call, so a slow consumer
-    catches up in one write instead of one wakeup per token.
+    catches up in one write instead of one wakeup per token. The buffer is bounded by the
+    engine's ``max_stream_buffer_events``: a consumer that falls that far behind (a client
+    that stopped reading) gets its request aborted, with a final "abort" event that names
+    the reason, so it cannot hold KV blocks or memory forever.
     """
 
-    __slots__ = ("request_id", "done", "_engine", "_req", "_loop", "_buf", "_waiter", "_closed")
+    __slots__ = (
+        "request_id", "done", "_engine", "_req", "_loop", "_buf", "_waiter", "_closed", "_limit",
+    )
 
     def __init__(self, engine: Engine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
@@ -149,18 +166,37 @@ class RequestStream:
         self._buf: list[TokenEvent] = []
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
+        self._limit = engine.max_stream_buffer_events
 
     def _push(self, event: TokenEvent) -> None:
         if self._closed:
             return
-        self._buf.append(event)
+        buf = self._buf
+        buf.append(event)
         if event.finished:
             self.done = True
+        elif 0 < self._limit < len(buf):
+            self._overflow(event)
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
+
+    def _overflow(self, last: TokenEvent) -> None:
+        # Keep what is buffered (the client may still catch up and read it) and end with an
+        # abort; drop whatever the engine sends before it processes the abort.
+        self._closed = True
+        self.done = True
+        index = last.index + (1 if last.token_id is not None else 0)
+        self._buf.append(
+            TokenEvent(
+                self.request_id, index, None, None, True, "abort",
+                f"client too slow: more than {self._limit} events unread",
+            )
+        )
+        if self._req is not None:
+            self._engine._enqueue(("abort", self._req))
 
     async def get(self) -> list[TokenEvent]:
         """Wait for and return the pending events; [] once the stream was aborted."""
@@ -206,7 +242,18 @@ def _deliver(items: list[tuple[RequestStream, TokenEvent]]) -> None:
 class Engine:
     """Continuous batching over one backend; see the module docstring."""
 
-    def __init__(self, backend: Backend, config: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        config: SchedulerConfig | None = None,
+        *,
+        max_consecutive_failures: int = 0,
+        max_stream_buffer_events: int = DEFAULT_MAX_STREAM_BUFFER_EVENTS,
+    ) -> None:
+        """``max_consecutive_failures``: that many failed steps in a row (0: never) are a
+        fatal fault, like a :class:`FatalBackendError`: every live request fails, the thread
+        stops, ``fatal_error`` says why and ``on_fatal`` is called (the server exits).
+        ``max_stream_buffer_events``: see :class:`RequestStream` (0: unbounded)."""
         self.backend = backend
         self.config = config if config is not None else SchedulerConfig()
         self.scheduler = Scheduler(self.config)
@@ -225,6 +272,17 @@ class Engine:
         self.idle = True
         # Live requests whose prefix-cache hit count is not captured yet (see _sample_extras).
         self._uncounted: set[str] = set()
+        self.max_consecutive_failures = max_consecutive_failures
+        self.max_stream_buffer_events = max_stream_buffer_events
+        self._failed_steps = 0
+        #: Set (once) when the engine stopped on a fatal fault.
+        self.fatal_error: str | None = None
+        #: Called on the engine thread after a fatal fault's error events are published.
+        self.on_fatal: Callable[[str], None] | None = None
+        # Prompt tokens of requests queued but not started: written under the lock when
+        # added, by the engine thread alone when started; their difference is the backlog.
+        self._prompt_tokens_in = 0
+        self._prompt_tokens_started = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -246,10 +304,23 @@ class Engine:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def waiting_prompt_tokens(self) -> int:
+        """Prompt tokens of requests submitted that have not produced a token yet."""
+        return self._prompt_tokens_in - self._prompt_tokens_started
+
     # ------------------------------------------------------------------ requests in
 
     def _enqueue(self, item: tuple[str, Any]) -> None:
         with self._cond:
+            if item[0] == "add":
+                if self._stopping and self._thread is not None:
+                    # Checked under the lock: past this point nobody drains the inbox.
+                    raise EngineUnavailable(
+                        f"engine failed: {self.fatal_error}" if self.fatal_error
+                        else "engine is shut down"
+                    )
+                self._prompt_tokens_in += len(item[1].prompt_token_ids)
             self._inbox.append(item)
             self._cond.notify()
 
@@ -265,7 +336,9 @@ class Engine:
         ``finish_reason == "rejected"``.
         """
         if self._stopping:
-            raise RuntimeError("engine is shut down")
+            raise EngineUnavailable(
+                f"engine failed: {self.fatal_error}" if self.fatal_error else "engine is shut down"
+            )
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id, loop)
         req = _Request(request_id, prompt_token_ids, params, stream, time.perf_counter())
@@ -282,6 +355,10 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         self._enqueue(("abort_id", request_id))
+
+    def abort_all(self) -> None:
+        """Abort every request queued or live now (drain timeout at shutdown)."""
+        self._enqueue(("abort_all", None))
 
     def has_unfinished(self) -> bool:
         """Synchronous API: anything queued or live?"""
@@ -316,19 +393,52 @@ class Engine:
             except Exception as exc:  # a scheduler bug must not kill the server
                 logger.exception("engine step failed")
                 items = self._fail_all(f"engine error: {exc}")
+                self._failed_steps += 1
+                self._check_fatal(exc, f"engine error: {exc}", items)
             empty_steps = 0 if items or not busy else empty_steps + 1
             if items:
                 self._publish(items)
             busy = self.scheduler.has_work()
         self._publish(self._close())
+        if self.fatal_error is not None and self.on_fatal is not None:
+            try:
+                self.on_fatal(self.fatal_error)
+            except Exception:
+                logger.exception("on_fatal callback failed")
+
+    def _check_fatal(
+        self, exc: BaseException, message: str, out: list[tuple[_Request, TokenEvent]]
+    ) -> None:
+        """After a failed step: a fatal fault fails everything live and stops the loop."""
+        limit = self.max_consecutive_failures
+        if not isinstance(exc, FatalBackendError) and not (
+            limit > 0 and self._failed_steps >= limit
+        ):
+            return
+        if not isinstance(exc, FatalBackendError):
+            message = f"{message} ({self._failed_steps} failed steps in a row)"
+        logger.critical("fatal engine fault, stopping: %s", message)
+        try:
+            self._fail_requests(set(self._requests), message, out)
+        except Exception:
+            logger.exception("failing requests failed")
+        with self._cond:
+            self.fatal_error = message
+            self._stopping = True
 
     def _close(self) -> list[tuple[_Request, TokenEvent]]:
         out: list[tuple[_Request, TokenEvent]] = []
         with self._cond:
             pending, self._inbox = self._inbox, []
+        error = self.fatal_error
         for kind, obj in pending:
             if kind == "add":
-                out.append((obj, TokenEvent(obj.request_id, 0, None, None, True, "abort")))
+                self._mark_started(obj)
+                if error is not None:
+                    event = TokenEvent(obj.request_id, 0, None, None, True, "error", error)
+                else:
+                    event = TokenEvent(obj.request_id, 0, None, None, True, "abort")
+                out.append((obj, event))
         for req in list(self._requests.values()):
             try:
                 self.scheduler.abort(req.request_id)
@@ -372,14 +482,17 @@ class Engine:
                     sampled = self.backend.execute(batch)
                 except Exception as exc:
                     logger.exception("backend.execute failed")
+                    self._failed_steps += 1
                     self._fail_requests(set(batch.request_ids), f"backend error: {exc}", out)
                     if getattr(exc, "invalidates_kv", False):
                         # The backend lost its KV (remote worker gone): every live request
                         # and every prefix-cache entry points at KV that no longer exists.
                         self._fail_requests(set(self._requests), f"backend error: {exc}", out)
                         self.scheduler = Scheduler(self.config)
+                    self._check_fatal(exc, f"backend error: {exc}", out)
                     self.stats.scheduler = self.scheduler.stats()
                     return out
+                self._failed_steps = 0
             else:
                 sampled = _EMPTY
             extras = self._sample_extras(batch, sampled) if batch.num_samples else None
@@ -451,6 +564,7 @@ class Engine:
                 last = req.last_time
                 if last is None:
                     ttft.observe(now - req.arrival)
+                    self._mark_started(req)
                 else:
                     gaps[last] = gaps.get(last, 0) + 1
                 req.last_time = now
@@ -491,6 +605,9 @@ class Engine:
                 # Only if still live and the same request (not a later one reusing the id).
                 if self._requests.get(target.request_id) is target:
                     self._abort(target, out)
+            elif kind == "abort_all":
+                for live in list(self._requests.values()):
+                    self._abort(live, out)
             else:  # abort_id
                 live = self._requests.get(obj)
                 if live is not None:
@@ -534,6 +651,7 @@ class Engine:
         error_type: str,
         out: list[tuple[_Request, TokenEvent]],
     ) -> None:
+        self._mark_started(req)
         out.append(
             (
                 req,
@@ -555,7 +673,13 @@ class Engine:
             )
         )
 
+    def _mark_started(self, req: _Request) -> None:
+        if not req.started:
+            req.started = True
+            self._prompt_tokens_started += len(req.prompt_token_ids)
+
     def _retire(self, req: _Request) -> None:
+        self._mark_started(req)
         self._requests.pop(req.request_id, None)
         self._uncounted.discard(req.request_id)
         try:

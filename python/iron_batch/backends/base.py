@@ -12,6 +12,14 @@ if TYPE_CHECKING:
     from iron_batch.tokenizer import Tokenizer
 
 
+class FatalBackendError(RuntimeError):
+    """Raised by ``Backend.execute`` when the backend cannot go on (device lost, worker gone
+    for good): unlike any other exception, which fails only that step's requests, it fails
+    every live request and stops the engine; the server's /health then fails and the
+    process exits non-zero. The engine treats ``max_consecutive_failures`` failed steps in a
+    row the same way."""
+
+
 @runtime_checkable
 class Backend(Protocol):
     """Advance a whole batch by one token per sample row, in one call.

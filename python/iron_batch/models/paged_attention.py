@@ -30,11 +30,23 @@ class _Prefill:
 
 
 @dataclass
+class _FreshPrefills:
+    """Prompts that start at position 0 this step (no cached context), run as one padded
+    causal SDPA: one call per layer instead of one per sequence. Right padding is harmless
+    under a causal mask, since a real query never attends to a later (padded) key."""
+
+    pad_rows: torch.Tensor  # [S, L] token row of each padded position (row 0 for padding)
+    valid: torch.Tensor  # [n] flat positions (s * L + t) that hold real tokens
+    out_rows: torch.Tensor  # [n] the token row each valid position writes
+    all_rows: bool  # out_rows == arange(num_tokens): outputs need no scatter
+
+
+@dataclass
 class _Decodes:
     rows: torch.Tensor  # [S] token row of each decode
     all_rows: bool  # rows == arange(num_tokens): outputs need no scatter
     gather: torch.Tensor  # [S, L] cache slots, padded
-    mask: torch.Tensor  # [S, 1, 1, L] bool
+    mask: torch.Tensor  # [S, 1, 1, L] additive float mask (0 or -inf), in the model dtype
 
 
 @dataclass
@@ -62,10 +74,12 @@ class AttentionPlan:
         sliding_window: int | None,
         device: torch.device,
         use_flash: bool,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.slot_mapping = slot_mapping
         self.num_tokens = int(query_start_loc[-1])
         self.prefills: list[_Prefill] = []
+        self.fresh: _FreshPrefills | None = None
         self.decodes: _Decodes | None = None
         self.flash: _Flash | None = None
         q_lens = np.diff(query_start_loc)
@@ -93,13 +107,26 @@ class AttentionPlan:
             if sliding_window is not None:
                 mask &= key_pos[None, :] > (lens[:, None] - 1 - sliding_window)
             rows = query_start_loc[decode_seqs].astype(np.int64)
+            additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
             self.decodes = _Decodes(
                 rows=torch.from_numpy(rows).to(device),
                 all_rows=len(rows) == self.num_tokens,
                 gather=gather.to(device),
-                mask=mask[:, None, None, :].to(device),
+                mask=additive[:, None, None, :].to(device),
             )
-        for i in np.nonzero(q_lens > 1)[0]:
+        multi = np.nonzero(q_lens > 1)[0]
+        if sliding_window is None:
+            # Fresh prompts of similar length share one padded call; a much shorter one
+            # would mostly compute padding, so it keeps its own call below.
+            fresh = multi[num_computed_before[multi] == 0]
+            if len(fresh) > 1:
+                longest = int(q_lens[fresh].max())
+                fresh = fresh[q_lens[fresh] * 2 >= longest]
+            if len(fresh) > 1:
+                self.fresh = _fresh_layout(query_start_loc, q_lens, fresh, self.num_tokens,
+                                           device)
+                multi = np.setdiff1d(multi, fresh)
+        for i in multi:
             start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
             _q_len, ctx, before = end - start, int(seq_lens[i]), int(num_computed_before[i])
             gather = None
@@ -115,8 +142,33 @@ class AttentionPlan:
                 if sliding_window is not None:
                     allowed &= k_pos > q_pos - sliding_window
                 # Query rows are laid out (q_len, group) per kv head: see _prefill_attention.
-                mask = allowed.repeat_interleave(group, dim=0).to(device)
+                allowed = allowed.repeat_interleave(group, dim=0)
+                mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(
+                    ~allowed, float("-inf")).to(device)
             self.prefills.append(_Prefill(slice(start, end), gather, mask))
+
+
+def _fresh_layout(
+    query_start_loc: np.ndarray,
+    q_lens: np.ndarray,
+    seqs: np.ndarray,
+    num_tokens: int,
+    device: torch.device,
+) -> _FreshPrefills:
+    longest = int(q_lens[seqs].max())
+    offsets = np.arange(longest)
+    starts = query_start_loc[seqs].astype(np.int64)
+    lens = q_lens[seqs].astype(np.int64)
+    real = offsets[None, :] < lens[:, None]  # [S, L]
+    rows = np.where(real, starts[:, None] + offsets[None, :], 0)
+    valid = np.flatnonzero(real)
+    out_rows = rows.reshape(-1)[valid]
+    return _FreshPrefills(
+        pad_rows=torch.from_numpy(rows).to(device),
+        valid=torch.from_numpy(valid).to(device),
+        out_rows=torch.from_numpy(out_rows).to(device),
+        all_rows=len(out_rows) == num_tokens and bool((np.diff(out_rows) == 1).all()),
+    )
 
 
 def write_kv(cache: torch.Tensor, plan: AttentionPlan, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -147,11 +199,16 @@ def paged_attention(
         return out.reshape(num_tokens, num_heads * head_dim)
     flat = cache.view(2, -1, kv_heads, head_dim)
     d = plan.decodes
-    if d is not None and d.all_rows and not plan.prefills:
+    fresh = plan.fresh
+    if d is not None and d.all_rows and not plan.prefills and fresh is None:
         return _decode_attention(q, flat, d, scale, group)
+    if fresh is not None and fresh.all_rows and not plan.prefills and d is None:
+        return _fresh_attention(q, k, v, fresh, scale)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if d is not None:
         out.index_copy_(0, d.rows, _decode_attention(q[d.rows], flat, d, scale, group))
+    if fresh is not None:
+        out.index_copy_(0, fresh.out_rows, _fresh_attention(q, k, v, fresh, scale))
     for p in plan.prefills:
         out[p.rows] = _prefill_attention(q[p.rows], k[p.rows], v[p.rows], flat, p, scale, group)
     return out
@@ -169,6 +226,22 @@ def _decode_attention(
     qg = q.view(s, kv_heads, group, head_dim)
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=d.mask, scale=scale)
     return out.reshape(s, num_heads * head_dim)
+
+
+def _fresh_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: _FreshPrefills, scale: float
+) -> torch.Tensor:
+    """[n_valid, heads * hd] outputs of the fresh prompts, in ``f.out_rows`` order."""
+    s, length = f.pad_rows.shape
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    qp = q[f.pad_rows].transpose(1, 2)  # [S, heads, L, hd]
+    kp = k[f.pad_rows].transpose(1, 2)  # [S, kvh, L, hd]
+    vp = v[f.pad_rows].transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        qp, kp, vp, is_causal=True, scale=scale, enable_gqa=kp.shape[1] != num_heads
+    )
+    out = out.transpose(1, 2).reshape(s * length, num_heads * head_dim)
+    return out if f.all_rows and s * length == len(f.valid) else out[f.valid]
 
 
 def _prefill_attention(

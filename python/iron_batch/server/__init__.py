@@ -8,6 +8,7 @@ if TYPE_CHECKING:
     from starlette.applications import Starlette
 
     from iron_batch.engine import Engine
+    from iron_batch.server.admission import ServerLimits
 
 __all__ = ["create_app"]
 
@@ -18,6 +19,7 @@ def create_app(
     api_key: str | None = None,
     max_waiting_requests: int | None = None,
     served_model_name: str | None = None,
+    limits: ServerLimits | None = None,
 ) -> Starlette:
     # Imported on call so that `import iron_batch.server` stays cheap.
     from iron_batch.server.app import create_app as _create_app
@@ -27,4 +29,5 @@ def create_app(
         api_key=api_key,
         max_waiting_requests=max_waiting_requests,
         served_model_name=served_model_name,
+        limits=limits,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import itertools
 import json
@@ -21,7 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from iron_batch.engine import Engine, RequestStream
+from iron_batch.engine import Engine, EngineUnavailable, RequestStream
+from iron_batch.server.admission import RETRY_AFTER_S, Admission, ServerLimits, Unavailable
 from iron_batch.server.metrics import (
     make_registry,
     metrics_json,
@@ -66,8 +68,8 @@ def _check_api_key(headers: list[tuple[bytes, bytes]], api_key: bytes | None) ->
     return False
 
 
-async def _read_body(receive: Receive) -> bytes | None:
-    """The whole request body, or None when the client left or it exceeds the limit."""
+async def _read_body(receive: Receive, limit: int = MAX_BODY_BYTES) -> bytes | None:
+    """The whole request body, or None when the client left; 413 past ``limit`` bytes."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -76,18 +78,44 @@ async def _read_body(receive: Receive) -> bytes | None:
             return None
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise BadRequest(f"body larger than {MAX_BODY_BYTES} bytes", status=413)
+        if size > limit:
+            raise BadRequest(f"body larger than {limit} bytes", status=413)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 
 
+async def _send_unavailable(send: Send, exc: Unavailable | EngineUnavailable) -> None:
+    code = getattr(exc, "code", "engine_unavailable")
+    body = json.dumps(
+        {"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}}
+    ).encode()
+    headers = [*_JSON_HEADERS, (b"retry-after", b"%d" % RETRY_AFTER_S)]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def check_request_size(
+    limits: ServerLimits, prompt_len: int, max_new_tokens: int | None, new_tokens_name: str
+) -> str | None:
+    """Why a request is too big for this server's limits (a 400), or None."""
+    if limits.max_prompt_tokens is not None and prompt_len > limits.max_prompt_tokens:
+        return (f"the prompt has {prompt_len} tokens; this server accepts at most "
+                f"{limits.max_prompt_tokens}")
+    if (limits.max_new_tokens is not None and max_new_tokens is not None
+            and max_new_tokens > limits.max_new_tokens):
+        return (f"{new_tokens_name} is {max_new_tokens}; this server allows at most "
+                f"{limits.max_new_tokens}")
+    return None
+
+
 class GenerateEndpoint:
     """POST /generate: one NDJSON line per token, last line ``"done": true``."""
 
-    def __init__(self, engine: Engine, api_key: str | None) -> None:
+    def __init__(self, engine: Engine, api_key: str | None, admission: Admission) -> None:
         self.engine = engine
+        self.admission = admission
+        self.limits = admission.limits
         self.api_key = api_key.encode() if api_key else None
         backend = engine.backend
         self.tokenizer = getattr(backend, "tokenizer", None)
@@ -99,22 +127,37 @@ class GenerateEndpoint:
             await _send_json(send, 401, error_body("invalid or missing API key", "auth_error"))
             return
         try:
-            raw = await _read_body(receive)
+            raw = await _read_body(receive, self.limits.max_body_bytes)
             if raw is None:
                 return
             req = parse_generate(raw, self.tokenizer, self.vocab_size)
+            too_big = check_request_size(
+                self.limits, len(req.prompt_token_ids), req.params.max_new_tokens,
+                "max_new_tokens",
+            )
+            if too_big is not None:
+                raise BadRequest(too_big)
         except BadRequest as exc:
             await _send_json(send, exc.status, exc.body())
             return
         request_id = req.request_id if req.request_id is not None else f"gen-{next(self._ids)}"
-        stream = self.engine.submit(request_id, req.prompt_token_ids, req.params)
+        try:
+            self.admission.check(1, len(req.prompt_token_ids))
+            stream = self.engine.submit(request_id, req.prompt_token_ids, req.params)
+        except (Unavailable, EngineUnavailable) as exc:
+            await _send_unavailable(send, exc)
+            return
+        self.admission.active += 1
         # After the body, receive() only returns when the client disconnects (or the
         # response completes): that is our abort signal, even before the first token.
         listener = asyncio.ensure_future(receive())
         listener.add_done_callback(lambda task: _on_disconnect(task, stream))
         try:
             await self._stream(stream, send)
+        except OSError:
+            pass  # the connection broke under us: abort below
         finally:
+            self.admission.active -= 1
             listener.cancel()
             if not stream.done:
                 stream.abort()
@@ -185,14 +228,22 @@ def create_app(
     api_key: str | None = None,
     max_waiting_requests: int | None = None,
     served_model_name: str | None = None,
+    limits: ServerLimits | None = None,
 ) -> Starlette:
     """The server app; its lifespan starts the engine thread and stops it.
 
-    ``max_waiting_requests`` caps the queue the OpenAI endpoints add to (503 beyond it);
-    ``served_model_name`` is the model id of /v1 (default: the backend's model_name).
+    ``limits`` bound bodies, prompts, max_new_tokens and the waiting queue on every
+    generation endpoint; ``max_waiting_requests``, when given, overrides its queue cap
+    (503 + Retry-After beyond it). ``served_model_name`` is the model id of /v1 (default:
+    the backend's model_name). ``app.state.admission`` drains the app at shutdown.
     """
     # Imported here: openai_api imports this module's helpers.
-    from iron_batch.server.openai_api import DEFAULT_MAX_WAITING_REQUESTS, OpenAIServer
+    from iron_batch.server.openai_api import OpenAIServer
+
+    limits = dataclasses.replace(limits) if limits is not None else ServerLimits()
+    if max_waiting_requests is not None:
+        limits.max_waiting_requests = max_waiting_requests
+    admission = Admission(engine, limits)
 
     registry = make_registry(engine.stats)
     api_key_bytes = api_key.encode() if api_key else None
@@ -207,6 +258,10 @@ def create_app(
         return Response(json.dumps(metrics_json(engine.stats)), media_type="application/json")
 
     async def health(request: Request) -> Response:
+        if engine.fatal_error is not None:
+            return JSONResponse(
+                {"status": "engine failed", "error": engine.fatal_error}, status_code=503
+            )
         if engine._thread is not None and not engine.running:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         if (
@@ -228,16 +283,14 @@ def create_app(
             await asyncio.to_thread(engine.shutdown)
 
     routes = [
-        Route("/generate", GenerateEndpoint(engine, api_key), methods=["POST"]),
+        Route("/generate", GenerateEndpoint(engine, api_key, admission), methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
     openai_server = OpenAIServer(
         engine,
         api_key=api_key,
-        max_waiting_requests=(
-            DEFAULT_MAX_WAITING_REQUESTS if max_waiting_requests is None else max_waiting_requests
-        ),
+        admission=admission,
         served_model_name=served_model_name,
         vocab_size=_vocab_size(engine.backend),
     )
@@ -245,4 +298,5 @@ def create_app(
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.engine = engine
     app.state.registry = registry
+    app.state.admission = admission
     return app

@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
@@ -126,8 +127,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                    "(default: $IRON_BATCH_API_KEY; none when unset)")
     p.add_argument("--max-waiting-requests", type=_non_negative_int, default=4096,
-                   help="OpenAI endpoints answer 503 + Retry-After while this many requests "
+                   help="/generate and /v1 answer 503 + Retry-After while this many requests "
                    "wait for admission (default 4096)")
+    p.add_argument("--max-waiting-tokens", type=_positive_int, default=None,
+                   help="503 + Retry-After while this many prompt tokens wait for their "
+                   "first token (default: no limit)")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=16 << 20,
+                   help="larger request bodies are a 413 (default 16777216)")
+    p.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
+                   help="longer prompts are a 400 (default: what fits the KV pool / model)")
+    p.add_argument("--max-new-tokens-limit", type=_positive_int, default=None,
+                   help="max_new_tokens / max_tokens above this is a 400; an omitted /v1 "
+                   "max_tokens is clamped to it (default: what fits)")
+    p.add_argument("--max-stream-buffer-events", type=_non_negative_int, default=4096,
+                   help="a client that leaves this many events unread (it stopped reading) "
+                   "has its request aborted and its KV blocks freed (default 4096; 0: never)")
+    p.add_argument("--max-consecutive-step-failures", type=_non_negative_int, default=8,
+                   help="this many failed engine steps in a row (or one FatalBackendError) "
+                   "is fatal: live requests get an error, /health fails, the process exits "
+                   "with status 1 (default 8; 0: never)")
+    p.add_argument("--drain-timeout", type=_non_negative_float, default=30.0,
+                   help="on SIGTERM: stop accepting, let in-flight requests finish for this "
+                   "many seconds, then end the rest with finish_reason 'abort' and exit 0 "
+                   "(default 30)")
     p.add_argument("--served-model-name", default=None,
                    help="model id of the /v1 endpoints (default: the backend's model name, "
                    "e.g. the checkpoint folder or short name; 'mock' for mock)")
@@ -212,7 +234,12 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
             enable_prefix_caching=not args.no_prefix_caching,
             max_model_len=max_model_len,
         )
-        return Engine(backend, config)
+        return Engine(
+            backend,
+            config,
+            max_consecutive_failures=args.max_consecutive_step_failures,
+            max_stream_buffer_events=args.max_stream_buffer_events,
+        )
     except (ValueError, OverflowError) as exc:
         parser.error(f"invalid scheduler configuration: {exc}")
 
@@ -224,6 +251,26 @@ def uvicorn_options() -> dict[str, str]:
         "loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
         "http": "httptools" if importlib.util.find_spec("httptools") else "h11",
     }
+
+
+def _draining_server(config: Any, admission: Any, drain_timeout: float) -> Any:
+    """A uvicorn Server whose shutdown drains first (see Admission.drain): listeners close
+    at once (new connections are refused), idle keep-alive connections close, requests
+    still arriving on busy ones get a 503, in-flight ones get ``drain_timeout`` seconds."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            for server in self.servers:
+                server.close()
+            for sock in sockets or []:
+                sock.close()
+            for connection in list(self.server_state.connections):
+                connection.shutdown()
+            await admission.drain(drain_timeout)
+            await super().shutdown(sockets)
+
+    return DrainingServer(config)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -239,25 +286,52 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
+    from iron_batch.server.admission import ServerLimits
     from iron_batch.server.app import create_app
 
     host, port = args.addr
+    limits = ServerLimits(
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_new_tokens=args.max_new_tokens_limit,
+        max_waiting_requests=args.max_waiting_requests,
+        max_waiting_tokens=args.max_waiting_tokens,
+    )
     app = create_app(
         engine,
         api_key=args.api_key,
-        max_waiting_requests=args.max_waiting_requests,
         served_model_name=args.served_model_name,
+        limits=limits,
     )
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=args.log_level,
+        access_log=False,
+        lifespan="on",
+        # Our drain runs first; this only bounds handlers stuck writing to dead clients.
+        timeout_graceful_shutdown=10,
+        **uvicorn_options(),  # type: ignore[arg-type]
+    )
+    server = _draining_server(config, app.state.admission, args.drain_timeout)
+
+    def on_fatal(message: str) -> None:  # engine thread; uvicorn polls the flag
+        server.should_exit = True
+
+    engine.on_fatal = on_fatal
+    # uvicorn re-raises the signal it caught once it has shut down; with Python's default
+    # SIGTERM handler that would kill the process (status -15) after a clean drain.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        uvicorn.run(
-            app,
-            host=host,
-            port=port,
-            log_level=args.log_level,
-            access_log=False,
-            lifespan="on",
-            **uvicorn_options(),  # type: ignore[arg-type]
-        )
+        server.run()
     except OSError as exc:
         print(f"error: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        pass
+    if engine.fatal_error is not None:
+        print(f"error: fatal engine fault: {engine.fatal_error}", file=sys.stderr)
+        sys.exit(1)
+    if not server.started:
         sys.exit(1)

@@ -24,7 +24,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from iron_batch.engine import Engine, RequestStream, TokenEvent
+from iron_batch.engine import Engine, EngineUnavailable, RequestStream, TokenEvent
+from iron_batch.server.admission import RETRY_AFTER_S, Admission, Unavailable
 from iron_batch.server.app import Message, Receive, Scope, Send, _check_api_key, _read_body
 from iron_batch.server.openai_protocol import (
     ModelInfo,
@@ -43,10 +44,6 @@ from iron_batch.server.openai_protocol import (
     usage,
 )
 from iron_batch.server.protocol import BadRequest
-
-DEFAULT_MAX_WAITING_REQUESTS = 4096
-#: Seconds a client is told to wait when the server is full.
-RETRY_AFTER_S = 1
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _SSE_START = {
@@ -102,7 +99,8 @@ class _Choice:
             self.done = True
             self.finish_reason = event.finish_reason
             self.rejected = event.finish_reason == "rejected"
-            self.error = event.error
+            # An abort may carry a reason (client too slow); it is not a failure.
+            self.error = event.error if event.finish_reason in ("error", "rejected") else None
             if event.num_cached_tokens is not None:
                 self.num_cached = event.num_cached_tokens
             if event.finish_reason == "error" and self.error is None:
@@ -117,13 +115,14 @@ class OpenAIServer:
         engine: Engine,
         *,
         api_key: str | None = None,
-        max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+        admission: Admission,
         served_model_name: str | None = None,
         vocab_size: int,
     ) -> None:
         self.engine = engine
         self.api_key = api_key.encode() if api_key else None
-        self.max_waiting_requests = max_waiting_requests
+        self.admission = admission
+        limits = admission.limits
         backend = engine.backend
         config = engine.config
         pool = config.total_kv_blocks * config.kv_block_size
@@ -133,6 +132,8 @@ class OpenAIServer:
             tokenizer=getattr(backend, "tokenizer", None),
             vocab_size=vocab_size,
             max_seq_tokens=pool if limit is None else min(pool, limit),
+            max_prompt_tokens=limits.max_prompt_tokens,
+            max_new_tokens=limits.max_new_tokens,
         )
         self.created = int(time.time())
         self.token_text = TokenText(self.model.tokenizer)
@@ -145,19 +146,14 @@ class OpenAIServer:
     def authorized(self, scope: Scope) -> bool:
         return _check_api_key(scope["headers"], self.api_key)
 
-    def _check_capacity(self, new_requests: int) -> None:
-        engine = self.engine
-        # Both reads are racy snapshots (engine thread), which is fine for a soft cap:
-        # the scheduler's waiting queue as of the last step, plus what the inbox holds.
-        waiting = engine.stats.scheduler.get("waiting", 0) + len(engine._inbox)
-        if waiting + new_requests > self.max_waiting_requests:
+    def _check_capacity(self, req: OpenAIRequest) -> None:
+        tokens = sum(len(p) for p in req.prompts) * req.n
+        try:
+            self.admission.check(req.num_choices, tokens)
+        except Unavailable as exc:
             raise OpenAIError(
-                f"the server is full ({waiting} requests waiting); retry later",
-                status=503,
-                type="server_error",
-                code="server_overloaded",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
+                str(exc), status=503, type="server_error", code=exc.code, headers=exc.headers
+            ) from exc
 
     def routes(self) -> list[Route]:
         from iron_batch.server.openapi import openapi_schema
@@ -210,7 +206,7 @@ class OpenAIServer:
 
     async def _json_body(self, request: Request) -> dict[str, Any]:
         try:
-            raw = await _read_body(request.receive)
+            raw = await _read_body(request.receive, self.admission.limits.max_body_bytes)
         except BadRequest as exc:
             raise OpenAIError(str(exc), status=exc.status) from exc
         if raw is None:
@@ -270,15 +266,23 @@ class OpenAIServer:
 
     def submit(self, req: OpenAIRequest) -> tuple[str, list[RequestStream]]:
         """One engine request per (prompt, choice); choice index = prompt * n + i."""
-        self._check_capacity(req.num_choices)
+        self._check_capacity(req)
         prefix = "cmpl" if req.kind == "completion" else "chatcmpl"
         response_id = f"{prefix}-{self._id_prefix}{next(self._ids):x}"
-        streams = []
-        for p, prompt in enumerate(req.prompts):
-            for i, params in enumerate(req.params[p]):
-                streams.append(
-                    self.engine.submit(f"{response_id}-{p * req.n + i}", list(prompt), params)
-                )
+        streams: list[RequestStream] = []
+        try:
+            for p, prompt in enumerate(req.prompts):
+                for i, params in enumerate(req.params[p]):
+                    streams.append(
+                        self.engine.submit(f"{response_id}-{p * req.n + i}", list(prompt), params)
+                    )
+        except EngineUnavailable as exc:
+            for stream in streams:
+                stream.abort()
+            raise OpenAIError(
+                str(exc), status=503, type="server_error", code="engine_unavailable",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from exc
         return response_id, streams
 
 
@@ -296,7 +300,7 @@ class _Generation:
             return
         try:
             try:
-                raw = await _read_body(receive)
+                raw = await _read_body(receive, server.admission.limits.max_body_bytes)
             except BadRequest as exc:
                 raise OpenAIError(str(exc), status=exc.status) from exc
             if raw is None:
@@ -316,6 +320,7 @@ class _Generation:
 
         # After the body, receive() returns only when the client disconnects: abort then,
         # whether we are streaming or still waiting to answer a non-streaming request.
+        server.admission.active += 1
         listener = asyncio.ensure_future(receive())
         listener.add_done_callback(lambda task: _on_disconnect(task, abort_all))
         try:
@@ -323,7 +328,10 @@ class _Generation:
                 await self._stream(req, response_id, streams, send)
             else:
                 await self._complete(req, response_id, streams, send)
+        except OSError:
+            pass  # the connection broke under us: abort below
         finally:
+            server.admission.active -= 1
             listener.cancel()
             abort_all()
 
@@ -402,14 +410,17 @@ class _Generation:
         tail: dict[str, Any] = {"usage": None} if req.include_usage else {}
         choices = [_Choice() for _ in streams]
         token_text = self.server.token_text
-        queue: asyncio.Queue[tuple[int, list[TokenEvent] | None]] = asyncio.Queue()
+        # Bounded: while a slow client blocks our writes, the pumps stop and events pile up
+        # in each RequestStream, whose own bound aborts the request (see RequestStream).
+        queue: asyncio.Queue[tuple[int, list[TokenEvent] | None]] = asyncio.Queue(
+            maxsize=2 * len(streams)
+        )
 
         async def pump(index: int, stream: RequestStream) -> None:
-            try:
-                async for events in stream:
-                    queue.put_nowait((index, events))
-            finally:
-                queue.put_nowait((index, None))
+            # No try/finally: only our own finally below cancels a pump, once nobody reads.
+            async for events in stream:
+                await queue.put((index, events))
+            await queue.put((index, None))
 
         pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         try:

@@ -84,6 +84,9 @@ class ModelInfo:
     vocab_size: int
     #: Longest sequence (prompt + output) the scheduler accepts: KV pool and model context.
     max_seq_tokens: int
+    #: Server limits (--max-prompt-tokens, --max-new-tokens-limit); None: no limit.
+    max_prompt_tokens: int | None = None
+    max_new_tokens: int | None = None
 
 
 @dataclass
@@ -298,7 +301,19 @@ def _per_choice(
     model: ModelInfo, prompt_param: str,
 ) -> list[list[SamplingParams]]:
     out: list[list[SamplingParams]] = []
+    cap = model.max_new_tokens
+    if requested is not None and cap is not None and requested > cap:
+        raise OpenAIError(
+            f"max_tokens is {requested}; this server allows at most {cap}", param="max_tokens"
+        )
     for prompt in prompts:
+        if model.max_prompt_tokens is not None and len(prompt) > model.max_prompt_tokens:
+            raise OpenAIError(
+                f"the prompt has {len(prompt)} tokens; this server accepts at most "
+                f"{model.max_prompt_tokens}",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         room = model.max_seq_tokens - len(prompt)
         if room < (1 if requested != 0 else 0):
             raise OpenAIError(
@@ -309,6 +324,8 @@ def _per_choice(
             )
         # Clamped, not rejected: "as much as fits" is what clients asking for a lot mean.
         max_new = room if requested is None else min(requested, room)
+        if cap is not None:
+            max_new = min(max_new, cap)
         choices = []
         for i in range(n):
             params = dataclasses.replace(

@@ -41,7 +41,8 @@ _BODY_ERRORS = {
 }
 _FULL = {
     "503": {
-        **_error("The server is full; retry after the Retry-After header's seconds."),
+        **_error("The server is full, shutting down or its engine failed; retry after the "
+                 "Retry-After header's seconds."),
         "headers": {"Retry-After": {"schema": {"type": "integer"}}},
     },
     "500": _error("The backend failed while generating."),
@@ -386,6 +387,7 @@ def openapi_schema(model_name: str) -> dict[str, Any]:
                 "400": _error("Invalid request."),
                 "409": _error("request_id is already live."),
                 "413": _error("Body too large."),
+                "503": _FULL["503"],
                 **_AUTH_ERRORS,
             },
         }},

@@ -30,6 +30,14 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// `PROPTEST_CASES` from the environment (for long soak runs), else `default`.
+fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 fn config() -> impl Strategy<Value = SchedulerConfig> {
     (3usize..12, 1usize..5, 1usize..20, 1usize..5, any::<bool>()).prop_map(
         |(blocks, bs, tokens, seqs, caching)| SchedulerConfig {
@@ -44,7 +52,8 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+    // A long run: PROPTEST_CASES=200000 cargo test --release -p iron-batch-core --test invariants
+    #![proptest_config(ProptestConfig { cases: cases(1000), ..ProptestConfig::default() })]
 
     #[test]
     fn random_operations_keep_invariants(cfg in config(), ops in prop::collection::vec(op(), 1..120)) {
