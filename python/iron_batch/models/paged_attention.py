@@ -45,8 +45,9 @@ class _FreshPrefills:
 class _Decodes:
     rows: torch.Tensor  # [S] token row of each decode
     all_rows: bool  # rows == arange(num_tokens): outputs need no scatter
-    gather: torch.Tensor  # [S, L] cache slots, padded
-    mask: torch.Tensor  # [S, 1, 1, L] additive float mask (0 or -inf), in the model dtype
+    block_rows: torch.Tensor  # [S * nblk] block ids of every decode's table, padded
+    num_blocks: int  # nblk: table width read per decode
+    mask: torch.Tensor  # [S, 1, 1, nblk * block_size] additive float32 mask (0 or -inf)
 
 
 @dataclass
@@ -98,20 +99,20 @@ class AttentionPlan:
         decode_seqs = np.nonzero(q_lens == 1)[0]
         if len(decode_seqs):
             lens = torch.from_numpy(seq_lens[decode_seqs].astype(np.int64))
-            max_len = int(lens.max())
-            nblk = -(-max_len // block_size)
-            slots = tables[decode_seqs, :nblk, None] * block_size + offsets
-            gather = slots.reshape(len(decode_seqs), nblk * block_size)[:, :max_len]
-            key_pos = torch.arange(max_len)
+            nblk = -(-int(lens.max()) // block_size)
+            # Whole blocks are gathered (contiguous rows of block_size * kv_heads * head_dim
+            # values, twice as fast as gathering slot by slot); the mask hides the padding.
+            key_pos = torch.arange(nblk * block_size)
             mask = key_pos[None, :] < lens[:, None]
             if sliding_window is not None:
                 mask &= key_pos[None, :] > (lens[:, None] - 1 - sliding_window)
             rows = query_start_loc[decode_seqs].astype(np.int64)
-            additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+            additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
             self.decodes = _Decodes(
                 rows=torch.from_numpy(rows).to(device),
                 all_rows=len(rows) == self.num_tokens,
-                gather=gather.to(device),
+                block_rows=tables[decode_seqs, :nblk].reshape(-1).to(device),
+                num_blocks=nblk,
                 mask=additive[:, None, None, :].to(device),
             )
         multi = np.nonzero(q_lens > 1)[0]
@@ -201,12 +202,12 @@ def paged_attention(
     d = plan.decodes
     fresh = plan.fresh
     if d is not None and d.all_rows and not plan.prefills and fresh is None:
-        return _decode_attention(q, flat, d, scale, group)
+        return _decode_attention(q, cache, d, scale, group)
     if fresh is not None and fresh.all_rows and not plan.prefills and d is None:
         return _fresh_attention(q, k, v, fresh, scale)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if d is not None:
-        out.index_copy_(0, d.rows, _decode_attention(q[d.rows], flat, d, scale, group))
+        out.index_copy_(0, d.rows, _decode_attention(q[d.rows], cache, d, scale, group))
     if fresh is not None:
         out.index_copy_(0, fresh.out_rows, _fresh_attention(q, k, v, fresh, scale))
     for p in plan.prefills:
@@ -215,17 +216,27 @@ def paged_attention(
 
 
 def _decode_attention(
-    q: torch.Tensor, flat: torch.Tensor, d: _Decodes, scale: float, group: int
+    q: torch.Tensor, cache: torch.Tensor, d: _Decodes, scale: float, group: int
 ) -> torch.Tensor:
-    # One padded SDPA for every single-token query. The query heads sharing a kv head are
-    # put on the "query length" axis, so GQA needs no copy of K/V per query head.
+    """Every single-token query at once, as two batched matmuls around a float32 softmax.
+
+    The query heads that share a kv head sit on the "query length" axis, so GQA needs no
+    copy of K/V per query head. Plain matmuls beat SDPA here: CPU SDPA kernels are tuned
+    for long queries and spend most of their time on per-(batch, head) setup for q_len 1.
+    """
     s, num_heads, head_dim = q.shape
     kv_heads = num_heads // group
-    keys = flat[0][d.gather].transpose(1, 2)  # [S, kvh, L, hd]
-    values = flat[1][d.gather].transpose(1, 2)
-    qg = q.view(s, kv_heads, group, head_dim)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=d.mask, scale=scale)
-    return out.reshape(s, num_heads * head_dim)
+    num_blocks, block_size = cache.shape[1], cache.shape[2]
+    length = d.num_blocks * block_size
+    keys = torch.index_select(cache[0].view(num_blocks, -1), 0, d.block_rows)
+    values = torch.index_select(cache[1].view(num_blocks, -1), 0, d.block_rows)
+    keys = keys.view(s, length, kv_heads, head_dim).transpose(1, 2)  # [S, kvh, L, hd]
+    values = values.view(s, length, kv_heads, head_dim).transpose(1, 2)
+    qg = q.reshape(s, kv_heads, group, head_dim)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [S, kvh, group, L]
+    scores = scores.mul_(scale).add_(d.mask)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, values).reshape(s, num_heads * head_dim)
 
 
 def _fresh_attention(
