@@ -141,8 +141,15 @@ class LlamaModel:
             and self.dtype != torch.float32
             and len(batch["input_ids"]) <= 2
         )
-        with torch.backends.mkldnn.flags(enabled=not gemv):
+        if not gemv or not torch.backends.mkldnn.enabled:
             return self._forward(**batch)
+        # The attribute, not mkldnn.flags(): that one also resets oneDNN's TF32 switch and
+        # warns about Intel GPUs on every call.
+        torch.backends.mkldnn.enabled = False
+        try:
+            return self._forward(**batch)
+        finally:
+            torch.backends.mkldnn.enabled = True
 
     def _forward(
         self,
