@@ -218,7 +218,8 @@ def paged_attention(
 def _decode_attention(
     q: torch.Tensor, cache: torch.Tensor, d: _Decodes, scale: float, group: int
 ) -> torch.Tensor:
-    """Every single-token query at once, as two batched matmuls around a float32 softmax.
+    """Every single-token query at once: in bf16/fp16 two batched matmuls around a float32
+    softmax, in float32 one SDPA call.
 
     The query heads that share a kv head sit on the "query length" axis, so GQA needs no
     copy of K/V per query head. Plain matmuls beat SDPA here: CPU SDPA kernels are tuned
@@ -233,6 +234,11 @@ def _decode_attention(
     keys = keys.view(s, length, kv_heads, head_dim).transpose(1, 2)  # [S, kvh, L, hd]
     values = values.view(s, length, kv_heads, head_dim).transpose(1, 2)
     qg = q.reshape(s, kv_heads, group, head_dim)
+    if q.dtype == torch.float32:
+        # In float32 the CPU SDPA kernel reads the strided K/V in place and wins (measured
+        # 1.7 vs 2.5 ms per layer at 64 x 208 tokens); in bf16 the matmuls below win.
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=d.mask, scale=scale)
+        return out.reshape(s, num_heads * head_dim)
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [S, kvh, group, L]
     scores = scores.mul_(scale).add_(d.mask)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
