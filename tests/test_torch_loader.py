@@ -90,3 +90,23 @@ def test_gguf_unpermute_inverts_converter(shape: tuple[int, ...]) -> None:
     w = np.random.default_rng(0).normal(size=shape).astype(np.float32)
     assert np.array_equal(unpermute_rope_rows(_llama_cpp_permute(w, 6), 6), w)
     assert not np.array_equal(_llama_cpp_permute(w, 6), w)
+
+
+def test_server_flags_size_the_kv_pool_from_a_memory_budget() -> None:
+    """`--kv-cache-memory-gb` reaches the backend, and the scheduler's pool follows it."""
+    from iron_batch.server.cli import build_engine, build_parser
+
+    parser = build_parser()
+    path = str(checkpoint("llama"))
+    small = build_engine(parser.parse_args(
+        ["--backend", "torch", "--model", path, "--device", "cpu", "--kv-cache-memory-gb",
+         "0.001"]), parser)
+    big = build_engine(parser.parse_args(
+        ["--backend", "torch", "--model", path, "--device", "cpu", "--kv-cache-memory-gb",
+         "0.004"]), parser)
+    per_block = small.backend.model.kv_bytes_per_block(small.config.kv_block_size)
+    assert small.config.total_kv_blocks == int(0.001 * 2**30 // per_block)
+    assert big.config.total_kv_blocks == int(0.004 * 2**30 // per_block)
+    assert small.scheduler.stats()["total_blocks"] == small.config.total_kv_blocks
+    with pytest.raises(SystemExit):
+        build_engine(parser.parse_args(["--kv-cache-memory-gb", "1"]), parser)  # mock backend

@@ -34,8 +34,9 @@ class RequestOutput:
 class LLM:
     """Generate for a list of prompts with continuous batching.
 
-    ``model`` is a checkpoint directory for the torch backend (``device``, ``dtype`` and
-    ``total_kv_blocks`` go to it); or pass any ``backend`` (e.g. ``MockBackend()``).
+    ``model`` is a checkpoint directory, GGUF file or short name for the torch backend
+    (``device``, ``dtype``, ``total_kv_blocks`` and ``kv_cache_memory_gb`` go to it); or
+    pass any ``backend`` (e.g. ``MockBackend()``).
     Scheduler options (``total_kv_blocks``, ``kv_block_size``, ``max_batch_tokens``,
     ``max_running_seqs``, ``enable_prefix_caching``) are keyword arguments.
     """
@@ -49,6 +50,7 @@ class LLM:
         kv_block_size: int = 16,
         device: str | None = None,
         dtype: str | None = None,
+        kv_cache_memory_gb: float | None = None,
         **scheduler_kwargs: Any,
     ) -> None:
         unknown = set(scheduler_kwargs) - set(_SCHEDULER_KEYS)
@@ -66,6 +68,7 @@ class LLM:
                 dtype=dtype or "auto",
                 total_kv_blocks=total_kv_blocks,
                 kv_block_size=kv_block_size,
+                kv_cache_memory_gb=kv_cache_memory_gb,
             )
         elif model is not None:
             raise ValueError("pass model= or backend=, not both")

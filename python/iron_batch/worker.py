@@ -299,6 +299,7 @@ def build_backend(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         dtype=args.dtype,
         total_kv_blocks=args.total_kv_blocks,
         kv_block_size=args.kv_block_size,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
     )
     return be, {
         "model_name": be.model_name,
@@ -326,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="torch: checkpoint folder, .gguf or short name")
     p.add_argument("--device", default="auto", help="torch: cpu, cuda, cuda:1 (default auto)")
     p.add_argument("--dtype", default="auto", help="torch: float32, bfloat16, float16 (auto)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="torch: KV pool memory budget when --total-kv-blocks is not given")
     p.add_argument("--total-kv-blocks", type=int, default=None,
                    help="KV blocks (default: sized from memory; 4096 for mock)")
     p.add_argument("--kv-block-size", type=int, default=16, help="token slots per block (16)")

