@@ -470,3 +470,20 @@ def test_server_cli_drives_a_worker_with_the_original_flags(
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--total-kv-blocks", "-5"), ("--kv-block-size", "0"), ("--delay-ms", "nan"),
+     ("--addr", "nohost")],
+)
+def test_worker_rejects_bad_flags_before_listening(flag: str, value: str) -> None:
+    """A worker with a nonsense pool or delay must not start serving it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "iron_batch.worker", "--backend", "mock", flag, value],
+        capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, PYTHONPATH=os.path.join(_ROOT, "python")),
+    )
+    assert result.returncode == 2
+    assert flag in result.stderr and "Traceback" not in result.stderr
+    assert "listening" not in result.stdout

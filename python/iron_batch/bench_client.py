@@ -25,6 +25,8 @@ from urllib.parse import urlsplit
 import httpx
 from tqdm import tqdm
 
+from iron_batch.cli_args import non_negative_int, positive_int
+
 
 @dataclass
 class _Results:
@@ -262,31 +264,17 @@ def _print_summary(s: dict[str, Any]) -> None:
         print("server /metrics:  unavailable")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m iron_batch.bench_client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8080", help="server base URL")
-    p.add_argument("--concurrency", type=_positive_int, default=128,
+    p.add_argument("--concurrency", type=positive_int, default=128,
                    help="streams open at once (default 128)")
-    p.add_argument("--total-requests", type=_positive_int, default=2000,
+    p.add_argument("--total-requests", type=positive_int, default=2000,
                    help="requests to send in all (default 2000)")
-    p.add_argument("--prompt-tokens", type=_positive_int, default=128,
+    p.add_argument("--prompt-tokens", type=positive_int, default=128,
                    help="synthetic prompt length (default 128)")
-    p.add_argument("--max-new-tokens", type=_non_negative_int, default=64,
+    p.add_argument("--max-new-tokens", type=non_negative_int, default=64,
                    help="tokens to generate per request (default 64)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the summary here")
     p.add_argument("--client", choices=("raw", "httpx"), default="raw",

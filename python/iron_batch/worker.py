@@ -313,7 +313,7 @@ def build_backend(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from iron_batch.server.cli import parse_addr
+    from iron_batch.cli_args import non_negative_float, parse_addr, positive_int
 
     p = argparse.ArgumentParser(
         prog="python -m iron_batch.worker",
@@ -327,19 +327,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="torch: checkpoint folder, .gguf or short name")
     p.add_argument("--device", default="auto", help="torch: cpu, cuda, cuda:1 (default auto)")
     p.add_argument("--dtype", default="auto", help="torch: float32, bfloat16, float16 (auto)")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=None,
+    p.add_argument("--kv-cache-memory-gb", type=non_negative_float, default=None,
                    help="torch: KV pool memory budget when --total-kv-blocks is not given")
-    p.add_argument("--total-kv-blocks", type=int, default=None,
+    p.add_argument("--total-kv-blocks", type=positive_int, default=None,
                    help="KV blocks (default: sized from memory; 4096 for mock)")
-    p.add_argument("--kv-block-size", type=int, default=16, help="token slots per block (16)")
+    p.add_argument("--kv-block-size", type=positive_int, default=16,
+                   help="token slots per block (16)")
     p.add_argument("--api-key", default=os.environ.get("IRON_BATCH_WORKER_API_KEY"),
                    help="clients must send this key in their first frame "
                    "(default $IRON_BATCH_WORKER_API_KEY; none: open)")
-    p.add_argument("--delay-ms", type=float, default=0.0,
+    p.add_argument("--delay-ms", type=non_negative_float, default=0.0,
                    help="added round-trip delay per reply, to emulate a network (benchmarks)")
-    p.add_argument("--mock-token-latency-us", type=float, default=200.0,
+    p.add_argument("--mock-token-latency-us", type=non_negative_float, default=200.0,
                    help="mock: duration of one decode step (default 200)")
-    p.add_argument("--mock-prefill-token-latency-us", type=float, default=1.0,
+    p.add_argument("--mock-prefill-token-latency-us", type=non_negative_float, default=1.0,
                    help="mock: extra time per prompt token (default 1)")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))

