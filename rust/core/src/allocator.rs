@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use crate::block_hash::{hash_block, BlockHash};
+use crate::block_hash::{hash_block, BlockHash, BlockHasher};
 use crate::error::AllocError;
 use crate::free_list::FreeList;
 
@@ -27,10 +27,23 @@ pub struct BlockAllocator {
     content: Vec<Option<CachedContent>>,
     cache: HashMap<BlockHash, BlockId>,
     caching: bool,
+    /// `hash_block` except in tests that need collisions on demand.
+    hasher: BlockHasher,
 }
 
 impl BlockAllocator {
     pub fn new(total_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> Self {
+        Self::with_hasher(total_blocks, block_size, enable_prefix_caching, hash_block)
+    }
+
+    /// As `new`, with another block hash function. For tests: a deliberately colliding
+    /// hash shows that a collision costs a cache miss and never serves another block's KV.
+    pub fn with_hasher(
+        total_blocks: usize,
+        block_size: usize,
+        enable_prefix_caching: bool,
+        hasher: BlockHasher,
+    ) -> Self {
         assert!(block_size > 0, "block_size must be positive");
         BlockAllocator {
             block_size,
@@ -39,14 +52,12 @@ impl BlockAllocator {
             content: vec![None; total_blocks],
             cache: HashMap::new(),
             caching: enable_prefix_caching,
+            hasher,
         }
     }
 
     pub fn total(&self) -> usize {
         self.ref_counts.len()
-    }
-    pub fn block_size(&self) -> usize {
-        self.block_size
     }
     pub fn num_free(&self) -> usize {
         self.free.len()
@@ -160,7 +171,7 @@ impl BlockAllocator {
         if let Some(c) = &self.content[i] {
             return Ok(c.hash);
         }
-        let hash = hash_block(parent, tokens);
+        let hash = (self.hasher)(parent, tokens);
         if self.caching && self.ref_counts[i] > 0 && !self.cache.contains_key(&hash) {
             self.cache.insert(hash, id);
             self.content[i] = Some(CachedContent {
@@ -184,7 +195,7 @@ impl BlockAllocator {
         let mut parent = None;
         for b in 0..full {
             let chunk = &tokens[b * self.block_size..(b + 1) * self.block_size];
-            let hash = hash_block(parent, chunk);
+            let hash = (self.hasher)(parent, chunk);
             let Some(&id) = self.cache.get(&hash) else {
                 break;
             };
@@ -250,5 +261,85 @@ impl BlockAllocator {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Each structural invariant broken on purpose: `check_invariants` must name it.
+
+    use super::*;
+
+    fn broken(a: &BlockAllocator, refs: Option<&[u32]>) -> String {
+        match a.check_invariants(refs) {
+            Err(AllocError::Invariant(m)) => m,
+            other => panic!("expected a broken invariant, got {other:?}"),
+        }
+    }
+
+    /// Blocks 0 and 1 held (0 published and cached), 2 and 3 free, in that order.
+    fn healthy() -> BlockAllocator {
+        let mut a = BlockAllocator::new(4, 2, true);
+        assert_eq!(a.allocate(2).unwrap(), [0, 1]);
+        a.publish(0, None, &[1, 2]).unwrap();
+        assert_eq!(a.free_queue(), [2, 3]);
+        a.check_invariants(Some(&[1, 1, 0, 0])).unwrap();
+        a
+    }
+
+    #[test]
+    fn a_cycle_in_the_free_queue_is_a_block_listed_twice() {
+        let mut a = healthy();
+        a.free.corrupt_next(3, 2);
+        assert_eq!(broken(&a, None), "block 2 twice in the free queue");
+    }
+
+    #[test]
+    fn a_referenced_block_in_the_free_queue_is_reported() {
+        let mut a = healthy();
+        a.ref_counts[3] = 1;
+        assert_eq!(broken(&a, None), "referenced block 3 is in the free queue");
+    }
+
+    #[test]
+    fn a_free_queue_length_that_disagrees_with_its_links_is_reported() {
+        let mut a = healthy();
+        a.free.corrupt_len(3);
+        assert_eq!(
+            broken(&a, None),
+            "free queue length disagrees with its walk"
+        );
+    }
+
+    #[test]
+    fn a_leaked_block_is_reported() {
+        // Out of the free queue but referenced by nobody.
+        let mut a = healthy();
+        a.free.remove(3);
+        assert_eq!(broken(&a, None), "free 1 + referenced 2 != total 4");
+    }
+
+    #[test]
+    fn a_cache_entry_without_matching_content_is_reported() {
+        let mut a = healthy();
+        a.content[0] = None;
+        assert_eq!(broken(&a, None), "cache entry for block 0 lost its content");
+
+        let mut a = healthy();
+        a.content[0].as_mut().unwrap().hash ^= 1;
+        assert_eq!(broken(&a, None), "cache entry for block 0 lost its content");
+    }
+
+    #[test]
+    fn a_ref_count_other_than_the_callers_holders_is_reported() {
+        let a = healthy();
+        assert_eq!(
+            broken(&a, Some(&[1, 2, 0, 0])),
+            "block 1 has ref count 1, 2 holders"
+        );
+        assert_eq!(
+            broken(&a, Some(&[0, 1, 0, 0])),
+            "block 0 has ref count 1, 0 holders"
+        );
     }
 }

@@ -4,6 +4,9 @@
 
 pub type BlockHash = u64;
 
+/// A block hash function: `hash_block`, or a stand-in with collisions in tests.
+pub type BlockHasher = fn(Option<BlockHash>, &[u32]) -> BlockHash;
+
 const SEED: u64 = 0x9E37_79B9_7F4A_7C15;
 
 #[inline]

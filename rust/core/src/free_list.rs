@@ -35,14 +35,6 @@ impl FreeList {
         self.len
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn contains(&self, id: u32) -> bool {
-        self.member[id as usize]
-    }
-
     pub fn push_back(&mut self, id: u32) {
         debug_assert!(!self.member[id as usize]);
         let i = id as usize;
@@ -100,5 +92,50 @@ impl FreeList {
                 Some(id)
             }
         })
+    }
+}
+
+/// Ways to break the list on purpose, so that tests can check that the allocator's
+/// invariant check notices.
+#[cfg(test)]
+impl FreeList {
+    /// Point `id`'s next link at `next` (a cycle if `next` is earlier in the list).
+    pub(crate) fn corrupt_next(&mut self, id: u32, next: u32) {
+        self.next[id as usize] = next;
+    }
+
+    /// Claim a length the links do not have.
+    pub(crate) fn corrupt_len(&mut self, len: usize) {
+        self.len = len;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FreeList;
+
+    #[test]
+    fn push_pop_and_remove_keep_the_order_of_the_rest() {
+        let mut l = FreeList::full(4);
+        assert_eq!(l.iter().collect::<Vec<_>>(), [0, 1, 2, 3]);
+        // Remove the head, a middle member and the tail; the rest keep their order.
+        l.remove(0);
+        l.remove(2);
+        l.remove(3);
+        assert_eq!(l.iter().collect::<Vec<_>>(), [1]);
+        assert_eq!(l.len(), 1);
+        l.push_back(3);
+        l.push_back(0);
+        assert_eq!(l.iter().collect::<Vec<_>>(), [1, 3, 0]);
+        assert_eq!(l.pop_front(), Some(1));
+        assert_eq!(l.pop_front(), Some(3));
+        assert_eq!(l.pop_front(), Some(0));
+        assert_eq!(l.pop_front(), None);
+        assert_eq!(l.len(), 0);
+        assert_eq!(l.iter().count(), 0);
+        // An emptied list takes members again from scratch.
+        l.push_back(2);
+        assert_eq!(l.iter().collect::<Vec<_>>(), [2]);
+        assert_eq!(l.pop_front(), Some(2));
     }
 }

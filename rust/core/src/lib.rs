@@ -6,13 +6,13 @@ pub mod batch;
 pub mod block_hash;
 pub mod config;
 pub mod error;
-pub mod free_list;
+mod free_list;
 pub mod scheduler;
 pub mod sequence;
 
 pub use allocator::{BlockAllocator, BlockId};
 pub use batch::{Batch, BatchEntry};
-pub use block_hash::{hash_block, BlockHash};
+pub use block_hash::{hash_block, BlockHash, BlockHasher};
 pub use config::SchedulerConfig;
 pub use error::{AllocError, SchedulerError};
 pub use scheduler::{Scheduler, SchedulerStats, StepEvent};

@@ -5,6 +5,7 @@ use std::collections::{HashMap, VecDeque};
 
 use crate::allocator::BlockAllocator;
 use crate::batch::Batch;
+use crate::block_hash::{hash_block, BlockHasher};
 use crate::config::SchedulerConfig;
 use crate::error::{AllocError, SchedulerError};
 use crate::sequence::{FinishReason, SeqState, Sequence};
@@ -55,11 +56,18 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Result<Self, SchedulerError> {
+        Self::with_hasher(cfg, hash_block)
+    }
+
+    /// As `new`, with another block hash function for the prefix cache (for tests; see
+    /// `BlockAllocator::with_hasher`).
+    pub fn with_hasher(cfg: SchedulerConfig, hasher: BlockHasher) -> Result<Self, SchedulerError> {
         cfg.validate().map_err(SchedulerError::Rejected)?;
-        let alloc = BlockAllocator::new(
+        let alloc = BlockAllocator::with_hasher(
             cfg.total_kv_blocks,
             cfg.kv_block_size,
             cfg.enable_prefix_caching,
+            hasher,
         );
         Ok(Scheduler {
             cfg,
@@ -511,5 +519,106 @@ impl Scheduler {
             return bad("more running sequences than max_running_seqs".into());
         }
         self.alloc.check_invariants(Some(&refs))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Each queue and block-table invariant broken on purpose: `check_invariants` must name
+    //! it.
+
+    use super::*;
+
+    fn broken(s: &Scheduler) -> String {
+        match s.check_invariants() {
+            Err(AllocError::Invariant(m)) => m,
+            other => panic!("expected a broken invariant, got {other:?}"),
+        }
+    }
+
+    fn slot(s: &Scheduler, id: &str) -> usize {
+        s.by_id[id]
+    }
+
+    /// Blocks of 4. "a" (5 prompt tokens) and "b" (2) run after one step, "c" waits: at
+    /// most two sequences run.
+    fn healthy() -> Scheduler {
+        let mut s = Scheduler::new(SchedulerConfig {
+            total_kv_blocks: 16,
+            kv_block_size: 4,
+            max_batch_tokens: 100,
+            max_running_seqs: 2,
+            enable_prefix_caching: true,
+            max_model_len: None,
+        })
+        .unwrap();
+        s.add_request("a", &[1, 2, 3, 4, 5], 4, &[]).unwrap();
+        s.add_request("b", &[6, 7], 4, &[]).unwrap();
+        s.add_request("c", &[8], 4, &[]).unwrap();
+        let b = s.schedule();
+        s.commit(&b, &[9, 9]).unwrap();
+        assert_eq!((s.num_running(), s.num_waiting()), (2, 1));
+        s.check_invariants().unwrap();
+        s
+    }
+
+    fn seq_mut<'a>(s: &'a mut Scheduler, id: &str) -> &'a mut Sequence {
+        let k = slot(s, id);
+        s.seqs[k].as_mut().unwrap()
+    }
+
+    #[test]
+    fn a_live_request_missing_from_the_id_map_is_reported() {
+        let mut s = healthy();
+        s.by_id.remove("b");
+        assert_eq!(broken(&s), "request b missing from the id map");
+    }
+
+    #[test]
+    fn a_waiting_request_that_holds_blocks_is_reported() {
+        let mut s = healthy();
+        let free = s.alloc.allocate(1).unwrap();
+        seq_mut(&mut s, "c").blocks.extend(free);
+        assert_eq!(broken(&s), "waiting request c holds blocks");
+    }
+
+    #[test]
+    fn a_running_request_with_kv_beyond_its_blocks_is_reported() {
+        let mut s = healthy();
+        // "a" holds two blocks of 4: eight computed tokens fill them exactly, nine do not fit.
+        assert_eq!(seq_mut(&mut s, "a").blocks.len(), 2);
+        seq_mut(&mut s, "a").num_computed = 8;
+        s.check_invariants().unwrap();
+        seq_mut(&mut s, "a").num_computed = 9;
+        assert_eq!(broken(&s), "request a under-allocated");
+    }
+
+    #[test]
+    fn queues_that_disagree_with_the_live_requests_are_reported() {
+        let mut s = healthy();
+        s.waiting.clear();
+        assert_eq!(broken(&s), "queues disagree with live sequences");
+
+        let mut s = healthy();
+        s.by_id.insert("ghost".into(), 0);
+        assert_eq!(broken(&s), "queues disagree with live sequences");
+    }
+
+    #[test]
+    fn more_running_requests_than_allowed_is_reported() {
+        let mut s = healthy();
+        s.cfg.max_running_seqs = 1;
+        assert_eq!(broken(&s), "more running sequences than max_running_seqs");
+    }
+
+    #[test]
+    fn a_block_table_entry_the_allocator_does_not_count_is_reported() {
+        let mut s = healthy();
+        let unheld = s.alloc.free_queue()[0];
+        seq_mut(&mut s, "b").blocks.push(unheld);
+        assert_eq!(
+            broken(&s),
+            format!("block {unheld} has ref count 0, 1 holders")
+        );
     }
 }

@@ -1,4 +1,4 @@
-use iron_batch_core::{AllocError, BlockAllocator};
+use iron_batch_core::{AllocError, BlockAllocator, BlockHash};
 
 #[test]
 fn allocates_lowest_ids_first_and_reuses_least_recently_freed() {
@@ -52,6 +52,9 @@ fn prefix_match_shares_published_blocks_and_never_covers_last_token() {
     let h1 = a.publish(blocks[1], Some(h0), &tokens[2..4]).unwrap();
     a.publish(blocks[2], Some(h1), &tokens[4..6]).unwrap();
     assert_eq!(a.num_cached(), 3);
+    assert_eq!(a.block_hash(blocks[1]), Some(h1));
+    // Nothing to match in no tokens.
+    assert!(a.match_prefix(&[], &mut Vec::new()).is_empty());
 
     // Same six tokens: only two blocks match, the last token's block must be computed.
     let mut hashes = Vec::new();
@@ -181,4 +184,78 @@ fn seeded_long_random_run_keeps_invariants() {
     }
     assert_eq!(a.num_free(), 64);
     a.check_invariants(None).unwrap();
+}
+
+/// Every block gets the same hash: each lookup meets a collision unless the content is the
+/// one block the cache holds.
+fn all_collide(_parent: Option<BlockHash>, _tokens: &[u32]) -> BlockHash {
+    7
+}
+
+#[test]
+fn a_collision_with_other_tokens_is_a_miss() {
+    let mut a = BlockAllocator::with_hasher(4, 2, true, all_collide);
+    let b = a.allocate(1).unwrap();
+    a.publish(b[0], None, &[1, 2]).unwrap();
+    let mut hashes = Vec::new();
+    assert!(a.match_prefix(&[3, 4, 5], &mut hashes).is_empty());
+    assert!(hashes.is_empty());
+    assert_eq!(a.ref_count(b[0]).unwrap(), 1, "a miss takes no reference");
+    // The block's own content still hits.
+    assert_eq!(a.match_prefix(&[1, 2, 5], &mut hashes), [b[0]]);
+    assert_eq!(a.ref_count(b[0]).unwrap(), 2);
+    a.check_invariants(Some(&[2, 0, 0, 0])).unwrap();
+}
+
+#[test]
+fn a_collision_with_the_same_tokens_after_another_parent_is_a_miss() {
+    // [1, 2] twice: the second block has the tokens of the cached one and its hash, but a
+    // parent, so its KV would differ.
+    let mut a = BlockAllocator::with_hasher(4, 2, true, all_collide);
+    let b = a.allocate(1).unwrap();
+    a.publish(b[0], None, &[1, 2]).unwrap();
+    let mut hashes = Vec::new();
+    assert_eq!(a.match_prefix(&[1, 2, 1, 2, 9], &mut hashes), [b[0]]);
+    assert_eq!(hashes.len(), 1);
+    assert_eq!(a.ref_count(b[0]).unwrap(), 2);
+}
+
+#[test]
+fn publishing_under_a_taken_hash_leaves_the_block_uncached() {
+    let mut a = BlockAllocator::with_hasher(4, 2, true, all_collide);
+    let b = a.allocate(2).unwrap();
+    a.publish(b[0], None, &[1, 2]).unwrap();
+    a.publish(b[1], None, &[3, 4]).unwrap();
+    assert_eq!(a.num_cached(), 1);
+    assert_eq!(a.block_hash(b[1]), None);
+    assert!(a.match_prefix(&[3, 4, 5], &mut Vec::new()).is_empty());
+}
+
+#[test]
+fn a_block_nobody_holds_is_not_published() {
+    let mut a = BlockAllocator::new(4, 2, true);
+    let b = a.allocate(2).unwrap();
+    a.free(&b[..1]).unwrap();
+    // Still one holder: published. None: its content may be overwritten, so not cached.
+    a.publish(b[1], None, &[5, 6]).unwrap();
+    a.publish(b[0], None, &[1, 2]).unwrap();
+    assert_eq!(a.num_cached(), 1);
+    assert_eq!(a.block_hash(b[0]), None);
+    assert!(a.match_prefix(&[1, 2, 3], &mut Vec::new()).is_empty());
+    assert_eq!(a.match_prefix(&[5, 6, 3], &mut Vec::new()), [b[1]]);
+    a.check_invariants(Some(&[0, 2, 0, 0])).unwrap();
+}
+
+#[test]
+fn num_used_counts_every_block_out_of_the_free_queue() {
+    let mut a = BlockAllocator::new(5, 2, true);
+    assert_eq!((a.num_used(), a.num_free(), a.total()), (0, 5, 5));
+    let b = a.allocate(3).unwrap();
+    assert_eq!((a.num_used(), a.num_free()), (3, 2));
+    // A second holder of a block uses no other block.
+    a.publish(b[0], None, &[4, 4]).unwrap();
+    assert_eq!(a.match_prefix(&[4, 4, 1], &mut Vec::new()), [b[0]]);
+    assert_eq!(a.num_used(), 3);
+    a.free(&[b[0], b[1]]).unwrap();
+    assert_eq!((a.num_used(), a.num_free()), (2, 3));
 }
