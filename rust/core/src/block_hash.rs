@@ -24,3 +24,110 @@ pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
     }
     mix(h ^ tokens.len() as u64)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    #[test]
+    fn mix_is_the_splitmix64_finaliser() {
+        // The published splitmix64 stream for seed 1234567: the state advances by the
+        // golden-ratio gamma and each output is the finaliser applied to the state.
+        let want: [u64; 3] = [
+            0x599E_D017_FB08_FC85,
+            0x2C73_F084_5854_0FA5,
+            0x883E_BCE5_A3F2_7C77,
+        ];
+        let mut state: u64 = 1_234_567;
+        for w in want {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            assert_eq!(mix(state), w);
+        }
+    }
+
+    #[test]
+    fn every_bit_of_the_parent_and_of_every_token_changes_the_hash() {
+        let tokens = [3u32, 141, 59, 26];
+        let parent = 0x0123_4567_89AB_CDEF_u64;
+        let base = hash_block(Some(parent), &tokens);
+        assert_ne!(base, hash_block(None, &tokens));
+        for bit in 0..64 {
+            assert_ne!(
+                base,
+                hash_block(Some(parent ^ 1 << bit), &tokens),
+                "parent bit {bit}"
+            );
+        }
+        for pos in 0..tokens.len() {
+            for bit in 0..32 {
+                let mut t = tokens;
+                t[pos] ^= 1 << bit;
+                assert_ne!(base, hash_block(Some(parent), &t), "token {pos} bit {bit}");
+            }
+        }
+    }
+
+    #[test]
+    fn order_length_and_chain_position_change_the_hash() {
+        let h = hash_block(None, &[1, 2]);
+        assert_ne!(h, hash_block(None, &[2, 1]));
+        assert_ne!(h, hash_block(None, &[1, 2, 0]));
+        assert_ne!(h, hash_block(None, &[1]));
+        assert_ne!(hash_block(Some(h), &[1, 2]), h);
+        assert_eq!(h, hash_block(None, &[1, 2]), "deterministic");
+    }
+
+    #[test]
+    fn no_collisions_among_small_blocks() {
+        // Every two-token block over 64 ids, as a first block and after two parents.
+        let mut seen = HashSet::new();
+        for parent in [None, Some(0), Some(hash_block(None, &[0, 0]))] {
+            for a in 0..64 {
+                for b in 0..64 {
+                    assert!(
+                        seen.insert(hash_block(parent, &[a, b])),
+                        "{parent:?} {a} {b}"
+                    );
+                }
+            }
+        }
+        for a in 0..4096 {
+            assert!(seen.insert(hash_block(None, &[a])), "[{a}]");
+        }
+    }
+
+    #[test]
+    fn flipping_one_input_bit_flips_about_half_the_output_bits() {
+        let mut x: u64 = 7;
+        let mut next = || {
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            x >> 32
+        };
+        let (mut flipped, mut per_bit) = (0u32, [0u32; 64]);
+        let trials = 4000;
+        for _ in 0..trials {
+            let mut tokens = [next() as u32, next() as u32, next() as u32, next() as u32];
+            let a = hash_block(None, &tokens);
+            let pos = next() as usize % 4;
+            tokens[pos] ^= 1 << (next() % 32);
+            let diff = a ^ hash_block(None, &tokens);
+            flipped += diff.count_ones();
+            for (bit, n) in per_bit.iter_mut().enumerate() {
+                *n += (diff >> bit & 1) as u32;
+            }
+        }
+        let mean = f64::from(flipped) / f64::from(trials);
+        assert!((31.0..33.0).contains(&mean), "mean {mean} bits flipped");
+        for (bit, &n) in per_bit.iter().enumerate() {
+            let p = f64::from(n) / f64::from(trials);
+            assert!(
+                (0.44..0.56).contains(&p),
+                "output bit {bit} flips with p={p}"
+            );
+        }
+    }
+}

@@ -231,12 +231,14 @@ impl Scheduler {
 
     /// Tokens a sequence may take this step if its prompt ends at `end`: 1, plus up to
     /// `lookahead` more decode steps that a remote worker runs on its own, bounded by the
-    /// sequence's limits so no slot is reserved for a token that can never exist.
-    fn sample_steps(seq: &Sequence, end: usize, lookahead: usize, max_len: usize) -> usize {
+    /// tokens it may still generate so no slot is reserved for a token that can never exist.
+    /// (`add_request` admits only prompt + max_new_tokens within `max_sequence_tokens`, so
+    /// max_new_tokens is also the bound that the model context and the pool set.)
+    fn sample_steps(seq: &Sequence, end: usize, lookahead: usize) -> usize {
         if end != seq.tokens.len() {
             return 0;
         }
-        let left = (seq.max_new_tokens - seq.num_output()).min(max_len - seq.tokens.len());
+        let left = seq.max_new_tokens - seq.num_output();
         left.clamp(1, 1 + lookahead)
     }
 
@@ -252,7 +254,6 @@ impl Scheduler {
     /// more decode steps before the next commit (see `commit_steps`).
     pub fn schedule_lookahead(&mut self, lookahead: usize) -> Batch {
         self.free_slots.append(&mut self.retired_slots);
-        let max_len = self.max_sequence_tokens();
         self.step += 1;
         self.committed = false;
         let bs = self.cfg.kv_block_size;
@@ -268,7 +269,7 @@ impl Scheduler {
             let slot = self.running[i];
             let seq = self.seqs[slot].as_ref().expect("running slot is live");
             let n = (seq.tokens.len() - seq.num_computed).min(budget);
-            let steps = Self::sample_steps(seq, seq.num_computed + n, lookahead, max_len);
+            let steps = Self::sample_steps(seq, seq.num_computed + n, lookahead);
             let need = Self::blocks_needed(seq, seq.num_computed + n, steps, bs);
             let mut self_preempted = false;
             while self.alloc.num_free() < need {
@@ -302,7 +303,7 @@ impl Scheduler {
             }
             let computed = seq.blocks.len() * bs;
             let n = (seq.tokens.len() - computed).min(budget);
-            let steps = Self::sample_steps(seq, computed + n, lookahead, max_len);
+            let steps = Self::sample_steps(seq, computed + n, lookahead);
             let need = Self::blocks_needed(seq, computed + n, steps, bs);
             if self.alloc.num_free() < need {
                 // Head of line waits for blocks; give back what the cache lookup took.

@@ -5,7 +5,7 @@
 mod common;
 
 use common::{run_lookahead, run_to_completion, FakeModel, Outputs};
-use iron_batch_core::{Scheduler, SchedulerConfig};
+use iron_batch_core::{BlockHash, Scheduler, SchedulerConfig};
 use proptest::prelude::*;
 
 type Workload = Vec<(Vec<u32>, usize)>;
@@ -129,4 +129,65 @@ fn lookahead_steps_give_the_same_tokens_and_honour_stops() {
     assert_eq!(with_stop, want);
     assert_eq!(with_stop["r3"].1, "stop");
     assert!(with_stop["r3"].0.len() <= 3);
+}
+
+/// Every block gets the same hash, so every cache lookup meets a collision unless the
+/// content is the one block the cache holds.
+fn all_collide(_parent: Option<BlockHash>, _tokens: &[u32]) -> BlockHash {
+    7
+}
+
+#[test]
+fn colliding_block_hashes_cost_misses_never_wrong_tokens() {
+    // Prompts that share their first blocks, and prompts that differ from the first token.
+    let shared: Vec<u32> = (100..108).collect();
+    let w: Workload = (0..10u32)
+        .map(|i| {
+            let start: Vec<u32> = if i % 2 == 0 {
+                shared.clone()
+            } else {
+                vec![i; 5]
+            };
+            (start.into_iter().chain([i, i + 1, i + 2]).collect(), 4)
+        })
+        .collect();
+    let (reference, _, _) = run(&w, cfg(4096, 4096, false));
+    for c in [cfg(4096, 12, true), cfg(24, 12, true), cfg(12, 5, true)] {
+        let mut s = Scheduler::with_hasher(c.clone(), all_collide).unwrap();
+        for (i, (p, n)) in w.iter().enumerate() {
+            s.add_request(&format!("r{i}"), p, *n, &[]).unwrap();
+        }
+        let got = run_to_completion(&mut s, &mut FakeModel::default());
+        assert_eq!(got, reference, "{c:?}");
+        assert_eq!(s.allocator().num_free(), c.total_kv_blocks);
+        // The cache holds one block at a time: whatever hit was that one first block.
+        assert!(s.stats().prefix_cache_hit_tokens <= 2 * w.len() as u64);
+    }
+}
+
+#[test]
+fn a_prompt_whose_first_block_collides_gets_nothing_from_the_cache() {
+    let c = cfg(64, 64, true);
+    let mut s = Scheduler::with_hasher(c, all_collide).unwrap();
+    let mut model = FakeModel::default();
+    s.add_request("first", &[1, 2, 3, 4, 5], 2, &[]).unwrap();
+    let first = run_to_completion(&mut s, &mut model);
+    assert_eq!(s.allocator().num_cached(), 1);
+    s.add_request("other", &[6, 7, 3, 4, 5], 2, &[]).unwrap();
+    s.add_request("same", &[1, 2, 3, 4, 5], 2, &[]).unwrap();
+    let b = s.schedule();
+    assert_eq!(s.sequence("other").unwrap().num_cached_prompt, Some(0));
+    // Only the block the cache holds is served: [1, 2] without a parent.
+    assert_eq!(s.sequence("same").unwrap().num_cached_prompt, Some(2));
+    let sampled = model.execute(&b, 2);
+    s.commit(&b, &sampled).unwrap();
+    assert_eq!(
+        sampled[1], first["first"].0[0],
+        "same prompt, same first token"
+    );
+    let (reference, _, _) = run(
+        &vec![(vec![6, 7, 3, 4, 5], 2), (vec![1, 2, 3, 4, 5], 2)],
+        cfg(4096, 4096, false),
+    );
+    assert_eq!(sampled[0], reference["r0"].0[0]);
 }

@@ -254,3 +254,254 @@ fn output_blocks_are_published_so_a_follow_up_turn_reuses_them() {
     let b = s.schedule();
     assert_eq!(b.num_computed_before, vec![8]);
 }
+
+#[test]
+fn a_request_that_exactly_fills_the_pool_or_the_context_is_accepted() {
+    // Pool of 4 blocks of 4 = 16 tokens: 16 fit, 17 never do.
+    let mut s = Scheduler::new(cfg(4, 4, 100, 8)).unwrap();
+    assert_eq!(s.max_sequence_tokens(), 16);
+    s.add_request("fits", &[1; 12], 4, &[]).unwrap();
+    assert!(matches!(
+        s.add_request("over", &[1; 12], 5, &[]),
+        Err(SchedulerError::Rejected(_))
+    ));
+    // It runs to its last token in the pool it fills.
+    let out = run_to_completion(&mut s, &mut FakeModel::default());
+    assert_eq!(out["fits"].0.len(), 4);
+    assert_eq!(out["fits"].1, "length");
+
+    // Context of 10 tokens in a larger pool: 10 fit, 11 never do.
+    let mut s = Scheduler::new(SchedulerConfig {
+        max_model_len: Some(10),
+        ..cfg(64, 4, 100, 8)
+    })
+    .unwrap();
+    assert_eq!(s.max_sequence_tokens(), 10);
+    s.add_request("fits", &[1; 7], 3, &[]).unwrap();
+    assert!(matches!(
+        s.add_request("over", &[1; 7], 4, &[]),
+        Err(SchedulerError::Rejected(m)) if m.contains("model context of 10")
+    ));
+    assert_eq!(s.stats().requests_added, 1);
+}
+
+#[test]
+fn config_validation_names_each_unusable_field_at_its_edge() {
+    let ok = cfg(16, 4, 64, 8);
+    assert_eq!(ok.validate(), Ok(()));
+    assert_eq!(SchedulerConfig::default().validate(), Ok(()));
+    let edges_ok = [
+        SchedulerConfig {
+            kv_block_size: 4096,
+            ..ok.clone()
+        },
+        SchedulerConfig {
+            kv_block_size: 1,
+            max_batch_tokens: 1,
+            max_running_seqs: 1,
+            total_kv_blocks: 1,
+            max_model_len: Some(1),
+            ..ok.clone()
+        },
+        SchedulerConfig {
+            total_kv_blocks: u32::MAX as usize - 1,
+            ..ok.clone()
+        },
+    ];
+    for c in edges_ok {
+        assert_eq!(c.validate(), Ok(()), "{c:?}");
+    }
+    let bad = [
+        (
+            SchedulerConfig {
+                total_kv_blocks: 0,
+                ..ok.clone()
+            },
+            "total_kv_blocks",
+        ),
+        (
+            SchedulerConfig {
+                total_kv_blocks: u32::MAX as usize,
+                ..ok.clone()
+            },
+            "total_kv_blocks",
+        ),
+        (
+            SchedulerConfig {
+                kv_block_size: 0,
+                ..ok.clone()
+            },
+            "kv_block_size",
+        ),
+        (
+            SchedulerConfig {
+                kv_block_size: 4097,
+                ..ok.clone()
+            },
+            "kv_block_size",
+        ),
+        (
+            SchedulerConfig {
+                max_batch_tokens: 0,
+                ..ok.clone()
+            },
+            "max_batch_tokens",
+        ),
+        (
+            SchedulerConfig {
+                max_running_seqs: 0,
+                ..ok.clone()
+            },
+            "max_running_seqs",
+        ),
+        (
+            SchedulerConfig {
+                max_model_len: Some(0),
+                ..ok.clone()
+            },
+            "max_model_len",
+        ),
+    ];
+    for (c, field) in bad {
+        let err = c.validate().unwrap_err();
+        assert!(err.starts_with(field), "{c:?}: {err}");
+        // The scheduler refuses it with the same message.
+        assert_eq!(
+            Scheduler::new(c).unwrap_err(),
+            SchedulerError::Rejected(err)
+        );
+    }
+}
+
+#[test]
+fn lookahead_reserves_one_step_per_token_the_request_may_still_take() {
+    // Blocks of 4; "a" may generate 3 tokens, "b" 10. Lookahead 5 asks for up to 6 steps.
+    let mut s = Scheduler::new(cfg(32, 4, 100, 8)).unwrap();
+    s.add_request("a", &[1, 2, 3], 3, &[]).unwrap();
+    s.add_request("b", &[4, 5, 6], 10, &[]).unwrap();
+    let b = s.schedule_lookahead(5);
+    assert_eq!(b.sample_max_steps, vec![3, 6]);
+    // a writes KV for positions 0..=4 (its last sampled token gets none): 2 blocks. b
+    // writes 0..=7: 2 blocks. Nothing more is taken.
+    assert_eq!(b.block_tables.len(), 2 * b.max_blocks);
+    assert_eq!(b.max_blocks, 2);
+    assert_eq!(s.allocator().num_free(), 28);
+    let sampled = [10, 11, 12, 0, 0, 0, 20, 21, 22, 23, 24, 25];
+    let ev = s.commit_steps(&b, &sampled, 6).unwrap();
+    assert_eq!(ev.len(), 3 + 6);
+    assert_eq!(ev[2].finish, Some(FinishReason::Length));
+    assert!(ev[3..].iter().all(|e| e.finish.is_none()));
+    s.check_invariants().unwrap();
+
+    // b has 4 tokens left: lookahead 5 now asks for 4; lookahead 1 for 2; none for 1.
+    let b1 = s.schedule_lookahead(1);
+    assert_eq!(b1.sample_max_steps, vec![2]);
+    let b2 = s.schedule_lookahead(5);
+    assert_eq!(b2.sample_max_steps, vec![4]);
+    // b holds 9 tokens of KV after this step plus 3 more: 12 slots in 3 blocks.
+    assert_eq!(b2.max_blocks, 3);
+    let b3 = s.schedule();
+    assert_eq!(b3.sample_max_steps, vec![1]);
+}
+
+#[test]
+fn a_step_whose_token_budget_runs_out_takes_nobody_else() {
+    // Budget 4: "a"'s 4 prompt tokens use it whole; "b" waits with no empty entry.
+    let mut s = Scheduler::new(cfg(16, 4, 4, 8)).unwrap();
+    s.add_request("a", &[1, 2, 3, 4], 4, &[]).unwrap();
+    s.add_request("b", &[5, 6], 4, &[]).unwrap();
+    let b = s.schedule();
+    assert_eq!(b.num_seqs(), 1);
+    assert_eq!(b.num_tokens(), 4);
+    assert_eq!((s.num_running(), s.num_waiting()), (1, 1));
+}
+
+#[test]
+fn live_requests_and_the_running_count_follow_each_state() {
+    let mut s = Scheduler::new(cfg(16, 4, 100, 1)).unwrap();
+    assert!(!s.is_live("a"));
+    s.add_request("a", &[1, 2], 2, &[]).unwrap();
+    s.add_request("b", &[3], 2, &[]).unwrap();
+    assert!(s.is_live("a") && s.is_live("b"));
+    assert_eq!((s.num_running(), s.num_waiting()), (0, 2));
+    let b = s.schedule();
+    assert_eq!((s.num_running(), s.num_waiting()), (1, 1));
+    s.commit(&b, &[5]).unwrap();
+    assert!(s.finish("a"));
+    assert!(!s.is_live("a"));
+    assert!(!s.finish("a"));
+    assert_eq!((s.num_running(), s.num_waiting()), (0, 1));
+    assert!(s.abort("b"));
+    assert!(!s.is_live("b"));
+    assert!(!s.has_work());
+}
+
+#[test]
+fn stats_count_every_request_outcome_and_cache_lookup() {
+    let mut s = Scheduler::new(cfg(16, 4, 100, 8)).unwrap();
+    let mut model = FakeModel::default();
+    let prompt: Vec<u32> = (1..=9).collect();
+    // Finishes by length.
+    s.add_request("len", &prompt, 2, &[]).unwrap();
+    run_to_completion(&mut s, &mut model);
+    // No tokens to generate: finished without model work.
+    s.add_request("zero", &[1], 0, &[]).unwrap();
+    // Stopped from outside, and aborted, after the first step; both share len's prompt.
+    s.add_request("stopped", &prompt, 5, &[]).unwrap();
+    s.add_request("aborted", &prompt, 5, &[]).unwrap();
+    let b = s.schedule();
+    let sampled = model.execute(&b, 4);
+    s.commit(&b, &sampled).unwrap();
+    assert!(s.finish("stopped"));
+    assert!(s.abort("aborted"));
+    // A request the pool can never hold is not counted.
+    assert!(s.add_request("huge", &[1; 65], 1, &[]).is_err());
+    let st = s.stats();
+    assert_eq!(st.requests_added, 4);
+    assert_eq!(st.requests_finished, 3);
+    assert_eq!(st.requests_aborted, 1);
+    // Three admissions looked up 9 tokens each; the last two found len's two full blocks.
+    assert_eq!(st.prefix_cache_queries, 3);
+    assert_eq!(st.prefix_cache_query_tokens, 27);
+    assert_eq!(st.prefix_cache_hit_tokens, 16);
+    assert_eq!(st.preemptions, 0);
+}
+
+#[test]
+fn with_caching_off_no_lookup_is_counted() {
+    let mut s = Scheduler::new(SchedulerConfig {
+        enable_prefix_caching: false,
+        ..cfg(16, 4, 100, 8)
+    })
+    .unwrap();
+    let prompt: Vec<u32> = (1..=9).collect();
+    for id in ["a", "b"] {
+        s.add_request(id, &prompt, 1, &[]).unwrap();
+        run_to_completion(&mut s, &mut FakeModel::default());
+    }
+    assert_eq!(s.stats().prefix_cache_queries, 0);
+    assert_eq!(s.stats().prefix_cache_query_tokens, 0);
+    assert_eq!(s.stats().prefix_cache_hit_tokens, 0);
+    assert_eq!(s.allocator().num_cached(), 0);
+}
+
+#[test]
+fn preemptions_are_counted_per_request_and_in_total() {
+    // Three blocks of 2 tokens: "a" and "b" start, then a's growth pushes b out.
+    let mut s = Scheduler::new(cfg(3, 2, 100, 8)).unwrap();
+    let mut model = FakeModel::default();
+    s.add_request("a", &[1, 2], 3, &[]).unwrap();
+    s.add_request("b", &[3], 3, &[]).unwrap();
+    let mut per_request = 0;
+    while s.has_work() {
+        let b = s.schedule();
+        let sampled = model.execute(&b, 2);
+        per_request = s
+            .sequence("b")
+            .map_or(per_request, |q| u64::from(q.num_preemptions));
+        s.commit(&b, &sampled).unwrap();
+        s.check_invariants().unwrap();
+    }
+    assert!(per_request >= 1, "b was never preempted");
+    assert_eq!(s.stats().preemptions, per_request);
+}
