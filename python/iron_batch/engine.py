@@ -26,6 +26,7 @@ import numpy as np
 
 from iron_batch._core import IronBatchError, Scheduler, SchedulerConfig
 from iron_batch.backends.base import FatalBackendError
+from iron_batch.openmp import release_thread_pool
 from iron_batch.sampling_params import SamplingParams
 from iron_batch.stats import EngineStats
 
@@ -289,6 +290,10 @@ class Engine:
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("engine already started")
+        # The backend was built (and maybe warmed up) on this thread; from now on only the
+        # engine thread runs it. An OpenMP team left behind here would throttle the engine
+        # thread's team (see iron_batch.openmp).
+        release_thread_pool()
         self._thread = threading.Thread(target=self._run, name="iron-batch-engine", daemon=True)
         self._thread.start()
 
