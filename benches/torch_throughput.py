@@ -4,15 +4,28 @@
     python benches/torch_throughput.py --shape qwen2.5-0.5b --dtype bfloat16
     python benches/torch_throughput.py --model smollm2-135m --prefix-cache
 
-Every figure of one invocation comes from the same process, so ratios hold even on a noisy
-machine. Prints a markdown table and, with --json, writes the raw numbers.
+Every figure of one invocation comes from the same run, so ratios hold even on a noisy
+machine. Both engines load the same plain checkpoint in the same dtype: a GGUF model is
+first dequantized by transformers (``GgufConfig(dequantize=True)``) and saved as a plain
+safetensors checkpoint, because transformers' own GGUF path keeps the weights packed and
+computes through float32 casts, which is not its best setting.
+
+iron-batch is measured three ways: the offline ``LLM`` (engine stepped on this thread), the
+same engine on its own thread (as the server runs it), and through the server
+(``python -m iron_batch.server`` in a subprocess, driven by ``iron_batch.bench_client`` with
+distinct random prompts and ``ignore_eos``): the last is what a user sees. Prints a markdown
+table and, with --json, writes the raw numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from iron_batch import SamplingParams
+from iron_batch import Engine, SamplingParams
 from iron_batch.backends.torch_backend import TorchBackend
 from iron_batch.llm import LLM
 from iron_batch.models.loader import resolve
@@ -55,15 +68,27 @@ def build_shape_model(name: str, dtype: torch.dtype, folder: Path) -> Path:
     return folder
 
 
+def plain_checkpoint(model: str, dtype: torch.dtype, folder: Path) -> str:
+    """A GGUF model dequantized once into a plain checkpoint (the fair baseline's weights);
+    any other model as it is."""
+    src = resolve(model)
+    if src.gguf is None:
+        return model
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    m = AutoModelForCausalLM.from_pretrained(
+        src.gguf.parent, gguf_file=src.gguf.name, dtype=dtype,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    m.save_pretrained(folder)
+    return str(folder)
+
+
 def hf_model(model: str, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
-    src = resolve(model)
-    if src.gguf is not None:
-        m = AutoModelForCausalLM.from_pretrained(src.gguf.parent, gguf_file=src.gguf.name)
-    else:
-        m = AutoModelForCausalLM.from_pretrained(src.folder)
-    m = m.to(dtype).eval()
+    m = AutoModelForCausalLM.from_pretrained(resolve(model).folder, dtype=dtype)
+    m = m.eval()
     m.generation_config.eos_token_id = None  # always run the full length
     m.generation_config.pad_token_id = 0
     return m
@@ -138,6 +163,80 @@ def ours_ms_per_token(llm: LLM, prompt: np.ndarray, new: int) -> tuple[float, fl
     return elapsed / steps * 1e3, 1 - spent[0] / elapsed
 
 
+def ours_engine_thread_ms(llm: LLM, prompt: np.ndarray, new: int) -> float:
+    """Batch-1 ms per decode step with the engine on its own thread, as the server runs it:
+    the time between the first and the last token's arrival on this thread's event loop."""
+    engine = Engine(llm.backend, llm.engine.config)
+    engine.start()
+    params = SamplingParams(max_new_tokens=new + 1, ignore_eos=True)
+
+    async def consume() -> list[float]:
+        arrivals: list[float] = []
+        async for events in engine.submit("b1-thread", prompt.tolist(), params):
+            arrivals.extend(time.perf_counter() for e in events if e.token_id is not None)
+        return arrivals
+
+    try:
+        arrivals = asyncio.run(consume())
+    finally:
+        engine.shutdown()
+    return (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) * 1e3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_run(model: str, dtype: str, vocab: int, args: argparse.Namespace) -> dict[str, float]:
+    """Output tok/s of W and batch-1 ms/token through ``python -m iron_batch.server``."""
+    import httpx
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "iron_batch.server", "--backend", "torch", "--model", model,
+           "--dtype", dtype, "--device", "cpu", "--addr", f"127.0.0.1:{port}",
+           "--max-batch-tokens", str(args.max_batch_tokens)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def client(concurrency: int, total: int, new: int, seed: int) -> dict[str, Any]:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            subprocess.run(
+                [sys.executable, "-m", "iron_batch.bench_client", "--url", url, "--no-progress",
+                 "--concurrency", str(concurrency), "--total-requests", str(total),
+                 "--prompt-tokens", str(args.prompt_tokens), "--max-new-tokens", str(new),
+                 "--random-prompts", str(vocab - 100), "--seed", str(seed), "--ignore-eos",
+                 "--json", out.name],
+                check=True, stdout=subprocess.DEVNULL,
+            )
+            result = dict(json.loads(Path(out.name).read_text()))
+        if result["requests_failed"]:
+            raise SystemExit(f"server run failed: {result['errors']}")
+        return result
+
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"server did not start: {' '.join(cmd)}")
+            time.sleep(0.2)
+        end = time.monotonic() + args.warmup_s
+        while time.monotonic() < end:
+            client(8, 8, 8, seed=1)
+        w = client(args.requests, args.requests, args.new_tokens, seed=2)
+        b1 = client(1, 3, args.new_tokens, seed=3)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return {"tok_s": float(w["tokens_per_sec"]), "ms_per_token_b1": float(b1["itl_p50_ms"])}
+
+
 def prefix_cache_run(model: str, dtype: str, caching: bool, n: int = 64) -> dict[str, float]:
     """64 requests sharing a 512-token system prompt plus 32 own tokens, 32 new each."""
     rng = np.random.default_rng(1)
@@ -178,7 +277,11 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--hf-batches", default="16,64")
-    ap.add_argument("--warmup-s", type=float, default=5.0)
+    ap.add_argument("--warmup-s", type=float, default=8.0)
+    ap.add_argument("--max-batch-tokens", type=int, default=8192,
+                    help="iron-batch's token budget per step (the server's default)")
+    ap.add_argument("--server", action="store_true",
+                    help="also measure through python -m iron_batch.server (what users see)")
     ap.add_argument("--prefix-cache", action="store_true",
                     help="run the shared-system-prompt comparison instead")
     ap.add_argument("--json", help="write the numbers here")
@@ -200,11 +303,11 @@ def main() -> None:
     if args.shape:
         model = str(build_shape_model(args.shape, dtype, Path(tmp.name)))
     elif args.model:
-        model = args.model
+        model = plain_checkpoint(args.model, dtype, Path(tmp.name))
     else:
         ap.error("give --model or --shape")
     bandwidth = copy_bandwidth_gbs()
-    llm = LLM(model=model, dtype=args.dtype, device="cpu", max_batch_tokens=4096)
+    llm = LLM(model=model, dtype=args.dtype, device="cpu", max_batch_tokens=args.max_batch_tokens)
     backend: TorchBackend = llm.backend  # type: ignore[assignment]
     net = backend.model
     weight_bytes = sum(
@@ -219,7 +322,9 @@ def main() -> None:
     warm(lambda: ours_throughput(llm, prompts[:8, :32], 8), args.warmup_s)
     ours = ours_throughput(llm, prompts, new)
     ours_ms, overhead = ours_ms_per_token(llm, prompts[0], new)
+    thread_ms = ours_engine_thread_ms(llm, prompts[1], new)
     llm = None  # free our model before loading the reference
+    server = server_run(model, args.dtype, vocab, args) if args.server else None
 
     hf = hf_model(model, dtype)
     hf_rows = {}
@@ -234,6 +339,7 @@ def main() -> None:
         "copy_bandwidth_gbs": bandwidth, "weight_bytes": weight_bytes,
         "iron_batch_tok_s": ours, "hf_static_tok_s": hf_rows,
         "iron_batch_ms_per_token_b1": ours_ms, "python_overhead_share_b1": overhead,
+        "iron_batch_engine_thread_ms_per_token_b1": thread_ms, "server": server,
         "hf_ms_per_token_b1": hf_ms, "bandwidth_floor_ms": floor_ms,
     }
     name = args.shape or Path(model).name
@@ -241,15 +347,24 @@ def main() -> None:
           f"copy bandwidth {bandwidth:.1f} GB/s, weights {weight_bytes / 1e6:.0f} MB")
     print("| engine | output tok/s | vs best transformers |")
     print("|---|---|---|")
-    print(f"| iron-batch (continuous batching) | {ours:.1f} | {ours / best_hf:.2f}x |")
+    if server is not None:
+        print(f"| iron-batch server (HTTP, {args.requests} streams) | {server['tok_s']:.1f} | "
+              f"{server['tok_s'] / best_hf:.2f}x |")
+    print(f"| iron-batch in process (LLM) | {ours:.1f} | {ours / best_hf:.2f}x |")
     for b, v in hf_rows.items():
         print(f"| transformers generate, static batch {b} | {v:.1f} | {v / best_hf:.2f}x |")
-    print("| batch-1 decode | ms/token | vs bandwidth floor |")
-    print("|---|---|---|")
-    print(f"| iron-batch | {ours_ms:.1f} | {ours_ms / floor_ms:.2f}x "
-          f"(outside forward: {overhead:.0%}) |")
-    print(f"| transformers | {hf_ms:.1f} | {hf_ms / floor_ms:.2f}x |")
-    print(f"| floor (weights / copy bandwidth) | {floor_ms:.1f} | 1.00x |")
+    print("| batch-1 decode | ms/token | vs transformers | vs bandwidth floor |")
+    print("|---|---|---|---|")
+    if server is not None:
+        s_ms = server["ms_per_token_b1"]
+        print(f"| iron-batch server (HTTP, inter-token p50) | {s_ms:.1f} | {s_ms / hf_ms:.2f}x | "
+              f"{s_ms / floor_ms:.2f}x |")
+    print(f"| iron-batch engine thread | {thread_ms:.1f} | {thread_ms / hf_ms:.2f}x | "
+          f"{thread_ms / floor_ms:.2f}x |")
+    print(f"| iron-batch caller's thread (LLM) | {ours_ms:.1f} | {ours_ms / hf_ms:.2f}x | "
+          f"{ours_ms / floor_ms:.2f}x (outside forward: {overhead:.0%}) |")
+    print(f"| transformers | {hf_ms:.1f} | 1.00x | {hf_ms / floor_ms:.2f}x |")
+    print(f"| floor (weights / copy bandwidth) | {floor_ms:.1f} | | 1.00x |")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

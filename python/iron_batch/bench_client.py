@@ -16,8 +16,10 @@ import argparse
 import asyncio
 import json
 import math
+import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -55,13 +57,38 @@ class _Work:
     """Hands out request numbers to the workers until the total is reached."""
 
     def __init__(self, total: int) -> None:
+        self.total = total
         self.remaining = total
 
-    def take(self) -> bool:
+    def take(self) -> int | None:
+        """The next request's number (0, 1, ...), or None when all are handed out."""
         if self.remaining <= 0:
-            return False
+            return None
         self.remaining -= 1
-        return True
+        return self.total - self.remaining - 1
+
+
+def request_bodies(args: argparse.Namespace) -> Callable[[int], dict[str, Any]]:
+    """Request number -> /generate body.
+
+    By default every request sends ``prompt_tokens: N`` (the same synthetic prompt, so the
+    prefix cache serves most of it). ``--random-prompts VOCAB`` sends distinct random token
+    ids in [0, VOCAB) per request instead (seeded by ``--seed`` and the request number), which
+    is what a model benchmark needs: every prompt token is computed.
+    """
+    common: dict[str, Any] = {"max_new_tokens": args.max_new_tokens}
+    if args.ignore_eos:
+        common["ignore_eos"] = True
+    if not args.random_prompts:
+        body = {"prompt_tokens": args.prompt_tokens, **common}
+        return lambda _i: body
+
+    def random_body(i: int) -> dict[str, Any]:
+        rng = random.Random(args.seed * 1_000_003 + i)
+        ids = [rng.randrange(args.random_prompts) for _ in range(args.prompt_tokens)]
+        return {"prompt_token_ids": ids, **common}
+
+    return random_body
 
 
 def _record_stream_line(
@@ -85,11 +112,13 @@ def _record_stream_line(
 
 
 async def _raw_worker(
-    host: str, port: int, request: bytes, work: _Work, results: _Results, bar: tqdm
+    host: str, port: int, request_for: Callable[[int], bytes], work: _Work, results: _Results,
+    bar: tqdm,
 ) -> None:
     reader: asyncio.StreamReader | None = None
     writer: asyncio.StreamWriter | None = None
-    while work.take():
+    while (number := work.take()) is not None:
+        request = request_for(number)
         try:
             if writer is None:
                 reader, writer = await asyncio.open_connection(host, port)
@@ -144,10 +173,11 @@ async def _raw_worker(
 
 
 async def _httpx_worker(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], work: _Work,
-    results: _Results, bar: tqdm,
+    client: httpx.AsyncClient, url: str, body_for: Callable[[int], dict[str, Any]],
+    work: _Work, results: _Results, bar: tqdm,
 ) -> None:
-    while work.take():
+    while (number := work.take()) is not None:
+        body = body_for(number)
         state: list[Any] = [time.perf_counter(), None, 0]
         done = False
         try:
@@ -180,14 +210,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     host = url.hostname or "127.0.0.1"
     port = url.port or 80
     base = args.url.rstrip("/")
-    body = {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens}
-    payload = json.dumps(body).encode()
-    request = (
+    body_for = request_bodies(args)
+    head = (
         f"POST {url.path.rstrip('/')}/generate HTTP/1.1\r\nHost: {host}:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+        "Content-Type: application/json\r\n"
         + (f"Authorization: Bearer {args.api_key}\r\n" if args.api_key else "")
-        + "\r\n"
-    ).encode() + payload
+    ).encode()
+
+    def request_for(number: int) -> bytes:
+        payload = json.dumps(body_for(number)).encode()
+        return head + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
 
     results = _Results()
     work = _Work(args.total_requests)
@@ -200,12 +232,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         started = time.perf_counter()
         if args.client == "raw":
             workers = [
-                _raw_worker(host, port, request, work, results, bar)
+                _raw_worker(host, port, request_for, work, results, bar)
                 for _ in range(args.concurrency)
             ]
         else:
             workers = [
-                _httpx_worker(client, f"{base}/generate", body, work, results, bar)
+                _httpx_worker(client, f"{base}/generate", body_for, work, results, bar)
                 for _ in range(args.concurrency)
             ]
         await asyncio.gather(*workers)
@@ -276,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="synthetic prompt length (default 128)")
     p.add_argument("--max-new-tokens", type=non_negative_int, default=64,
                    help="tokens to generate per request (default 64)")
+    p.add_argument("--random-prompts", type=positive_int, default=None, metavar="VOCAB",
+                   help="distinct random prompt token ids in [0, VOCAB) per request instead of "
+                        "one synthetic prompt (every prompt token is computed)")
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="seed of --random-prompts (default 0)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate max-new-tokens tokens whatever the model samples")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the summary here")
     p.add_argument("--client", choices=("raw", "httpx"), default="raw",
                    help="HTTP client: raw asyncio streams (default) or httpx")

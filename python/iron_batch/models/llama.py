@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from iron_batch.models import cpu_attention
 from iron_batch.models.config import ModelConfig
 from iron_batch.models.paged_attention import (
     _FLASH_PAGE_MULTIPLE,
@@ -180,6 +181,7 @@ class LlamaModel:
             device=dev,
             use_flash=self._use_flash(),
             dtype=self.dtype,
+            use_cpu_kernel=cpu_attention.kernel_enabled(dev, self.dtype),
         )
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
         eps = c.rms_norm_eps

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from iron_batch.models import cpu_attention
+
 try:  # Paged CUDA kernel; optional.
     from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
 except Exception:  # noqa: BLE001 - any import failure just means "not available"
@@ -45,9 +47,14 @@ class _FreshPrefills:
 class _Decodes:
     rows: torch.Tensor  # [S] token row of each decode
     all_rows: bool  # rows == arange(num_tokens): outputs need no scatter
-    block_rows: torch.Tensor  # [S * nblk] block ids of every decode's table, padded
+    # Torch route (gather whole blocks, batched matmuls):
+    block_rows: torch.Tensor | None  # [S * nblk] block ids of every decode's table, padded
     num_blocks: int  # nblk: table width read per decode
-    mask: torch.Tensor  # [S, 1, 1, nblk * block_size] additive float32 mask (0 or -inf)
+    mask: torch.Tensor | None  # [S, 1, 1, nblk * block_size] additive float32 mask (0 or -inf)
+    # Rust kernel route (reads the cache in place; see cpu_attention):
+    tables: np.ndarray | None = None  # int32 [S, nblk]
+    lens: np.ndarray | None = None  # int32 [S]
+    sliding_window: int | None = None
 
 
 @dataclass
@@ -76,6 +83,7 @@ class AttentionPlan:
         device: torch.device,
         use_flash: bool,
         dtype: torch.dtype = torch.float32,
+        use_cpu_kernel: bool = False,
     ) -> None:
         self.slot_mapping = slot_mapping
         self.num_tokens = int(query_start_loc[-1])
@@ -97,7 +105,21 @@ class AttentionPlan:
         tables = torch.from_numpy(block_tables.astype(np.int64))
         offsets = torch.arange(block_size, dtype=torch.int64)
         decode_seqs = np.nonzero(q_lens == 1)[0]
-        if len(decode_seqs):
+        if len(decode_seqs) and use_cpu_kernel:
+            lens_np = seq_lens[decode_seqs]
+            nblk = -(-int(lens_np.max()) // block_size)
+            rows = query_start_loc[decode_seqs].astype(np.int64)
+            self.decodes = _Decodes(
+                rows=torch.from_numpy(rows).to(device),
+                all_rows=len(rows) == self.num_tokens,
+                block_rows=None,
+                num_blocks=nblk,
+                mask=None,
+                tables=np.ascontiguousarray(block_tables[decode_seqs, :nblk], dtype=np.int32),
+                lens=np.ascontiguousarray(lens_np, dtype=np.int32),
+                sliding_window=sliding_window,
+            )
+        elif len(decode_seqs):
             lens = torch.from_numpy(seq_lens[decode_seqs].astype(np.int64))
             nblk = -(-int(lens.max()) // block_size)
             # Whole blocks are gathered (contiguous rows of block_size * kv_heads * head_dim
@@ -225,6 +247,11 @@ def _decode_attention(
     copy of K/V per query head. Plain matmuls beat SDPA here: CPU SDPA kernels are tuned
     for long queries and spend most of their time on per-(batch, head) setup for q_len 1.
     """
+    if d.tables is not None and d.lens is not None:
+        return cpu_attention.paged_decode_attention(
+            q, cache, d.tables, d.lens, scale, d.sliding_window
+        )
+    assert d.block_rows is not None and d.mask is not None
     s, num_heads, head_dim = q.shape
     kv_heads = num_heads // group
     num_blocks, block_size = cache.shape[1], cache.shape[2]

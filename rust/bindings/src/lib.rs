@@ -4,6 +4,7 @@ mod allocator;
 mod batch;
 mod convert;
 mod errors;
+mod kernels;
 mod scheduler;
 
 use pyo3::prelude::*;
@@ -16,5 +17,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::Scheduler>()?;
     m.add_class::<batch::Batch>()?;
     m.add_class::<allocator::BlockAllocator>()?;
+    m.add_function(wrap_pyfunction!(kernels::_paged_decode_attention, m)?)?;
     Ok(())
 }

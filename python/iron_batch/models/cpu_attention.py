@@ -1,0 +1,67 @@
+"""Decode attention on CPU read in place from the paged KV cache, by the Rust kernel.
+
+The torch route (``paged_attention._decode_attention``) gathers every decode's KV blocks
+into a fresh tensor, transposes them and runs two batched matmuls around a softmax: per
+layer that copies the whole context of the batch, and at batch 1 it is a dozen small ops.
+The kernel (``rust/kernels``) reads each key and value once from the cache blocks, in f32
+arithmetic, with a thread per share of the work when the work is large enough.
+
+Set ``IRON_BATCH_CPU_ATTENTION=torch`` to use the torch route instead (for comparison).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from iron_batch import _core
+
+_KERNEL = getattr(_core, "_paged_decode_attention", None)
+_DTYPES = {torch.bfloat16: True, torch.float32: False}
+
+
+def kernel_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention for this device and dtype runs in the Rust kernel."""
+    return (
+        _KERNEL is not None
+        and device.type == "cpu"
+        and dtype in _DTYPES
+        and os.environ.get("IRON_BATCH_CPU_ATTENTION", "kernel") != "torch"
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """q [S, heads, hd] -> [S, heads * hd]; ``cache`` [2, blocks, block_size, kv_heads, hd];
+    ``block_tables`` int32 [S, width] and ``seq_lens`` int32 [S] of the decoding sequences
+    (lengths include the new token, whose K/V is already in the cache)."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_blocks, block_size, kv_heads, cache_hd = cache.shape
+    # The kernel trusts these: it gets addresses, not tensors.
+    if q.dtype != cache.dtype or q.dtype not in _DTYPES:
+        raise TypeError(f"q {q.dtype} and cache {cache.dtype} must both be bf16 or float32")
+    if q.device.type != "cpu" or cache.device.type != "cpu" or not cache.is_contiguous():
+        raise ValueError("the CPU attention kernel needs a contiguous CPU cache")
+    if cache_hd != head_dim or cache.shape[0] != 2:
+        raise ValueError(f"cache shape {tuple(cache.shape)} does not fit q {tuple(q.shape)}")
+    tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+    lens = np.ascontiguousarray(seq_lens, dtype=np.int32)
+    if tables.ndim != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
+        raise ValueError("block_tables must be [seqs, width] and seq_lens [seqs]")
+    q = q.contiguous()
+    out = torch.empty(num_seqs, num_heads * head_dim, dtype=q.dtype)
+    _KERNEL(
+        out.data_ptr(), q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), tables, lens,
+        num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+        num_blocks=num_blocks, sliding_window=sliding_window or 0, scale=float(scale),
+        bf16=q.dtype == torch.bfloat16, threads=torch.get_num_threads(),
+    )
+    return out

@@ -1,0 +1,8 @@
+//! CPU kernels for iron-batch's torch backend, in plain Rust (no PyO3: `cargo test` and
+//! `cargo bench` run without Python). The bindings hand them raw tensor memory.
+
+mod attention;
+mod element;
+
+pub use attention::{paged_decode_attention, DecodeShape, KernelError};
+pub use element::{Bf16, Element};

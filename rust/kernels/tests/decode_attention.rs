@@ -1,0 +1,229 @@
+//! Paged decode attention against a plain reference: gather each sequence's context by its
+//! block table, softmax in f64, weighted sum of values.
+
+use iron_batch_kernels::{paged_decode_attention, Bf16, DecodeShape, Element};
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() % 20_001) as f32 / 10_000.0 - 1.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+struct Case {
+    shape: DecodeShape,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    tables: Vec<i32>,
+    lens: Vec<i32>,
+}
+
+fn case(rng: &mut Rng, seqs: usize, heads: usize, kv_heads: usize, window: usize) -> Case {
+    let (head_dim, block_size, max_blocks) = (64, 16, 9);
+    let num_blocks = seqs * max_blocks + 3;
+    let shape = DecodeShape {
+        num_seqs: seqs,
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim,
+        block_size,
+        max_blocks,
+        num_blocks,
+        sliding_window: window,
+    };
+    let cache = num_blocks * block_size * kv_heads * head_dim;
+    // Every sequence gets distinct blocks in a shuffled order, so a wrong table lookup shows.
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, rng.below(i + 1));
+    }
+    let lens: Vec<i32> = (0..seqs)
+        .map(|_| 1 + rng.below(max_blocks * block_size) as i32)
+        .collect();
+    // Unused table entries hold garbage the kernel must never follow.
+    let tables: Vec<i32> = (0..seqs * max_blocks)
+        .map(|i| {
+            let (seq, b) = (i / max_blocks, i % max_blocks);
+            if b * block_size < lens[seq] as usize {
+                ids[i]
+            } else {
+                -7
+            }
+        })
+        .collect();
+    Case {
+        shape,
+        q: (0..seqs * heads * head_dim).map(|_| rng.unit()).collect(),
+        k: (0..cache).map(|_| rng.unit() * 2.0).collect(),
+        v: (0..cache).map(|_| rng.unit()).collect(),
+        tables,
+        lens,
+    }
+}
+
+fn reference(c: &Case, q: &[f32], k: &[f32], v: &[f32], scale: f32) -> Vec<f32> {
+    let s = c.shape;
+    let (hd, group) = (s.head_dim, s.num_heads / s.num_kv_heads);
+    let mut out = vec![0f32; q.len()];
+    for seq in 0..s.num_seqs {
+        let len = c.lens[seq] as usize;
+        let start = if s.sliding_window > 0 && len > s.sliding_window {
+            len - s.sliding_window
+        } else {
+            0
+        };
+        for head in 0..s.num_heads {
+            let kvh = head / group;
+            let qv = &q[(seq * s.num_heads + head) * hd..][..hd];
+            let at = |pos: usize| {
+                let block = c.tables[seq * s.max_blocks + pos / s.block_size] as usize;
+                ((block * s.block_size + pos % s.block_size) * s.num_kv_heads + kvh) * hd
+            };
+            let scores: Vec<f64> = (start..len)
+                .map(|p| {
+                    let kv = &k[at(p)..][..hd];
+                    qv.iter()
+                        .zip(kv)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            for d in 0..hd {
+                let sum: f64 = (start..len)
+                    .zip(&weights)
+                    .map(|(p, w)| w * v[at(p) + d] as f64)
+                    .sum();
+                out[(seq * s.num_heads + head) * hd + d] = (sum / total) as f32;
+            }
+        }
+    }
+    out
+}
+
+fn run<T: Element>(c: &Case, threads: usize) -> Vec<f32> {
+    let cast = |x: &[f32]| x.iter().map(|&v| T::from_f32(v)).collect::<Vec<T>>();
+    let mut out = vec![T::from_f32(0.0); c.q.len()];
+    paged_decode_attention(
+        &mut out,
+        &cast(&c.q),
+        &cast(&c.k),
+        &cast(&c.v),
+        &c.tables,
+        &c.lens,
+        &c.shape,
+        0.125,
+        threads,
+    )
+    .unwrap();
+    out.iter().map(|x| x.to_f32()).collect()
+}
+
+fn max_err(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn f32_matches_the_reference_for_mha_gqa_and_sliding_windows() {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for (seqs, heads, kv_heads, window) in [
+        (1, 4, 4, 0),
+        (5, 9, 3, 0),
+        (7, 14, 2, 0),
+        (64, 8, 1, 0),
+        (6, 6, 2, 20),
+        (3, 4, 2, 200),
+    ] {
+        let c = case(&mut rng, seqs, heads, kv_heads, window);
+        let want = reference(&c, &c.q, &c.k, &c.v, 0.125);
+        for threads in [1, 2, 5] {
+            let got = run::<f32>(&c, threads);
+            let err = max_err(&got, &want);
+            assert!(
+                err < 2e-5,
+                "{seqs}x{heads}/{kv_heads} w{window} t{threads}: error {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bf16_matches_the_reference_on_bf16_inputs() {
+    let mut rng = Rng(42);
+    let c = case(&mut rng, 33, 9, 3, 0);
+    // The reference sees the same bf16-rounded inputs; only the output rounding differs.
+    let round = |x: &[f32]| {
+        x.iter()
+            .map(|&v| Bf16::from_f32(v).to_f32())
+            .collect::<Vec<_>>()
+    };
+    let want = reference(&c, &round(&c.q), &round(&c.k), &round(&c.v), 0.125);
+    let got = run::<Bf16>(&c, 2);
+    let err = max_err(&got, &want);
+    assert!(err < 8e-3, "bf16 error {err}");
+}
+
+#[test]
+fn results_do_not_depend_on_the_thread_count() {
+    let mut rng = Rng(7);
+    let c = case(&mut rng, 40, 8, 2, 0);
+    let one = run::<f32>(&c, 1);
+    assert_eq!(one, run::<f32>(&c, 2));
+    assert_eq!(one, run::<f32>(&c, 16));
+}
+
+#[test]
+fn bad_inputs_are_errors_and_write_nothing() {
+    let mut rng = Rng(3);
+    let c = case(&mut rng, 2, 4, 2, 0);
+    let try_with = |tables: &[i32], lens: &[i32], shape: DecodeShape| {
+        let mut out = vec![5.0f32; c.q.len()];
+        let r = paged_decode_attention(&mut out, &c.q, &c.k, &c.v, tables, lens, &shape, 1.0, 1);
+        assert!(out.iter().all(|&x| x == 5.0), "output touched on error");
+        r.unwrap_err().0
+    };
+    let mut tables = c.tables.clone();
+    tables[0] = c.shape.num_blocks as i32;
+    assert!(try_with(&tables, &c.lens, c.shape).contains("block id"));
+    tables[0] = -1;
+    assert!(try_with(&tables, &c.lens, c.shape).contains("block id"));
+    assert!(try_with(&c.tables, &[0, 5], c.shape).contains("length 0"));
+    let too_long = (c.shape.max_blocks * c.shape.block_size + 1) as i32;
+    assert!(try_with(&c.tables, &[too_long, 5], c.shape).contains("length"));
+    assert!(try_with(
+        &c.tables,
+        &c.lens,
+        DecodeShape {
+            num_kv_heads: 3,
+            ..c.shape
+        }
+    )
+    .contains("multiple"));
+    assert!(try_with(
+        &c.tables,
+        &c.lens,
+        DecodeShape {
+            num_blocks: 1,
+            ..c.shape
+        }
+    )
+    .contains("caches"));
+    assert!(try_with(&c.tables[1..], &c.lens, c.shape).contains("block_tables"));
+}

@@ -1,0 +1,70 @@
+"""The Rust decode-attention kernel through its Python wrapper, against plain torch math."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from iron_batch.models import cpu_attention  # noqa: E402
+
+
+def _reference(q, cache, tables, lens, scale, window):
+    """float64 attention of each sequence's one query over its context, gathered by table."""
+    seqs, heads, hd = q.shape
+    _, _, block_size, kv_heads, _ = cache.shape
+    group = heads // kv_heads
+    out = torch.empty(seqs, heads, hd, dtype=torch.float64)
+    for s in range(seqs):
+        n = int(lens[s])
+        pos = torch.arange(n)
+        slots = torch.from_numpy(tables[s].astype(np.int64))[pos // block_size] * block_size + (
+            pos % block_size
+        )
+        flat = cache.double().reshape(2, -1, kv_heads, hd)
+        keys, values = flat[0][slots], flat[1][slots]  # [n, kvh, hd]
+        if window:
+            keys, values = keys[max(0, n - window):], values[max(0, n - window):]
+        for h in range(heads):
+            scores = keys[:, h // group] @ q[s, h].double() * scale
+            out[s, h] = torch.softmax(scores, 0) @ values[:, h // group]
+    return out.reshape(seqs, heads * hd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "hd", "window"),
+                         [(4, 4, 64, None), (9, 3, 64, None), (8, 2, 32, 20), (2, 1, 24, None)])
+def test_kernel_matches_torch(dtype, heads, kv_heads, hd, window) -> None:
+    if not cpu_attention.kernel_enabled(torch.device("cpu"), dtype):
+        pytest.fail("the Rust attention kernel is not available in this build")
+    g = torch.Generator().manual_seed(0)
+    block_size, width, seqs = 16, 6, 11
+    num_blocks = seqs * width
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, hd, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).numpy().astype(np.int32)
+    tables = perm.reshape(seqs, width)
+    lens = np.array([1, 2, 15, 16, 17, 33, 50, 64, 80, 95, 96], dtype=np.int32)
+    q = torch.randn(seqs, heads, hd, generator=g).to(dtype)
+    got = cpu_attention.paged_decode_attention(q, cache, tables, lens, hd**-0.5, window)
+    assert got.dtype == dtype and got.shape == (seqs, heads * hd)
+    want = _reference(q, cache, tables, lens, hd**-0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_bad_inputs_raise_before_the_kernel_runs() -> None:
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    q = torch.zeros(1, 4, 64)
+    tables = np.zeros((1, 4), dtype=np.int32)
+    with pytest.raises(TypeError, match="bf16 or float32"):
+        cpu_attention.paged_decode_attention(q.double(), cache, tables, np.array([3]), 1.0, None)
+    with pytest.raises(ValueError, match="block id"):
+        cpu_attention.paged_decode_attention(
+            q, cache, np.full((1, 4), 9, dtype=np.int32), np.array([3]), 1.0, None
+        )
+    with pytest.raises(ValueError, match="length"):
+        cpu_attention.paged_decode_attention(q, cache, tables, np.array([65]), 1.0, None)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_attention.paged_decode_attention(torch.zeros(1, 4, 32), cache, tables,
+                                             np.array([3]), 1.0, None)
