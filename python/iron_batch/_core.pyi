@@ -166,3 +166,25 @@ class BlockAllocator:
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Longest chain of cached full blocks for these tokens, never covering the last
         token; takes a reference on each block returned."""
+
+def _paged_decode_attention(
+    out: int,
+    q: int,
+    k_cache: int,
+    v_cache: int,
+    block_tables: npt.NDArray[np.int32],
+    seq_lens: npt.NDArray[np.int32],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_blocks: int,
+    sliding_window: int,
+    scale: float,
+    bf16: bool,
+    threads: int,
+    openmp: tuple[int, int, int] | None = None,
+) -> None:
+    """Decode attention over raw CPU tensor addresses; call it through
+    ``iron_batch.models.cpu_attention``, which validates every tensor first."""

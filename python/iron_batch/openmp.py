@@ -27,7 +27,7 @@ _OMP_PAUSE_SOFT = 1
 _RUNTIMES = ("libgomp", "libiomp5", "libomp")
 
 
-def _loaded_runtime() -> str | None:
+def loaded_runtime() -> str | None:
     """Path of an OpenMP runtime already mapped into this process (never loads one)."""
     if not sys.platform.startswith("linux"):
         return None
@@ -49,7 +49,7 @@ def release_thread_pool() -> bool:
     Does nothing (False) when no OpenMP runtime is loaded (the mock backend never imports
     torch), off Linux, or when the runtime lacks OpenMP 5.0's pause API.
     """
-    path = _loaded_runtime()
+    path = loaded_runtime()
     if path is None:
         return False
     try:

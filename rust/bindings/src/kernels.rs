@@ -2,10 +2,75 @@
 //! caller: it checks device, dtype, contiguity and shapes of every tensor before passing its
 //! address here, because a raw address carries none of that.
 
-use iron_batch_kernels::{paged_decode_attention, Bf16, DecodeShape, Element};
+use std::ffi::{c_int, c_uint, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use iron_batch_kernels::{
+    paged_decode_attention, Bf16, DecodeShape, Element, Parallel, ScopedThreads,
+};
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+
+type GompParallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
+type OmpInt = unsafe extern "C" fn() -> c_int;
+
+/// Runs a kernel's parts on the calling thread's OpenMP team, the one torch's own ops
+/// use: its workers are already awake (spinning) after the previous op, where fresh OS
+/// threads would have to share the cores with them.
+struct OpenMp {
+    parallel: GompParallel,
+    thread_num: OmpInt,
+    num_threads: OmpInt,
+    panicked: AtomicBool,
+}
+
+struct Region<'a> {
+    omp: &'a OpenMp,
+    parts: usize,
+    task: &'a (dyn Fn(usize) + Sync),
+}
+
+extern "C" fn region_body(data: *mut c_void) {
+    // SAFETY: `data` is the `Region` that `OpenMp::run` keeps alive until GOMP_parallel
+    // returns, after every team member has left this function.
+    let region = unsafe { &*(data as *const Region<'_>) };
+    // SAFETY: called inside a parallel region, where both functions are defined.
+    let (me, team) = unsafe { ((region.omp.thread_num)(), (region.omp.num_threads)()) };
+    let (me, team) = (me.max(0) as usize, team.max(1) as usize);
+    // A team smaller than asked for still runs every part.
+    let ran = catch_unwind(AssertUnwindSafe(|| {
+        let mut part = me;
+        while part < region.parts {
+            (region.task)(part);
+            part += team;
+        }
+    }));
+    if ran.is_err() {
+        region.omp.panicked.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Parallel for OpenMp {
+    fn run(&self, parts: usize, task: &(dyn Fn(usize) + Sync)) {
+        let region = Region {
+            omp: self,
+            parts,
+            task,
+        };
+        // SAFETY: the addresses come from the OpenMP runtime torch loaded (see
+        // iron_batch.models.cpu_attention); `region` outlives the call.
+        unsafe {
+            (self.parallel)(
+                region_body,
+                &region as *const Region<'_> as *mut c_void,
+                parts as c_uint,
+                0,
+            )
+        };
+    }
+}
 
 /// Builds the slices from the caller's addresses and runs the kernel without the GIL.
 ///
@@ -24,6 +89,7 @@ unsafe fn run<T: Element>(
     shape: DecodeShape,
     scale: f32,
     threads: usize,
+    omp: Option<&OpenMp>,
 ) -> PyResult<()> {
     let n = shape.num_seqs * shape.num_heads * shape.head_dim;
     let cache = shape.num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim;
@@ -37,16 +103,28 @@ unsafe fn run<T: Element>(
                 std::slice::from_raw_parts(v_cache as *const T, cache),
             )
         };
-        paged_decode_attention(out, q, k, v, tables, lens, &shape, scale, threads)
+        let parallel: &dyn Parallel = match omp {
+            Some(omp) => omp,
+            None => &ScopedThreads,
+        };
+        paged_decode_attention(out, q, k, v, tables, lens, &shape, scale, threads, parallel)
     });
+    if omp.is_some_and(|o| o.panicked.load(Ordering::Relaxed)) {
+        return Err(PyRuntimeError::new_err(
+            "attention kernel panicked on an OpenMP thread",
+        ));
+    }
     result.map_err(|e| PyValueError::new_err(e.0))
 }
 
 /// Decode attention read in place from a paged KV cache (see the kernels crate).
+///
+/// `openmp`: addresses of `GOMP_parallel`, `omp_get_thread_num` and `omp_get_num_threads`
+/// in the loaded OpenMP runtime, to run on the caller's team; without them, OS threads.
 #[pyfunction]
 #[pyo3(signature = (
     out, q, k_cache, v_cache, block_tables, seq_lens, *, num_heads, num_kv_heads, head_dim,
-    block_size, num_blocks, sliding_window, scale, bf16, threads
+    block_size, num_blocks, sliding_window, scale, bf16, threads, openmp=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn _paged_decode_attention(
@@ -66,7 +144,24 @@ pub fn _paged_decode_attention(
     scale: f32,
     bf16: bool,
     threads: usize,
+    openmp: Option<(usize, usize, usize)>,
 ) -> PyResult<()> {
+    let omp = match openmp {
+        Some((parallel, thread_num, num_threads))
+            if parallel != 0 && thread_num != 0 && num_threads != 0 =>
+        {
+            // SAFETY: the caller passes these functions' addresses (see above).
+            unsafe {
+                Some(OpenMp {
+                    parallel: std::mem::transmute::<usize, GompParallel>(parallel),
+                    thread_num: std::mem::transmute::<usize, OmpInt>(thread_num),
+                    num_threads: std::mem::transmute::<usize, OmpInt>(num_threads),
+                    panicked: AtomicBool::new(false),
+                })
+            }
+        }
+        _ => None,
+    };
     let dims = block_tables.shape();
     let shape = DecodeShape {
         num_seqs: dims[0],
@@ -84,11 +179,31 @@ pub fn _paged_decode_attention(
     unsafe {
         if bf16 {
             run::<Bf16>(
-                py, out, q, k_cache, v_cache, tables, lens, shape, scale, threads,
+                py,
+                out,
+                q,
+                k_cache,
+                v_cache,
+                tables,
+                lens,
+                shape,
+                scale,
+                threads,
+                omp.as_ref(),
             )
         } else {
             run::<f32>(
-                py, out, q, k_cache, v_cache, tables, lens, shape, scale, threads,
+                py,
+                out,
+                q,
+                k_cache,
+                v_cache,
+                tables,
+                lens,
+                shape,
+                scale,
+                threads,
+                omp.as_ref(),
             )
         }
     }

@@ -2,7 +2,7 @@
 //! (9 query heads over 3 kv heads of 64), one layer, at batch 1 and 64 with 208-token contexts.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use iron_batch_kernels::{paged_decode_attention, Bf16, DecodeShape, Element};
+use iron_batch_kernels::{paged_decode_attention, Bf16, DecodeShape, Element, ScopedThreads};
 
 fn inputs(seqs: usize, ctx: usize) -> (DecodeShape, Vec<Bf16>, Vec<Bf16>, Vec<i32>, Vec<i32>) {
     let (block_size, heads, kv_heads, head_dim) = (16, 9, 3, 64);
@@ -40,7 +40,16 @@ fn bench(c: &mut Criterion) {
         group.bench_function(id, |b| {
             b.iter(|| {
                 paged_decode_attention(
-                    &mut out, &q, &cache, &cache, &tables, &lens, &shape, 0.125, threads,
+                    &mut out,
+                    &q,
+                    &cache,
+                    &cache,
+                    &tables,
+                    &lens,
+                    &shape,
+                    0.125,
+                    threads,
+                    &ScopedThreads,
                 )
                 .unwrap()
             })

@@ -49,7 +49,8 @@ fn check(ok: bool, what: impl FnOnce() -> String) -> Result<(), KernelError> {
 
 /// Attention output of every sequence's single query token into `out`.
 ///
-/// `threads` caps the worker threads (1 runs on the caller's thread); small calls use fewer.
+/// The work is split into at most `threads` parts (fewer for small calls, which run on the
+/// caller's thread) and the parts are run by `parallel`.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention<T: Element>(
     out: &mut [T],
@@ -61,18 +62,22 @@ pub fn paged_decode_attention<T: Element>(
     shape: &DecodeShape,
     scale: f32,
     threads: usize,
+    parallel: &dyn Parallel,
 ) -> Result<(), KernelError> {
     let s = *shape;
     check(
         s.num_kv_heads > 0 && s.head_dim > 0 && s.block_size > 0,
         || "kv heads, head_dim and block_size must be positive".into(),
     )?;
-    check(s.num_heads.is_multiple_of(s.num_kv_heads) && s.num_heads > 0, || {
-        format!(
-            "{} heads are not a multiple of {} kv heads",
-            s.num_heads, s.num_kv_heads
-        )
-    })?;
+    check(
+        s.num_heads.is_multiple_of(s.num_kv_heads) && s.num_heads > 0,
+        || {
+            format!(
+                "{} heads are not a multiple of {} kv heads",
+                s.num_heads, s.num_kv_heads
+            )
+        },
+    )?;
     let q_len = s.num_seqs * s.num_heads * s.head_dim;
     check(q.len() == q_len && out.len() == q_len, || {
         format!(
@@ -134,8 +139,8 @@ pub fn paged_decode_attention<T: Element>(
     let total: u64 = (0..items).map(cost).sum();
     // Below ~32k key reads a call is done in microseconds: a thread would cost more.
     let wanted = ((total * s.num_kv_heads as u64) / 32_768).max(1) as usize;
-    let threads = threads.clamp(1, items).min(wanted);
-    if threads == 1 {
+    let parts = threads.clamp(1, items).min(wanted);
+    if parts == 1 {
         run_items(&job, 0, out);
         return Ok(());
     }
@@ -144,31 +149,47 @@ pub fn paged_decode_attention<T: Element>(
     let mut acc = 0u64;
     for item in 0..items {
         acc += cost(item);
-        if acc * threads as u64 >= total * bounds.len() as u64 && bounds.len() < threads {
+        if acc * parts as u64 >= total * bounds.len() as u64 && bounds.len() < parts {
             bounds.push(item + 1);
         }
     }
     bounds.push(items);
     bounds.dedup();
-    std::thread::scope(|scope| {
-        let mut rest = out;
-        let mut handles = Vec::new();
-        for w in bounds.windows(2) {
-            let (mine, tail) = rest.split_at_mut((w[1] - w[0]) * per_item);
-            rest = tail;
-            let job = &job;
-            let first = w[0];
-            if w[1] == items {
-                run_items(job, first, mine); // the last run on this thread
-            } else {
-                handles.push(scope.spawn(move || run_items(job, first, mine)));
-            }
-        }
-        for h in handles {
-            h.join().expect("attention worker panicked");
-        }
-    });
+    let out_addr = out.as_mut_ptr() as usize;
+    let task = |part: usize| {
+        let (lo, hi) = (bounds[part], bounds[part + 1]);
+        // SAFETY: parts cover disjoint item ranges, so their output ranges are disjoint
+        // sub-slices of `out`, which outlives the call.
+        let mine = unsafe {
+            std::slice::from_raw_parts_mut(
+                (out_addr as *mut T).add(lo * per_item),
+                (hi - lo) * per_item,
+            )
+        };
+        run_items(&job, lo, mine);
+    };
+    parallel.run(bounds.len() - 1, &task);
     Ok(())
+}
+
+/// Runs a kernel's parts: `task(p)` once for each `p` in `0..parts`, possibly at the same
+/// time on several threads, returning when all are done.
+pub trait Parallel: Sync {
+    fn run(&self, parts: usize, task: &(dyn Fn(usize) + Sync));
+}
+
+/// One scoped OS thread per part but the first, which runs on the caller's thread.
+pub struct ScopedThreads;
+
+impl Parallel for ScopedThreads {
+    fn run(&self, parts: usize, task: &(dyn Fn(usize) + Sync)) {
+        std::thread::scope(|scope| {
+            for part in 1..parts {
+                scope.spawn(move || task(part));
+            }
+            task(0);
+        });
+    }
 }
 
 struct Job<'a, T> {

@@ -4,5 +4,5 @@
 mod attention;
 mod element;
 
-pub use attention::{paged_decode_attention, DecodeShape, KernelError};
+pub use attention::{paged_decode_attention, DecodeShape, KernelError, Parallel, ScopedThreads};
 pub use element::{Bf16, Element};

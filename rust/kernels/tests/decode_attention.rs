@@ -1,7 +1,7 @@
 //! Paged decode attention against a plain reference: gather each sequence's context by its
 //! block table, softmax in f64, weighted sum of values.
 
-use iron_batch_kernels::{paged_decode_attention, Bf16, DecodeShape, Element};
+use iron_batch_kernels::{paged_decode_attention, Bf16, DecodeShape, Element, ScopedThreads};
 
 struct Rng(u64);
 
@@ -128,6 +128,7 @@ fn run<T: Element>(c: &Case, threads: usize) -> Vec<f32> {
         &c.shape,
         0.125,
         threads,
+        &ScopedThreads,
     )
     .unwrap();
     out.iter().map(|x| x.to_f32()).collect()
@@ -195,7 +196,18 @@ fn bad_inputs_are_errors_and_write_nothing() {
     let c = case(&mut rng, 2, 4, 2, 0);
     let try_with = |tables: &[i32], lens: &[i32], shape: DecodeShape| {
         let mut out = vec![5.0f32; c.q.len()];
-        let r = paged_decode_attention(&mut out, &c.q, &c.k, &c.v, tables, lens, &shape, 1.0, 1);
+        let r = paged_decode_attention(
+            &mut out,
+            &c.q,
+            &c.k,
+            &c.v,
+            tables,
+            lens,
+            &shape,
+            1.0,
+            1,
+            &ScopedThreads,
+        );
         assert!(out.iter().all(|&x| x == 5.0), "output touched on error");
         r.unwrap_err().0
     };
