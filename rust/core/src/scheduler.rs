@@ -613,6 +613,27 @@ mod tests {
     }
 
     #[test]
+    fn a_stale_batch_entry_never_reaches_a_request_that_reuses_its_slot() {
+        // Slots are recycled only at the next `schedule`, after which an old batch is
+        // refused by its step number. Recycle one early and run the newcomer at once, as a
+        // future change might: the sequence's uid still tells it from the request the batch
+        // was built for.
+        let mut s = healthy();
+        let b = s.schedule();
+        let old = slot(&s, "b");
+        assert!(s.abort("b"));
+        s.free_slots.append(&mut s.retired_slots);
+        assert_eq!(s.add_request("new", &[1, 2], 4, &[]).unwrap(), old);
+        s.waiting.retain(|&k| k != old);
+        s.running.push(old);
+        seq_mut(&mut s, "new").state = SeqState::Running;
+        let ev = s.commit(&b, &[7, 7]).unwrap();
+        assert!(ev.iter().all(|e| e.slot != old), "{ev:?}");
+        assert_eq!(s.sequence("new").unwrap().tokens, [1, 2]);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
     fn a_block_table_entry_the_allocator_does_not_count_is_reported() {
         let mut s = healthy();
         let unheld = s.alloc.free_queue()[0];

@@ -20,6 +20,7 @@ fn first_step_prefills_and_samples_then_decodes_one_token_each() {
     s.add_request("a", &[1, 2, 3, 4, 5], 3, &[]).unwrap();
     s.add_request("b", &[6, 7], 3, &[]).unwrap();
     let b = s.schedule();
+    assert!(!b.is_empty());
     assert_eq!(b.input_ids, vec![1, 2, 3, 4, 5, 6, 7]);
     assert_eq!(b.positions, vec![0, 1, 2, 3, 4, 0, 1]);
     assert_eq!(b.query_start_loc, vec![0, 5, 7]);
@@ -427,6 +428,8 @@ fn live_requests_and_the_running_count_follow_each_state() {
     let b = s.schedule();
     assert_eq!((s.num_running(), s.num_waiting()), (1, 1));
     s.commit(&b, &[5]).unwrap();
+    assert_eq!(s.sequence("a").unwrap().output(), [5]);
+    assert_eq!(s.sequence("a").unwrap().num_output(), 1);
     assert!(s.finish("a"));
     assert!(!s.is_live("a"));
     assert!(!s.finish("a"));
