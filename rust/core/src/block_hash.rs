@@ -1,6 +1,9 @@
 //! Chained content hash of a full KV block: hash(parent hash, the block's token ids).
 //! Deterministic across runs (no random seed) so tests can reason about it; the allocator
-//! keeps the token ids beside the hash, so a collision costs a cache miss, never wrong KV.
+//! keeps the token ids and the parent hash beside the hash, so two blocks whose hashes
+//! collide cost a cache miss, never wrong KV. Not covered: a cached block published after a
+//! parent whose own hash collided with another parent's could be chained onto the wrong
+//! prefix once that other parent is cached; that needs a 64-bit collision first.
 
 pub type BlockHash = u64;
 
