@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from iron_batch.models import cpu_attention
+from iron_batch.models import cpu_attention, cpu_fused
 from iron_batch.models.config import ModelConfig
 from iron_batch.models.paged_attention import (
     _FLASH_PAGE_MULTIPLE,
@@ -186,28 +186,52 @@ class LlamaModel:
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
         eps = c.rms_norm_eps
         n = ids.shape[0]
+        # CPU: RMSNorm (+ the residual add before it) as one Rust call, and for decode-only
+        # steps rotary + KV store too (prefill paths also need k/v as tensors).
+        fused = cpu_fused.fused_enabled(dev, self.dtype)
+        fused_rope = fused and plan.decodes is not None and plan.decodes.all_rows
         h = F.embedding(ids, self.embed)
-        for layer, cache in zip(self.layers, self.kv_caches, strict=True):
-            x = _rms_norm(h, layer.input_norm, eps)
+        layers = self.layers
+        x = cpu_fused.add_rms_norm_(h, None, layers[0].input_norm, eps) if fused else None
+        for i, (layer, cache) in enumerate(zip(layers, self.kv_caches, strict=True)):
+            if not fused:
+                x = _rms_norm(h, layer.input_norm, eps)
+            assert x is not None
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            v = qkv[:, self.q_size + self.kv_size :].view(n, c.num_kv_heads, c.head_dim)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q = qkv[:, : self.q_size].view(n, c.num_heads, c.head_dim)
-                k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, c.num_kv_heads, -1)
-                q = apply_rope(_rms_norm(q, layer.q_norm, eps), cos, sin)
-                k = apply_rope(_rms_norm(k, layer.k_norm, eps), cos, sin)
+            k = v = None
+            if fused_rope and layer.q_norm is None:
+                q = cpu_fused.rope_store_kv(
+                    qkv, cos, sin, slot_mapping, cache, c.num_heads, c.num_kv_heads, c.head_dim
+                )
             else:
-                # One rotation over q and k heads together: half the elementwise calls,
-                # which on a small CPU cost more in dispatch than in arithmetic.
-                qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, c.head_dim)
-                qk = apply_rope(qk, cos, sin)
-                q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-            write_kv(cache, plan, k, v)
+                v = qkv[:, self.q_size + self.kv_size :].view(n, c.num_kv_heads, c.head_dim)
+                if layer.q_norm is not None and layer.k_norm is not None:
+                    q = qkv[:, : self.q_size].view(n, c.num_heads, c.head_dim)
+                    k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+                        n, c.num_kv_heads, -1
+                    )
+                    q = apply_rope(_rms_norm(q, layer.q_norm, eps), cos, sin)
+                    k = apply_rope(_rms_norm(k, layer.k_norm, eps), cos, sin)
+                else:
+                    # One rotation over q and k heads together: half the elementwise calls,
+                    # which on a small CPU cost more in dispatch than in arithmetic.
+                    qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, c.head_dim)
+                    qk = apply_rope(qk, cos, sin)
+                    q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+                write_kv(cache, plan, k, v)
             attn = paged_attention(q, k, v, cache, plan, self.scale)
-            h = h + F.linear(attn, layer.o, layer.o_bias)
-            x = _rms_norm(h, layer.post_norm, eps)
+            o = F.linear(attn, layer.o, layer.o_bias)
+            if fused:
+                x = cpu_fused.add_rms_norm_(h, o, layer.post_norm, eps)  # h += o
+            else:
+                h = h + o
+                x = _rms_norm(h, layer.post_norm, eps)
             gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            mlp = F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            if fused and i + 1 < len(layers):
+                x = cpu_fused.add_rms_norm_(h, mlp, layers[i + 1].input_norm, eps)  # h += mlp
+            else:
+                h = h + mlp
         rows = torch.from_numpy(np.ascontiguousarray(sample_indices, dtype=np.int64)).to(dev)
         last = _rms_norm(h[rows], self.norm, eps)
         return F.linear(last, self.lm_head).float()

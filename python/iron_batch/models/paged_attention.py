@@ -203,15 +203,16 @@ def write_kv(cache: torch.Tensor, plan: AttentionPlan, k: torch.Tensor, v: torch
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     cache: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
 ) -> torch.Tensor:
-    """q [T, heads, hd], new k/v [T, kv_heads, hd] (already in the cache) -> [T, heads * hd]."""
+    """q [T, heads, hd], new k/v [T, kv_heads, hd] (already in the cache) -> [T, heads * hd].
+    k and v may be None for a decode-only step: decodes read everything from the cache."""
     num_tokens, num_heads, head_dim = q.shape
-    kv_heads = k.shape[1]
+    kv_heads = cache.shape[-2]
     group = num_heads // kv_heads
     if plan.flash is not None:
         f = plan.flash
@@ -225,6 +226,8 @@ def paged_attention(
     fresh = plan.fresh
     if d is not None and d.all_rows and not plan.prefills and fresh is None:
         return _decode_attention(q, cache, d, scale, group)
+    if k is None or v is None:
+        raise ValueError("prefill attention needs this step's k and v")
     if fresh is not None and fresh.all_rows and not plan.prefills and d is None:
         return _fresh_attention(q, k, v, fresh, scale)
     out = q.new_empty(num_tokens, num_heads * head_dim)

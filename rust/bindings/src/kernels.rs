@@ -7,7 +7,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use iron_batch_kernels::{
-    paged_decode_attention, Bf16, DecodeShape, Element, Parallel, ScopedThreads,
+    add_rms_norm, paged_decode_attention, rope_store_kv, Bf16, DecodeShape, Element, Parallel,
+    ScopedThreads,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -69,6 +70,27 @@ impl Parallel for OpenMp {
                 0,
             )
         };
+    }
+}
+
+/// The caller's OpenMP team from the three entry points' addresses, if given.
+fn openmp_runner(openmp: Option<(usize, usize, usize)>) -> Option<OpenMp> {
+    match openmp {
+        Some((parallel, thread_num, num_threads))
+            if parallel != 0 && thread_num != 0 && num_threads != 0 =>
+        {
+            // SAFETY: the caller passes these functions' addresses, taken from the loaded
+            // OpenMP runtime by name.
+            unsafe {
+                Some(OpenMp {
+                    parallel: std::mem::transmute::<usize, GompParallel>(parallel),
+                    thread_num: std::mem::transmute::<usize, OmpInt>(thread_num),
+                    num_threads: std::mem::transmute::<usize, OmpInt>(num_threads),
+                    panicked: AtomicBool::new(false),
+                })
+            }
+        }
+        _ => None,
     }
 }
 
@@ -146,22 +168,7 @@ pub fn _paged_decode_attention(
     threads: usize,
     openmp: Option<(usize, usize, usize)>,
 ) -> PyResult<()> {
-    let omp = match openmp {
-        Some((parallel, thread_num, num_threads))
-            if parallel != 0 && thread_num != 0 && num_threads != 0 =>
-        {
-            // SAFETY: the caller passes these functions' addresses (see above).
-            unsafe {
-                Some(OpenMp {
-                    parallel: std::mem::transmute::<usize, GompParallel>(parallel),
-                    thread_num: std::mem::transmute::<usize, OmpInt>(thread_num),
-                    num_threads: std::mem::transmute::<usize, OmpInt>(num_threads),
-                    panicked: AtomicBool::new(false),
-                })
-            }
-        }
-        _ => None,
-    };
+    let omp = openmp_runner(openmp);
     let dims = block_tables.shape();
     let shape = DecodeShape {
         num_seqs: dims[0],
@@ -207,4 +214,139 @@ pub fn _paged_decode_attention(
             )
         }
     }
+}
+
+/// SAFETY (for the two functions below, upheld by `iron_batch.models.cpu_fused`): every
+/// address points at a live contiguous CPU tensor of the element type `bf16` names, with
+/// the element count the other arguments imply; outputs alias no input.
+unsafe fn slice<'a, T>(addr: usize, len: usize) -> &'a [T] {
+    std::slice::from_raw_parts(addr as *const T, len)
+}
+
+unsafe fn slice_mut<'a, T>(addr: usize, len: usize) -> &'a mut [T] {
+    std::slice::from_raw_parts_mut(addr as *mut T, len)
+}
+
+/// `residual += delta` (delta 0: none), then `out = weight * rms_norm(residual)`.
+#[pyfunction]
+#[pyo3(signature = (out, residual, delta, weight, *, rows, dim, eps, bf16, threads, openmp=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn _add_rms_norm(
+    py: Python<'_>,
+    out: usize,
+    residual: usize,
+    delta: usize,
+    weight: usize,
+    rows: usize,
+    dim: usize,
+    eps: f32,
+    bf16: bool,
+    threads: usize,
+    openmp: Option<(usize, usize, usize)>,
+) -> PyResult<()> {
+    fn go<T: Element>(
+        out: usize,
+        residual: usize,
+        delta: usize,
+        weight: usize,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        threads: usize,
+        omp: Option<&OpenMp>,
+    ) -> Result<(), iron_batch_kernels::KernelError> {
+        let n = rows * dim;
+        // SAFETY: see above.
+        let (out, res, delta, weight) = unsafe {
+            (
+                slice_mut::<T>(out, n),
+                slice_mut::<T>(residual, n),
+                (delta != 0).then(|| slice::<T>(delta, n)),
+                slice::<T>(weight, dim),
+            )
+        };
+        let parallel: &dyn Parallel = match omp {
+            Some(o) => o,
+            None => &ScopedThreads,
+        };
+        add_rms_norm(out, res, delta, weight, rows, eps, threads, parallel)
+    }
+    let omp = openmp_runner(openmp);
+    let omp_ref = omp.as_ref();
+    let result = py.detach(|| {
+        if bf16 {
+            go::<Bf16>(
+                out, residual, delta, weight, rows, dim, eps, threads, omp_ref,
+            )
+        } else {
+            go::<f32>(
+                out, residual, delta, weight, rows, dim, eps, threads, omp_ref,
+            )
+        }
+    });
+    if omp.is_some_and(|o| o.panicked.load(Ordering::Relaxed)) {
+        return Err(PyRuntimeError::new_err(
+            "rms_norm kernel panicked on an OpenMP thread",
+        ));
+    }
+    result.map_err(|e| PyValueError::new_err(e.0))
+}
+
+/// Rotary embedding of q and k from the fused qkv rows; K and V stored at their slots.
+#[pyfunction]
+#[pyo3(signature = (
+    q_out, k_cache, v_cache, qkv, cos, sin, slots, *, heads, kv_heads, head_dim, num_slots, bf16
+))]
+#[allow(clippy::too_many_arguments)]
+pub fn _rope_store_kv(
+    py: Python<'_>,
+    q_out: usize,
+    k_cache: usize,
+    v_cache: usize,
+    qkv: usize,
+    cos: usize,
+    sin: usize,
+    slots: PyReadonlyArray1<'_, i64>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    num_slots: usize,
+    bf16: bool,
+) -> PyResult<()> {
+    fn go<T: Element>(
+        addrs: [usize; 6],
+        slots: &[i64],
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        num_slots: usize,
+    ) -> Result<(), iron_batch_kernels::KernelError> {
+        let tokens = slots.len();
+        let cache = num_slots * kv_heads * head_dim;
+        // SAFETY: see above.
+        unsafe {
+            rope_store_kv(
+                slice_mut::<T>(addrs[0], tokens * heads * head_dim),
+                slice_mut::<T>(addrs[1], cache),
+                slice_mut::<T>(addrs[2], cache),
+                slice::<T>(addrs[3], tokens * (heads + 2 * kv_heads) * head_dim),
+                slice::<T>(addrs[4], tokens * head_dim),
+                slice::<T>(addrs[5], tokens * head_dim),
+                slots,
+                heads,
+                kv_heads,
+                head_dim,
+            )
+        }
+    }
+    let slots = slots.as_slice()?;
+    let addrs = [q_out, k_cache, v_cache, qkv, cos, sin];
+    let result = py.detach(|| {
+        if bf16 {
+            go::<Bf16>(addrs, slots, heads, kv_heads, head_dim, num_slots)
+        } else {
+            go::<f32>(addrs, slots, heads, kv_heads, head_dim, num_slots)
+        }
+    });
+    result.map_err(|e| PyValueError::new_err(e.0))
 }

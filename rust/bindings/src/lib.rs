@@ -18,5 +18,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<batch::Batch>()?;
     m.add_class::<allocator::BlockAllocator>()?;
     m.add_function(wrap_pyfunction!(kernels::_paged_decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::_add_rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::_rope_store_kv, m)?)?;
     Ok(())
 }

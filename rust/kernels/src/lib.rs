@@ -3,6 +3,8 @@
 
 mod attention;
 mod element;
+mod elementwise;
 
 pub use attention::{paged_decode_attention, DecodeShape, KernelError, Parallel, ScopedThreads};
 pub use element::{Bf16, Element};
+pub use elementwise::{add_rms_norm, rope_store_kv};

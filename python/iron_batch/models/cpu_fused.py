@@ -1,0 +1,84 @@
+"""Fused decoder-layer steps on CPU, by Rust kernels (``rust/kernels/src/elementwise.rs``).
+
+At decode batch sizes a layer's elementwise work is a few dozen tiny torch ops whose
+dispatch costs more than their arithmetic: an RMSNorm alone is eight (cast, square, mean,
+add, rsqrt, multiply, cast back, scale). Each function here is one call that rounds where
+the torch chain rounds, so bf16 outputs equal the torch ones bit for bit (float32 ones up
+to the order of a sum). Off for ``IRON_BATCH_CPU_ATTENTION=torch`` like the attention kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from iron_batch import _core
+from iron_batch.models.cpu_attention import _openmp_entry_points, kernel_enabled
+
+_RMS = getattr(_core, "_add_rms_norm", None)
+_ROPE = getattr(_core, "_rope_store_kv", None)
+
+
+def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    return _RMS is not None and _ROPE is not None and kernel_enabled(device, dtype)
+
+
+def _check(*tensors: torch.Tensor) -> None:
+    dtype = tensors[0].dtype
+    for t in tensors:
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("fused CPU kernels need contiguous CPU tensors of one dtype")
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"fused CPU kernels support bf16 and float32, not {dtype}")
+
+
+def add_rms_norm_(
+    residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``residual += delta`` in place (when given), then return ``weight * rms_norm(residual)``.
+    ``residual`` and ``delta`` are [rows, dim]; ``weight`` [dim]."""
+    rows, dim = residual.shape
+    tensors = [residual, weight] + ([delta] if delta is not None else [])
+    _check(*tensors)
+    if weight.shape != (dim,) or (delta is not None and delta.shape != residual.shape):
+        raise ValueError("rms_norm: weight must be [dim] and delta like the input")
+    out = torch.empty_like(residual)
+    _RMS(
+        out.data_ptr(), residual.data_ptr(), 0 if delta is None else delta.data_ptr(),
+        weight.data_ptr(), rows=rows, dim=dim, eps=float(eps),
+        bf16=residual.dtype == torch.bfloat16, threads=torch.get_num_threads(),
+        openmp=_openmp_entry_points(),
+    )
+    return out
+
+
+def rope_store_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: np.ndarray,
+    cache: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """Rotate q and k of the fused projection ``qkv`` [T, (heads + 2 kv_heads) * hd] with
+    ``cos``/``sin`` [T, hd], store K and V at ``slot_mapping`` in ``cache``
+    [2, blocks, block_size, kv_heads, hd], and return the rotated q [T, heads, hd]."""
+    tokens = qkv.shape[0]
+    cos = cos.reshape(tokens, head_dim)
+    sin = sin.reshape(tokens, head_dim)
+    _check(qkv, cos, sin, cache)
+    slots = np.ascontiguousarray(slot_mapping, dtype=np.int64)
+    if qkv.shape != (tokens, (heads + 2 * kv_heads) * head_dim) or slots.shape != (tokens,):
+        raise ValueError("rope_store_kv: qkv must be [T, (heads + 2 kv_heads) * hd]")
+    if cache.shape[0] != 2 or cache.shape[-2:] != (kv_heads, head_dim):
+        raise ValueError(f"rope_store_kv: cache shape {tuple(cache.shape)} does not fit")
+    q = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype)
+    _ROPE(
+        q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), qkv.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), slots, heads=heads, kv_heads=kv_heads,
+        head_dim=head_dim, num_slots=cache.shape[1] * cache.shape[2],
+        bf16=qkv.dtype == torch.bfloat16,
+    )
+    return q

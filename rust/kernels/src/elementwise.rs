@@ -1,0 +1,196 @@
+//! Fused elementwise steps of a decoder layer. Each replaces a chain of small torch ops
+//! (which on a CPU cost more in dispatch than in arithmetic at decode batch sizes) and
+//! rounds exactly where that torch chain rounds, so bf16 results match it bit for bit.
+
+use crate::attention::{KernelError, Parallel};
+use crate::element::Element;
+
+/// Rows per part below which splitting a call across threads costs more than it saves.
+const MIN_ELEMENTS_PER_PART: usize = 32 * 1024;
+
+fn split_rows(rows: usize, dim: usize, threads: usize) -> usize {
+    (rows * dim / MIN_ELEMENTS_PER_PART)
+        .clamp(1, threads.max(1))
+        .min(rows.max(1))
+}
+
+/// Run `f(first_row, last_row)` over `rows` split into `parts` contiguous ranges.
+fn for_row_ranges(
+    rows: usize,
+    parts: usize,
+    parallel: &dyn Parallel,
+    f: &(dyn Fn(usize, usize) + Sync),
+) {
+    if parts <= 1 {
+        f(0, rows);
+        return;
+    }
+    parallel.run(parts, &|p| f(rows * p / parts, rows * (p + 1) / parts));
+}
+
+/// `residual += delta` (when given), then `out = weight * rms_norm(residual)`.
+///
+/// In torch terms (x of dtype T): `x = x + delta`; `y = x.float()`;
+/// `y = y * rsqrt(mean(y * y) + eps)`; `out = weight * y.to(T)`: the sum and the
+/// normalized value are rounded to T, the statistics are f32.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm<T: Element>(
+    out: &mut [T],
+    residual: &mut [T],
+    delta: Option<&[T]>,
+    weight: &[T],
+    rows: usize,
+    eps: f32,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
+    let dim = weight.len();
+    if dim == 0 || out.len() != rows * dim || residual.len() != rows * dim {
+        return Err(KernelError(format!(
+            "rms_norm: out {} / input {} elements for {rows} rows of {dim}",
+            out.len(),
+            residual.len()
+        )));
+    }
+    if delta.is_some_and(|d| d.len() != rows * dim) {
+        return Err(KernelError("rms_norm: delta must match the input".into()));
+    }
+    let out_addr = out.as_mut_ptr() as usize;
+    let res_addr = residual.as_mut_ptr() as usize;
+    let parts = split_rows(rows, dim, threads);
+    for_row_ranges(rows, parts, parallel, &|lo, hi| {
+        // SAFETY: row ranges are disjoint, so these sub-slices are too.
+        let (out, res) = unsafe {
+            (
+                std::slice::from_raw_parts_mut((out_addr as *mut T).add(lo * dim), (hi - lo) * dim),
+                std::slice::from_raw_parts_mut((res_addr as *mut T).add(lo * dim), (hi - lo) * dim),
+            )
+        };
+        let delta = delta.map(|d| &d[lo * dim..hi * dim]);
+        norm_rows(out, res, delta, weight, eps);
+    });
+    Ok(())
+}
+
+fn norm_rows<T: Element>(
+    out: &mut [T],
+    res: &mut [T],
+    delta: Option<&[T]>,
+    weight: &[T],
+    eps: f32,
+) {
+    let dim = weight.len();
+    let mut row = vec![0f32; dim];
+    for (r, (o, x)) in out
+        .chunks_exact_mut(dim)
+        .zip(res.chunks_exact_mut(dim))
+        .enumerate()
+    {
+        match delta {
+            Some(d) => {
+                for ((v, x), d) in row
+                    .iter_mut()
+                    .zip(x.iter_mut())
+                    .zip(&d[r * dim..(r + 1) * dim])
+                {
+                    *x = T::from_f32(x.to_f32() + d.to_f32());
+                    *v = x.to_f32();
+                }
+            }
+            None => {
+                for (v, x) in row.iter_mut().zip(x.iter()) {
+                    *v = x.to_f32();
+                }
+            }
+        }
+        let mut lanes = [0f32; 16];
+        let whole = dim / 16 * 16;
+        for chunk in row[..whole].chunks_exact(16) {
+            for i in 0..16 {
+                lanes[i] += chunk[i] * chunk[i];
+            }
+        }
+        let mut sum: f32 = lanes.iter().sum();
+        for v in &row[whole..] {
+            sum += v * v;
+        }
+        let inv = 1.0 / (sum / dim as f32 + eps).sqrt();
+        for ((o, v), w) in o.iter_mut().zip(&row).zip(weight) {
+            let normed = T::from_f32(v * inv).to_f32();
+            *o = T::from_f32(w.to_f32() * normed);
+        }
+    }
+}
+
+/// Rotary embedding of q and k, and the step's K/V stored at their cache slots.
+///
+/// `qkv` is the fused projection `[tokens, (heads + 2 * kv_heads) * head_dim]`; `cos`/`sin`
+/// are `[tokens, head_dim]` in T (torch's `rope_cos_sin`). Writes the rotated queries to
+/// `q_out` `[tokens, heads * head_dim]`, and the rotated keys and the values to row
+/// `slots[t]` of `k_cache` / `v_cache` (`[slots, kv_heads * head_dim]`). Half-split
+/// layout: `x * cos + cat(-x2, x1) * sin`, each product and the sum rounded to T.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_store_kv<T: Element>(
+    q_out: &mut [T],
+    k_cache: &mut [T],
+    v_cache: &mut [T],
+    qkv: &[T],
+    cos: &[T],
+    sin: &[T],
+    slots: &[i64],
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Result<(), KernelError> {
+    let tokens = slots.len();
+    let width = (heads + 2 * kv_heads) * head_dim;
+    let kv_row = kv_heads * head_dim;
+    let ok = head_dim.is_multiple_of(2)
+        && qkv.len() == tokens * width
+        && q_out.len() == tokens * heads * head_dim
+        && cos.len() == tokens * head_dim
+        && sin.len() == tokens * head_dim
+        && k_cache.len() == v_cache.len()
+        && k_cache.len().is_multiple_of(kv_row.max(1));
+    if !ok {
+        return Err(KernelError("rope_store_kv: inconsistent sizes".into()));
+    }
+    let num_slots = k_cache.len() / kv_row.max(1);
+    if let Some(bad) = slots.iter().find(|&&s| s < 0 || s as usize >= num_slots) {
+        return Err(KernelError(format!(
+            "rope_store_kv: slot {bad} outside 0..{num_slots}"
+        )));
+    }
+    let half = head_dim / 2;
+    let rotate = |dst: &mut [T], x: &[T], c: &[T], s: &[T]| {
+        for i in 0..head_dim {
+            let rot = if i < half {
+                -x[i + half].to_f32()
+            } else {
+                x[i - half].to_f32()
+            };
+            let a = T::from_f32(x[i].to_f32() * c[i].to_f32()).to_f32();
+            let b = T::from_f32(rot * s[i].to_f32()).to_f32();
+            dst[i] = T::from_f32(a + b);
+        }
+    };
+    for t in 0..tokens {
+        let row = &qkv[t * width..(t + 1) * width];
+        let c = &cos[t * head_dim..(t + 1) * head_dim];
+        let s = &sin[t * head_dim..(t + 1) * head_dim];
+        let q_row = &mut q_out[t * heads * head_dim..(t + 1) * heads * head_dim];
+        for h in 0..heads {
+            let x = &row[h * head_dim..(h + 1) * head_dim];
+            rotate(&mut q_row[h * head_dim..(h + 1) * head_dim], x, c, s);
+        }
+        let slot = slots[t] as usize;
+        let k_dst = &mut k_cache[slot * kv_row..(slot + 1) * kv_row];
+        for h in 0..kv_heads {
+            let x = &row[(heads + h) * head_dim..(heads + h + 1) * head_dim];
+            rotate(&mut k_dst[h * head_dim..(h + 1) * head_dim], x, c, s);
+        }
+        let v_src = &row[(heads + kv_heads) * head_dim..];
+        v_cache[slot * kv_row..(slot + 1) * kv_row].copy_from_slice(v_src);
+    }
+    Ok(())
+}

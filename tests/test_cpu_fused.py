@@ -1,0 +1,74 @@
+"""Fused RMSNorm and rotary/KV-store kernels against the torch op chains they replace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from iron_batch.models import cpu_fused  # noqa: E402
+from iron_batch.models.llama import _rms_norm  # noqa: E402
+from iron_batch.models.paged_attention import write_kv  # noqa: E402
+from iron_batch.models.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _exact_or_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    if got.dtype == torch.bfloat16:
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 300])
+def test_add_rms_norm_matches_the_torch_chain(dtype: torch.dtype, rows: int) -> None:
+    if not cpu_fused.fused_enabled(torch.device("cpu"), dtype):
+        pytest.fail("the fused CPU kernels are not available in this build")
+    g = torch.Generator().manual_seed(rows)
+    h = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    delta = torch.randn(rows, 576, generator=g).to(dtype)
+    weight = torch.randn(576, generator=g).to(dtype)
+    want_h = h + delta
+    want = _rms_norm(want_h, weight, 1e-5)
+    got_h = h.clone()
+    got = cpu_fused.add_rms_norm_(got_h, delta, weight, 1e-5)
+    _exact_or_close(got_h, want_h)
+    _exact_or_close(got, want)
+    # Without a delta the input is left as it is.
+    plain = h.clone()
+    _exact_or_close(cpu_fused.add_rms_norm_(plain, None, weight, 1e-5), _rms_norm(h, weight, 1e-5))
+    assert torch.equal(plain, h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_kv_matches_rope_then_write_kv(dtype: torch.dtype) -> None:
+    heads, kv_heads, hd, tokens = 9, 3, 64, 37
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * hd, generator=g).to(dtype)
+    positions = torch.randint(0, 4000, (tokens,), generator=g)
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(hd, 100000.0, {}), dtype)
+    slots = torch.randperm(20 * 16, generator=g)[:tokens]
+    want_cache = torch.zeros(2, 20, 16, kv_heads, hd, dtype=dtype)
+    qk = apply_rope(qkv[:, : (heads + kv_heads) * hd].view(tokens, -1, hd), cos, sin)
+    v = qkv[:, (heads + kv_heads) * hd :].view(tokens, kv_heads, hd)
+
+    class Plan:
+        slot_mapping = slots
+
+    write_kv(want_cache, Plan(), qk[:, heads:], v)  # type: ignore[arg-type]
+    got_cache = torch.zeros_like(want_cache)
+    q = cpu_fused.rope_store_kv(qkv, cos, sin, slots.numpy(), got_cache, heads, kv_heads, hd)
+    _exact_or_close(q, qk[:, :heads])
+    _exact_or_close(got_cache, want_cache)
+
+
+def test_rope_store_kv_refuses_slots_outside_the_cache() -> None:
+    cache = torch.zeros(2, 2, 16, 1, 8)
+    qkv = torch.zeros(1, 3 * 8)
+    cos = sin = torch.zeros(1, 8)
+    with pytest.raises(ValueError, match="slot 32"):
+        cpu_fused.rope_store_kv(qkv, cos, sin, np.array([32]), cache, 1, 1, 8)
+    assert not cache.any()
