@@ -188,3 +188,37 @@ def _paged_decode_attention(
 ) -> None:
     """Decode attention over raw CPU tensor addresses; call it through
     ``iron_batch.models.cpu_attention``, which validates every tensor first."""
+
+def _add_rms_norm(
+    out: int,
+    residual: int,
+    delta: int,
+    weight: int,
+    *,
+    rows: int,
+    dim: int,
+    eps: float,
+    bf16: bool,
+    threads: int,
+    openmp: tuple[int, int, int] | None = None,
+) -> None:
+    """Fused residual add + RMSNorm over raw CPU tensor addresses (delta 0: no add); call
+    it through ``iron_batch.models.cpu_fused``."""
+
+def _rope_store_kv(
+    q_out: int,
+    k_cache: int,
+    v_cache: int,
+    qkv: int,
+    cos: int,
+    sin: int,
+    slots: npt.NDArray[np.int64],
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    num_slots: int,
+    bf16: bool,
+) -> None:
+    """Rotary embedding + KV store over raw CPU tensor addresses; call it through
+    ``iron_batch.models.cpu_fused``."""
