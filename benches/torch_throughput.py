@@ -198,7 +198,8 @@ def server_run(model: str, dtype: str, vocab: int, args: argparse.Namespace) -> 
     cmd = [sys.executable, "-m", "iron_batch.server", "--backend", "torch", "--model", model,
            "--dtype", dtype, "--device", "cpu", "--addr", f"127.0.0.1:{port}",
            "--max-batch-tokens", str(args.max_batch_tokens)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
     def client(concurrency: int, total: int, new: int, seed: int) -> dict[str, Any]:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -224,7 +225,9 @@ def server_run(model: str, dtype: str, vocab: int, args: argparse.Namespace) -> 
             except httpx.HTTPError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"server did not start: {' '.join(cmd)}")
+                log.seek(0)
+                tail = log.read()[-2000:].decode(errors="replace")
+                raise SystemExit(f"server did not start: {' '.join(cmd)}\n{tail}")
             time.sleep(0.2)
         end = time.monotonic() + args.warmup_s
         while time.monotonic() < end:  # the measured workload itself, other prompts

@@ -72,3 +72,22 @@ def test_rope_store_kv_refuses_slots_outside_the_cache() -> None:
     with pytest.raises(ValueError, match="slot 32"):
         cpu_fused.rope_store_kv(qkv, cos, sin, np.array([32]), cache, 1, 1, 8)
     assert not cache.any()
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_linear_matches_f_linear_to_one_rounding(rows: int, bias: bool) -> None:
+    if not cpu_fused.gemv_enabled(torch.device("cpu"), torch.bfloat16, rows):
+        pytest.fail("the Rust GEMV is not available in this build")
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    w = torch.randn(1531, 576, generator=g).bfloat16()
+    b = torch.randn(1531, generator=g).bfloat16() if bias else None
+    got = cpu_fused.linear(x, w, b)
+    want = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 1531)
+    # f32 sums, then one rounding to bf16 (relative 2^-8).
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-2)
+    # More rows go to F.linear unchanged.
+    x3 = torch.randn(3, 576, generator=g).bfloat16()
+    assert torch.equal(cpu_fused.linear(x3, w, b), torch.nn.functional.linear(x3, w, b))

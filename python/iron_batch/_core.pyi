@@ -222,3 +222,18 @@ def _rope_store_kv(
 ) -> None:
     """Rotary embedding + KV store over raw CPU tensor addresses; call it through
     ``iron_batch.models.cpu_fused``."""
+
+def _gemv_bf16(
+    out: int,
+    x: int,
+    weight: int,
+    bias: int,
+    *,
+    rows: int,
+    n: int,
+    k: int,
+    threads: int,
+    openmp: tuple[int, int, int] | None = None,
+) -> None:
+    """``out = x @ weight.T (+ bias)`` for 1-2 bf16 rows over raw CPU tensor addresses;
+    call it through ``iron_batch.models.cpu_fused.linear``."""

@@ -17,6 +17,7 @@ from iron_batch.models.cpu_attention import _openmp_entry_points, kernel_enabled
 
 _RMS = getattr(_core, "_add_rms_norm", None)
 _ROPE = getattr(_core, "_rope_store_kv", None)
+_GEMV = getattr(_core, "_gemv_bf16", None)
 
 
 def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
@@ -82,3 +83,31 @@ def rope_store_kv(
         bf16=qkv.dtype == torch.bfloat16,
     )
     return q
+
+
+def gemv_enabled(device: torch.device, dtype: torch.dtype, rows: int) -> bool:
+    """Whether :func:`linear` takes the Rust GEMV for this many activation rows."""
+    return _GEMV is not None and dtype == torch.bfloat16 and rows <= 2 and fused_enabled(
+        device, dtype
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` for 1-2 bf16 rows by the Rust GEMV: each weight row streamed once by
+    all of torch's threads, f32 sums, one rounding to bf16 (other shapes: ``F.linear``)."""
+    rows = x.shape[0]
+    if x.dim() != 2 or rows > 2 or rows == 0 or x.dtype != torch.bfloat16:
+        return torch.nn.functional.linear(x, weight, bias)
+    x = x.contiguous()
+    n, k = weight.shape
+    tensors = [x, weight] + ([bias] if bias is not None else [])
+    _check(*tensors)
+    if x.shape[1] != k or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"linear: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
+    out = torch.empty(rows, n, dtype=x.dtype)
+    _GEMV(
+        out.data_ptr(), x.data_ptr(), weight.data_ptr(),
+        0 if bias is None else bias.data_ptr(), rows=rows, n=n, k=k,
+        threads=torch.get_num_threads(), openmp=_openmp_entry_points(),
+    )
+    return out

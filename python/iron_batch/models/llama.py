@@ -190,6 +190,7 @@ class LlamaModel:
         # steps rotary + KV store too (prefill paths also need k/v as tensors).
         fused = cpu_fused.fused_enabled(dev, self.dtype)
         fused_rope = fused and plan.decodes is not None and plan.decodes.all_rows
+        lin = cpu_fused.linear if cpu_fused.gemv_enabled(dev, self.dtype, n) else F.linear
         h = F.embedding(ids, self.embed)
         layers = self.layers
         x = cpu_fused.add_rms_norm_(h, None, layers[0].input_norm, eps) if fused else None
@@ -197,7 +198,7 @@ class LlamaModel:
             if not fused:
                 x = _rms_norm(h, layer.input_norm, eps)
             assert x is not None
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = lin(x, layer.qkv, layer.qkv_bias)
             k = v = None
             if fused_rope and layer.q_norm is None:
                 q = cpu_fused.rope_store_kv(
@@ -220,20 +221,22 @@ class LlamaModel:
                     q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
                 write_kv(cache, plan, k, v)
             attn = paged_attention(q, k, v, cache, plan, self.scale)
-            o = F.linear(attn, layer.o, layer.o_bias)
+            o = lin(attn, layer.o, layer.o_bias)
             if fused:
                 x = cpu_fused.add_rms_norm_(h, o, layer.post_norm, eps)  # h += o
             else:
                 h = h + o
                 x = _rms_norm(h, layer.post_norm, eps)
-            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            mlp = F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            gate, up = lin(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            mlp = lin(F.silu(gate) * up, layer.down, layer.down_bias)
             if fused and i + 1 < len(layers):
                 x = cpu_fused.add_rms_norm_(h, mlp, layers[i + 1].input_norm, eps)  # h += mlp
             else:
                 h = h + mlp
         rows = torch.from_numpy(np.ascontiguousarray(sample_indices, dtype=np.int64)).to(dev)
         last = _rms_norm(h[rows], self.norm, eps)
+        if cpu_fused.gemv_enabled(dev, self.dtype, last.shape[0]):
+            return cpu_fused.linear(last, self.lm_head, None).float()
         return F.linear(last, self.lm_head).float()
 
 

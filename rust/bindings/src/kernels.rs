@@ -7,8 +7,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use iron_batch_kernels::{
-    add_rms_norm, paged_decode_attention, rope_store_kv, Bf16, DecodeShape, Element, Parallel,
-    ScopedThreads,
+    add_rms_norm, gemv_bf16, paged_decode_attention, rope_store_kv, Bf16, DecodeShape, Element,
+    Parallel, ScopedThreads,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -348,5 +348,47 @@ pub fn _rope_store_kv(
             go::<f32>(addrs, slots, heads, kv_heads, head_dim, num_slots)
         }
     });
+    result.map_err(|e| PyValueError::new_err(e.0))
+}
+
+/// `out = x @ weight.T (+ bias)` for 1-2 bf16 rows (bias 0: none).
+#[pyfunction]
+#[pyo3(signature = (out, x, weight, bias, *, rows, n, k, threads, openmp=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn _gemv_bf16(
+    py: Python<'_>,
+    out: usize,
+    x: usize,
+    weight: usize,
+    bias: usize,
+    rows: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+    openmp: Option<(usize, usize, usize)>,
+) -> PyResult<()> {
+    let omp = openmp_runner(openmp);
+    let omp_ref = omp.as_ref();
+    let result = py.detach(|| {
+        // SAFETY: see `slice`.
+        let (out, x, weight, bias) = unsafe {
+            (
+                slice_mut::<Bf16>(out, rows * n),
+                slice::<Bf16>(x, rows * k),
+                slice::<Bf16>(weight, n * k),
+                (bias != 0).then(|| slice::<Bf16>(bias, n)),
+            )
+        };
+        let parallel: &dyn Parallel = match omp_ref {
+            Some(o) => o,
+            None => &ScopedThreads,
+        };
+        gemv_bf16(out, x, weight, bias, rows, n, k, threads, parallel)
+    });
+    if omp.is_some_and(|o| o.panicked.load(Ordering::Relaxed)) {
+        return Err(PyRuntimeError::new_err(
+            "gemv kernel panicked on an OpenMP thread",
+        ));
+    }
     result.map_err(|e| PyValueError::new_err(e.0))
 }

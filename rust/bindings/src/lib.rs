@@ -20,5 +20,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::_paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_rope_store_kv, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::_gemv_bf16, m)?)?;
     Ok(())
 }

@@ -4,7 +4,9 @@
 mod attention;
 mod element;
 mod elementwise;
+mod gemv;
 
 pub use attention::{paged_decode_attention, DecodeShape, KernelError, Parallel, ScopedThreads};
 pub use element::{Bf16, Element};
 pub use elementwise::{add_rms_norm, rope_store_kv};
+pub use gemv::gemv_bf16;

@@ -1,4 +1,4 @@
-//! Paged decode attention against a plain reference: gather each sequence's context by its
+//! The kernels against plain references. Paged decode attention: gather each sequence's context by its
 //! block table, softmax in f64, weighted sum of values.
 
 use iron_batch_kernels::{paged_decode_attention, Bf16, DecodeShape, Element, ScopedThreads};
@@ -238,4 +238,57 @@ fn bad_inputs_are_errors_and_write_nothing() {
     )
     .contains("caches"));
     assert!(try_with(&c.tables[1..], &c.lens, c.shape).contains("block_tables"));
+}
+
+#[test]
+fn gemv_matches_a_plain_product_for_one_and_two_rows() {
+    use iron_batch_kernels::gemv_bf16;
+    let mut rng = Rng(11);
+    for (rows, n, k) in [(1, 700, 576), (2, 1000, 64), (1, 3, 40), (2, 513, 96)] {
+        let x: Vec<Bf16> = (0..rows * k).map(|_| Bf16::from_f32(rng.unit())).collect();
+        let w: Vec<Bf16> = (0..n * k).map(|_| Bf16::from_f32(rng.unit())).collect();
+        let b: Vec<Bf16> = (0..n).map(|_| Bf16::from_f32(rng.unit())).collect();
+        for threads in [1, 2, 3] {
+            let mut out = vec![Bf16::default(); rows * n];
+            gemv_bf16(
+                &mut out,
+                &x,
+                &w,
+                Some(&b),
+                rows,
+                n,
+                k,
+                threads,
+                &ScopedThreads,
+            )
+            .unwrap();
+            for r in 0..rows {
+                for j in 0..n {
+                    let want: f64 = (0..k)
+                        .map(|i| x[r * k + i].to_f32() as f64 * w[j * k + i].to_f32() as f64)
+                        .sum::<f64>()
+                        + b[j].to_f32() as f64;
+                    let got = out[r * n + j].to_f32() as f64;
+                    // One bf16 rounding of the result (8 bits of mantissa), plus f32 sums.
+                    assert!(
+                        (got - want).abs() <= want.abs() / 128.0 + 1e-3,
+                        "{rows}x{n}x{k}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+    let mut out = vec![Bf16::default(); 3];
+    let bad = gemv_bf16(
+        &mut out,
+        &[Bf16::default(); 3],
+        &[Bf16::default(); 9],
+        None,
+        3,
+        1,
+        3,
+        1,
+        &ScopedThreads,
+    );
+    assert!(bad.is_err(), "three activation rows are refused");
 }
