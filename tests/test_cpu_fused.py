@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+F = torch.nn.functional
 
 from iron_batch.models import cpu_fused  # noqa: E402
 from iron_batch.models.llama import _rms_norm  # noqa: E402
@@ -91,3 +92,16 @@ def test_gemv_linear_matches_f_linear_to_one_rounding(rows: int, bias: bool) -> 
     # More rows go to F.linear unchanged.
     x3 = torch.randn(3, 576, generator=g).bfloat16()
     assert torch.equal(cpu_fused.linear(x3, w, b), torch.nn.functional.linear(x3, w, b))
+
+
+def test_prepacked_linear_equals_f_linear() -> None:
+    if not cpu_fused.prepack_enabled(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("this torch build cannot prepack oneDNN weights (F.linear is used)")
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(1728, 576, generator=g).bfloat16()
+    b = torch.randn(1728, generator=g).bfloat16()
+    packed = cpu_fused.prepack(w)
+    assert packed is not None
+    for rows in (3, 64, 700):
+        x = torch.randn(rows, 576, generator=g).bfloat16()
+        assert torch.equal(cpu_fused.packed_linear(x, packed, b), F.linear(x, w, b))

@@ -9,6 +9,8 @@ to the order of a sum). Off for ``IRON_BATCH_CPU_ATTENTION=torch`` like the atte
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -83,6 +85,40 @@ def rope_store_kv(
         bf16=qkv.dtype == torch.bfloat16,
     )
     return q
+
+
+def prepack_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether bf16 projection weights get a oneDNN-packed copy (see :func:`prepack`)."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and os.environ.get("IRON_BATCH_CPU_PREPACK", "1") != "0"
+        and os.environ.get("IRON_BATCH_CPU_ATTENTION", "kernel") != "torch"
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked layout of a [out, in] weight, made once at load.
+
+    ``F.linear`` on CPU lets oneDNN reorder the plain weight into its blocked layout inside
+    every call; packing once saves that pass over the weights and made SmolLM2's batch-64
+    projections 1.2-2x faster, bit-identical. The plain weight is kept for the batch-1 GEMV
+    and the embedding, so packed projections cost their size in memory a second time.
+    None when this torch build cannot pack.
+    """
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear`` with a weight from :func:`prepack`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def gemv_enabled(device: torch.device, dtype: torch.dtype, rows: int) -> bool:

@@ -40,7 +40,11 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
+    # oneDNN-packed copies of qkv, o, gate_up, down (CPU bf16; see cpu_fused.prepack).
+    packed: dict[str, torch.Tensor] | None = None
 
+
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 #: Returns the named checkpoint tensor (HF names), or None when absent.
 TensorSource = Callable[[str], "torch.Tensor | None"]
@@ -102,6 +106,13 @@ class LlamaModel:
                     down_bias=opt(m + "down_proj.bias", c.mlp_bias),
                 )
             )
+        self.lm_head_packed: torch.Tensor | None = None
+        if cpu_fused.prepack_enabled(device, dtype):
+            for layer in self.layers:
+                packed = {n: cpu_fused.prepack(getattr(layer, n)) for n in _PROJECTIONS}
+                if all(p is not None for p in packed.values()):
+                    layer.packed = packed  # type: ignore[assignment]
+            self.lm_head_packed = cpu_fused.prepack(self.lm_head)
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(device)
         self.scale = c.head_dim**-0.5
         self.q_size = c.num_heads * c.head_dim
@@ -190,7 +201,16 @@ class LlamaModel:
         # steps rotary + KV store too (prefill paths also need k/v as tensors).
         fused = cpu_fused.fused_enabled(dev, self.dtype)
         fused_rope = fused and plan.decodes is not None and plan.decodes.all_rows
-        lin = cpu_fused.linear if cpu_fused.gemv_enabled(dev, self.dtype, n) else F.linear
+        gemv = cpu_fused.gemv_enabled(dev, self.dtype, n)
+
+        def lin(x: torch.Tensor, layer: LayerWeights, name: str) -> torch.Tensor:
+            weight, bias = getattr(layer, name), getattr(layer, name + "_bias")
+            if gemv:
+                return cpu_fused.linear(x, weight, bias)
+            if layer.packed is not None:
+                return cpu_fused.packed_linear(x, layer.packed[name], bias)
+            return F.linear(x, weight, bias)
+
         h = F.embedding(ids, self.embed)
         layers = self.layers
         x = cpu_fused.add_rms_norm_(h, None, layers[0].input_norm, eps) if fused else None
@@ -198,7 +218,7 @@ class LlamaModel:
             if not fused:
                 x = _rms_norm(h, layer.input_norm, eps)
             assert x is not None
-            qkv = lin(x, layer.qkv, layer.qkv_bias)
+            qkv = lin(x, layer, "qkv")
             k = v = None
             if fused_rope and layer.q_norm is None:
                 q = cpu_fused.rope_store_kv(
@@ -221,14 +241,14 @@ class LlamaModel:
                     q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
                 write_kv(cache, plan, k, v)
             attn = paged_attention(q, k, v, cache, plan, self.scale)
-            o = lin(attn, layer.o, layer.o_bias)
+            o = lin(attn, layer, "o")
             if fused:
                 x = cpu_fused.add_rms_norm_(h, o, layer.post_norm, eps)  # h += o
             else:
                 h = h + o
                 x = _rms_norm(h, layer.post_norm, eps)
-            gate, up = lin(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            mlp = lin(F.silu(gate) * up, layer.down, layer.down_bias)
+            gate, up = lin(x, layer, "gate_up").chunk(2, dim=-1)
+            mlp = lin(F.silu(gate) * up, layer, "down")
             if fused and i + 1 < len(layers):
                 x = cpu_fused.add_rms_norm_(h, mlp, layers[i + 1].input_norm, eps)  # h += mlp
             else:
@@ -237,6 +257,8 @@ class LlamaModel:
         last = _rms_norm(h[rows], self.norm, eps)
         if cpu_fused.gemv_enabled(dev, self.dtype, last.shape[0]):
             return cpu_fused.linear(last, self.lm_head, None).float()
+        if self.lm_head_packed is not None:
+            return cpu_fused.packed_linear(last, self.lm_head_packed, None).float()
         return F.linear(last, self.lm_head).float()
 
 
