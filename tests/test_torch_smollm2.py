@@ -76,3 +76,26 @@ def test_chat_answers_paris(smol: TorchBackend) -> None:
     if smol.eos_token_ids[0] in answer:
         answer = answer[: answer.index(smol.eos_token_ids[0])]
     assert "Paris" in tok.decode(answer)
+
+
+def test_bf16_cpu_kernels_still_answer_paris_alone_and_in_a_batch() -> None:
+    """bf16 on CPU runs the Rust kernels (GEMV at batch 1, prepacked oneDNN weights and
+    in-place decode attention above it): the real model must still answer."""
+    bf16 = TorchBackend.from_model("smollm2-135m", device="cpu", dtype="bfloat16",
+                                   total_kv_blocks=256)
+    tok = bf16.tokenizer
+    assert tok is not None
+
+    def chat(question: str) -> list[int]:
+        text = tok.apply_chat_template([{"role": "user", "content": question}])
+        return list(tok.encode(text, add_special_tokens=False))
+
+    capital = chat("What is the capital of France?")
+    others = [chat("Name a colour."), chat("Count to five."), chat("Say hello.")]
+    params = SamplingParams(max_new_tokens=16)
+    for prompts in ([capital], [capital, *others]):
+        outs, _ = run_scheduler(bf16, prompts, 16, params=params)
+        answer = outs[0]
+        if bf16.eos_token_ids[0] in answer:
+            answer = answer[: answer.index(bf16.eos_token_ids[0])]
+        assert "Paris" in tok.decode(answer), (len(prompts), tok.decode(answer))
