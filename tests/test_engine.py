@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import time
 
@@ -194,23 +193,31 @@ def test_shutdown_ends_live_requests_with_abort() -> None:
     assert engine.stats.scheduler["free_blocks"] == engine.config.total_kv_blocks
 
 
-def test_idle_engine_sleeps_on_its_condition() -> None:
+def test_idle_engine_uses_no_cpu_and_wakes_for_work() -> None:
+    """An idle engine thread sleeps (no busy polling, no empty steps), and a request that
+    arrives later still gets served at once."""
     engine = Engine(fast_mock(), SchedulerConfig())
     engine.start()
     try:
-        thread = engine._thread
-        assert thread is not None and thread.ident is not None
-
-        def parked() -> bool:
-            frame = sys._current_frames().get(thread.ident)  # type: ignore[arg-type]
-            # Blocked inside Condition.wait, called from the engine loop: no busy polling.
-            return frame is not None and frame.f_code.co_name == "wait" and (
-                frame.f_back is not None and frame.f_back.f_code.co_name == "_run"
-            )
-
-        assert wait_for(parked, what="engine parked")
+        assert wait_for(lambda: engine.idle, what="engine idle")
         steps = engine.backend.steps  # type: ignore[attr-defined]
-        assert parked() and engine.backend.steps == steps  # type: ignore[attr-defined]
+        cpu = time.process_time()
+        beat = engine.heartbeat  # stamped once per loop iteration
+        time.sleep(0.5)
+        # A polling loop would burn CPU and iterate; a parked one does neither.
+        assert time.process_time() - cpu < 0.1
+        assert engine.heartbeat == beat and engine.idle
+        assert engine.backend.steps == steps  # type: ignore[attr-defined]
+
+        async def main() -> list[TokenEvent]:
+            events: list[TokenEvent] = []
+            async for batch in engine.submit("late", [1, 2, 3], SamplingParams(max_new_tokens=3)):
+                events.extend(batch)
+            return events
+
+        events = asyncio.run(main())
+        assert [e.index for e in events if e.token_id is not None] == [0, 1, 2]
+        assert events[-1].finish_reason == "length"
     finally:
         engine.shutdown()
 
@@ -259,4 +266,11 @@ def test_engine_step_is_for_unthreaded_engines_only() -> None:
             engine.step()
     finally:
         engine.shutdown()
-    assert threading.active_count() >= 1
+    assert not engine.running
+    assert "iron-batch-engine" not in {t.name for t in threading.enumerate()}
+    # Without a thread, step() is the way to drive it.
+    sync = Engine(fast_mock(), SchedulerConfig())
+    sync.add_request("r", [1, 2], SamplingParams(max_new_tokens=2))
+    events = [e for _ in range(10) if sync.has_unfinished() for e in sync.step()]
+    assert [e.token_id is not None for e in events] == [True, True]
+    assert events[-1].finished

@@ -279,6 +279,32 @@ def test_api_key(start_server: ServerFactory) -> None:
     check_stream(lines, 2)
     assert httpx.get(f"{srv.url}/metrics").status_code == 401
     assert httpx.get(f"{srv.url}/health").status_code == 200
+    # One error body on every endpoint, whatever the front end.
+    bodies = [
+        httpx.post(f"{srv.url}/generate", json=body, timeout=10).json(),
+        httpx.get(f"{srv.url}/metrics", timeout=10).json(),
+        httpx.post(f"{srv.url}/v1/completions", json={"prompt": [1]}, timeout=10).json(),
+        httpx.get(f"{srv.url}/v1/models", timeout=10).json(),
+    ]
+    for error in bodies:
+        assert error == {"error": {"message": bodies[0]["error"]["message"],
+                                   "type": "authentication_error", "param": None,
+                                   "code": "invalid_api_key"}}
+
+
+def test_generate_and_v1_errors_have_the_same_shape(shared_server: ServerHandle) -> None:
+    bad_seed = [
+        httpx.post(f"{shared_server.url}/generate", json={"prompt_tokens": 4, "seed": -1},
+                   timeout=10),
+        httpx.post(f"{shared_server.url}/v1/completions", json={"prompt": [1], "seed": -1},
+                   timeout=10),
+    ]
+    for response in bad_seed:
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert (error["type"], error["param"]) == ("invalid_request_error", "seed")
+    assert bad_seed[0].json()["error"]["message"] == bad_seed[1].json()["error"]["message"]
 
 
 def test_text_prompt_and_stop_string(start_server: ServerFactory) -> None:

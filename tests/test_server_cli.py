@@ -54,6 +54,8 @@ def test_help_documents_every_flag() -> None:
         (["--addr", "127.0.0.1:99999"], "port"),
         (["--backend", "gpu"], "invalid choice"),
         (["--backend", "real"], "--backend-url"),
+        (["--backend", "remote"], "--backend-url"),
+        (["--backend", "remote", "--backend-url", "tcp://127.0.0.1:1"], "cannot use worker"),
         (["--backend", "real", "--backend-url", "tcp://127.0.0.1:1"], "cannot use worker"),
         (["--backend", "torch"], "--model"),
         (["--model", "/tmp/x"], "--backend torch"),

@@ -20,15 +20,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from iron_batch._core import IronBatchError, Scheduler, SchedulerConfig
-from iron_batch.backends.base import FatalBackendError
+from iron_batch.backends.base import BackendError, FatalBackendError
 from iron_batch.openmp import release_thread_pool
 from iron_batch.sampling_params import SamplingParams
 from iron_batch.stats import EngineStats
+from iron_batch.stream import Logprobs, RequestStream, TokenEvent, deliver
+
+__all__ = ["DEFAULT_MAX_STREAM_BUFFER_EVENTS", "Engine", "EngineUnavailable", "RequestStream",
+           "TokenEvent"]
 
 if TYPE_CHECKING:
     from iron_batch.backends.base import Backend
@@ -46,63 +51,32 @@ class EngineUnavailable(RuntimeError):
     """``submit`` on an engine that is shutting down or has failed fatally."""
 
 
-class TokenEvent:
-    """One thing that happened to a request in one step.
+# --- inbox commands (any thread -> engine thread) ------------------------------------------
 
-    ``token_id`` is None for an event without a token: a request that ends without
-    producing one (``max_new_tokens == 0``, abort, error) or was rejected at admission
-    (``finish_reason == "rejected"``, ``error``/``error_type`` say why).
 
-    ``logprobs`` is ``(chosen token logprob, [(token id, logprob)] top alternatives)`` for
-    requests whose ``params.logprobs`` is set (and a backend that computes them).
-    ``num_cached_tokens`` is set on the finishing event: prompt tokens the prefix cache
-    served at the request's first admission (the scheduler forgets it once the request ends).
-    """
+@dataclass(frozen=True)
+class _Add:
+    req: _Request
 
-    __slots__ = (
-        "request_id",
-        "index",
-        "token_id",
-        "text",
-        "finished",
-        "finish_reason",
-        "error",
-        "error_type",
-        "logprobs",
-        "num_cached_tokens",
-    )
 
-    def __init__(
-        self,
-        request_id: str,
-        index: int,
-        token_id: int | None,
-        text: str | None,
-        finished: bool,
-        finish_reason: str | None,
-        error: str | None = None,
-        error_type: str | None = None,
-        logprobs: tuple[float, list[tuple[int, float]]] | None = None,
-        num_cached_tokens: int | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.index = index
-        self.token_id = token_id
-        self.text = text
-        self.finished = finished
-        self.finish_reason = finish_reason
-        self.error = error
-        self.error_type = error_type
-        self.logprobs = logprobs
-        self.num_cached_tokens = num_cached_tokens
+@dataclass(frozen=True)
+class _Abort:
+    """Abort this request object (not a later one that reuses its id)."""
 
-    def __repr__(self) -> str:
-        return (
-            f"TokenEvent({self.request_id!r}, index={self.index}, token_id={self.token_id}, "
-            f"text={self.text!r}, finished={self.finished}, reason={self.finish_reason!r}"
-            + (f", error={self.error!r}" if self.error else "")
-            + ")"
-        )
+    req: _Request
+
+
+@dataclass(frozen=True)
+class _AbortId:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _AbortAll:
+    pass
+
+
+_Command = _Add | _Abort | _AbortId | _AbortAll
 
 
 class _Request:
@@ -142,102 +116,16 @@ class _Request:
         # First token out (or ended without one): its prompt no longer counts as waiting.
         self.started = False
 
-
-class RequestStream:
-    """Asyncio side of one request: a buffer the engine fills once per step.
-
-    Lives on the loop that called :meth:`Engine.submit`; every method must be called there.
-    ``get()`` returns every event that arrived since the last call, so a slow consumer
-    catches up in one write instead of one wakeup per token. The buffer is bounded by the
-    engine's ``max_stream_buffer_events``: a consumer that falls that far behind (a client
-    that stopped reading) gets its request aborted, with a final "abort" event that names
-    the reason, so it cannot hold KV blocks or memory forever.
-    """
-
-    __slots__ = (
-        "request_id", "done", "_engine", "_req", "_loop", "_buf", "_waiter", "_closed", "_limit",
-    )
-
-    def __init__(self, engine: Engine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.done = False
-        self._engine = engine
-        self._req: _Request | None = None
-        self._loop = loop
-        self._buf: list[TokenEvent] = []
-        self._waiter: asyncio.Future[None] | None = None
-        self._closed = False
-        self._limit = engine.max_stream_buffer_events
-
-    def _push(self, event: TokenEvent) -> None:
-        if self._closed:
-            return
-        buf = self._buf
-        buf.append(event)
-        if event.finished:
-            self.done = True
-        elif 0 < self._limit < len(buf):
-            self._overflow(event)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def _overflow(self, last: TokenEvent) -> None:
-        # Keep what is buffered (the client may still catch up and read it) and end with an
-        # abort; drop whatever the engine sends before it processes the abort.
-        self._closed = True
-        self.done = True
-        index = last.index + (1 if last.token_id is not None else 0)
-        self._buf.append(
-            TokenEvent(
-                self.request_id, index, None, None, True, "abort",
-                f"client too slow: more than {self._limit} events unread",
-            )
-        )
-        if self._req is not None:
-            self._engine._enqueue(("abort", self._req))
-
-    async def get(self) -> list[TokenEvent]:
-        """Wait for and return the pending events; [] once the stream was aborted."""
-        while not self._buf:
-            if self._closed:
-                return []
-            waiter = self._loop.create_future()
-            self._waiter = waiter
-            await waiter
-        events = self._buf
-        self._buf = []
-        return events
-
-    def abort(self) -> None:
-        """Stop the request (client went away): the engine frees its blocks next step."""
-        if self._closed:
-            return
-        self._closed = True
-        if not self.done and self._req is not None:
-            self._engine._enqueue(("abort", self._req))
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> list[TokenEvent]:
-        if self.done and not self._buf:
-            raise StopAsyncIteration
-        events = await self.get()
-        if not events:
-            raise StopAsyncIteration
-        return events
-
-
-def _deliver(items: list[tuple[RequestStream, TokenEvent]]) -> None:
-    # Runs on the asyncio loop: the one hop per engine step.
-    for stream, event in items:
-        stream._push(event)
+    def decode(self, token_id: int, finished: bool) -> tuple[str | None, bool]:
+        """The text ``token_id`` completes (None without a tokenizer) and whether it
+        completes a stop string (then the text ends before it)."""
+        detok = self.detok
+        if detok is None:
+            return None, False
+        text, stop_matched = detok.add(token_id)
+        if finished and not stop_matched:
+            text += detok.flush()
+        return text, stop_matched
 
 
 class Engine:
@@ -259,14 +147,14 @@ class Engine:
         self.config = config if config is not None else SchedulerConfig()
         self.scheduler = Scheduler(self.config)
         self.stats = EngineStats()
-        self.stats.scheduler = self.scheduler.stats()
+        self._refresh_stats()
         self._requests: dict[str, _Request] = {}
         self._cond = threading.Condition(threading.Lock())
-        self._inbox: list[tuple[str, Any]] = []
+        self._inbox: list[_Command] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._tokenizer = getattr(backend, "tokenizer", None)
-        self._eos = list(getattr(backend, "eos_token_ids", None) or [])
+        self._tokenizer = backend.tokenizer
+        self._eos = list(backend.eos_token_ids)
         # Liveness for /health: the loop stamps ``heartbeat`` every iteration and sets
         # ``idle`` while it sleeps with nothing to do (then an old stamp is not a stall).
         self.heartbeat = time.monotonic()
@@ -306,8 +194,21 @@ class Engine:
             self._thread.join(timeout)
 
     @property
+    def started(self) -> bool:
+        """Whether :meth:`start` was called (the thread may have stopped since)."""
+        return self._thread is not None
+
+    @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests waiting for admission: the scheduler's waiting queue as of the last step
+        plus those still in the inbox (a snapshot for soft caps)."""
+        with self._cond:
+            queued = sum(isinstance(c, _Add) for c in self._inbox)
+        return self.stats.scheduler.get("waiting", 0) + queued
 
     @property
     def waiting_prompt_tokens(self) -> int:
@@ -316,16 +217,16 @@ class Engine:
 
     # ------------------------------------------------------------------ requests in
 
-    def _enqueue(self, item: tuple[str, Any]) -> None:
+    def _enqueue(self, item: _Command) -> None:
         with self._cond:
-            if item[0] == "add":
+            if isinstance(item, _Add):
                 if self._stopping and self._thread is not None:
                     # Checked under the lock: past this point nobody drains the inbox.
                     raise EngineUnavailable(
                         f"engine failed: {self.fatal_error}" if self.fatal_error
                         else "engine is shut down"
                     )
-                self._prompt_tokens_in += len(item[1].prompt_token_ids)
+                self._prompt_tokens_in += len(item.req.prompt_token_ids)
             self._inbox.append(item)
             self._cond.notify()
 
@@ -345,10 +246,12 @@ class Engine:
                 f"engine failed: {self.fatal_error}" if self.fatal_error else "engine is shut down"
             )
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id, loop)
-        req = _Request(request_id, prompt_token_ids, params, stream, time.perf_counter())
-        stream._req = req
-        self._enqueue(("add", req))
+        req = _Request(request_id, prompt_token_ids, params, None, time.perf_counter())
+        stream = RequestStream(
+            request_id, loop, self.max_stream_buffer_events, lambda: self._enqueue(_Abort(req))
+        )
+        req.sink = stream
+        self._enqueue(_Add(req))
         return stream
 
     def add_request(
@@ -356,14 +259,14 @@ class Engine:
     ) -> None:
         """Queue a request for the synchronous API: its events come out of :meth:`step`."""
         req = _Request(request_id, list(prompt_token_ids), params, None, time.perf_counter())
-        self._enqueue(("add", req))
+        self._enqueue(_Add(req))
 
     def abort(self, request_id: str) -> None:
-        self._enqueue(("abort_id", request_id))
+        self._enqueue(_AbortId(request_id))
 
     def abort_all(self) -> None:
         """Abort every request queued or live now (drain timeout at shutdown)."""
-        self._enqueue(("abort_all", None))
+        self._enqueue(_AbortAll())
 
     def has_unfinished(self) -> bool:
         """Synchronous API: anything queued or live?"""
@@ -436,14 +339,15 @@ class Engine:
         with self._cond:
             pending, self._inbox = self._inbox, []
         error = self.fatal_error
-        for kind, obj in pending:
-            if kind == "add":
-                self._mark_started(obj)
+        for command in pending:
+            if isinstance(command, _Add):
+                req = command.req
+                self._mark_started(req)
                 if error is not None:
-                    event = TokenEvent(obj.request_id, 0, None, None, True, "error", error)
+                    event = TokenEvent(req.request_id, 0, None, None, True, "error", error)
                 else:
-                    event = TokenEvent(obj.request_id, 0, None, None, True, "abort")
-                out.append((obj, event))
+                    event = TokenEvent(req.request_id, 0, None, None, True, "abort")
+                out.append((req, event))
         for req in list(self._requests.values()):
             try:
                 self.scheduler.abort(req.request_id)
@@ -453,8 +357,13 @@ class Engine:
             out.append(
                 (req, TokenEvent(req.request_id, req.num_tokens, None, None, True, "abort"))
             )
-        self.stats.scheduler = self.scheduler.stats()
+        self._refresh_stats()
         return out
+
+    def _refresh_stats(self) -> None:
+        # Readers on other threads (/metrics, admission) see this snapshot, never the
+        # scheduler itself.
+        self.stats.scheduler = self.scheduler.stats()
 
     def _publish(self, items: list[tuple[_Request, TokenEvent]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, TokenEvent]]] = {}
@@ -462,26 +371,33 @@ class Engine:
             sink = req.sink
             if sink is None:
                 continue
-            batch = by_loop.get(sink._loop)
+            batch = by_loop.get(sink.loop)
             if batch is None:
-                batch = by_loop[sink._loop] = []
+                batch = by_loop[sink.loop] = []
             batch.append((sink, event))
         for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_deliver, batch)
+                loop.call_soon_threadsafe(deliver, batch)
             except RuntimeError:
                 pass  # the loop is closed: nobody is listening any more
 
     def _step(self) -> list[tuple[_Request, TokenEvent]]:
         out: list[tuple[_Request, TokenEvent]] = []
+        try:
+            self._step_into(out)
+        finally:
+            self._refresh_stats()
+        return out
+
+    def _step_into(self, out: list[tuple[_Request, TokenEvent]]) -> None:
         self._drain(out)
         scheduler = self.scheduler
         if scheduler.has_work():
             # A backend that runs several decode steps per call (remote) needs their KV
             # slots reserved now: lookahead = steps_per_call - 1.
-            batch = scheduler.schedule(lookahead=getattr(self.backend, "steps_per_call", 1) - 1)
+            batch = scheduler.schedule(lookahead=self.backend.steps_per_call - 1)
             # Readers see admissions (blocks taken) while the backend runs, not a step late.
-            self.stats.scheduler = scheduler.stats()
+            self._refresh_stats()
             if batch.num_seqs:
                 try:
                     sampled = self.backend.execute(batch)
@@ -489,14 +405,13 @@ class Engine:
                     logger.exception("backend.execute failed")
                     self._failed_steps += 1
                     self._fail_requests(set(batch.request_ids), f"backend error: {exc}", out)
-                    if getattr(exc, "invalidates_kv", False):
+                    if isinstance(exc, BackendError) and exc.invalidates_kv:
                         # The backend lost its KV (remote worker gone): every live request
                         # and every prefix-cache entry points at KV that no longer exists.
                         self._fail_requests(set(self._requests), f"backend error: {exc}", out)
                         self.scheduler = Scheduler(self.config)
                     self._check_fatal(exc, f"backend error: {exc}", out)
-                    self.stats.scheduler = self.scheduler.stats()
-                    return out
+                    return
                 self._failed_steps = 0
             else:
                 sampled = _EMPTY
@@ -504,12 +419,10 @@ class Engine:
             raw = scheduler.commit(batch, sampled)
             if raw:
                 self._on_commit(raw, out, extras)
-        self.stats.scheduler = scheduler.stats()
-        return out
 
     def _sample_extras(
         self, batch: Any, sampled: np.ndarray
-    ) -> dict[str, tuple[float, list[tuple[int, float]]]] | None:
+    ) -> dict[str, Logprobs] | None:
         """Per-request data that must be read before ``commit`` ends requests.
 
         Captures the prefix-cache hit count of requests sampling for the first time (the
@@ -527,13 +440,12 @@ class Engine:
                     req = requests.get(rid)
                     if req is not None:
                         req.num_cached = self.scheduler.num_cached_prompt_tokens(rid)
-        get_logprobs = getattr(self.backend, "last_logprobs", None)
-        if get_logprobs is None or getattr(sampled, "ndim", 1) != 1:
+        if np.ndim(sampled) != 1:
             return None
-        rows = get_logprobs()
+        rows = self.backend.last_logprobs()
         if rows is None or len(rows) != len(rids):
             return None
-        wanted: dict[str, tuple[float, list[tuple[int, float]]]] = {}
+        wanted: dict[str, Logprobs] = {}
         for rid, row in zip(rids, rows, strict=True):
             req = requests.get(rid)
             if req is not None and req.params.logprobs is not None:
@@ -544,7 +456,7 @@ class Engine:
         self,
         raw: list[tuple[str, int | None, bool, str | None]],
         out: list[tuple[_Request, TokenEvent]],
-        extras: dict[str, tuple[float, list[tuple[int, float]]]] | None = None,
+        extras: dict[str, Logprobs] | None = None,
     ) -> None:
         now = time.perf_counter()
         stats = self.stats
@@ -573,18 +485,14 @@ class Engine:
                 else:
                     gaps[last] = gaps.get(last, 0) + 1
                 req.last_time = now
-                detok = req.detok
-                if detok is not None:
-                    text, stop_matched = detok.add(token_id)
-                    if stop_matched:
-                        if not finished:
-                            # The scheduler only knows token ids; a stop string is ours to
-                            # enforce, from this thread, before the next schedule().
-                            self.scheduler.finish(request_id, "stop")
-                            finished = True
-                        reason = "stop"
-                    elif finished:
-                        text += detok.flush()
+                text, stop_matched = req.decode(token_id, finished)
+                if stop_matched:
+                    if not finished:
+                        # The scheduler only knows token ids; a stop string is ours to
+                        # enforce, from this thread, before the next schedule().
+                        self.scheduler.finish(request_id, "stop")
+                        finished = True
+                    reason = "stop"
             event = TokenEvent(request_id, index, token_id, text, finished, reason)
             if extras and token_id is not None:
                 event.logprobs = extras.get(request_id)
@@ -602,19 +510,19 @@ class Engine:
             if not self._inbox:
                 return
             items, self._inbox = self._inbox, []
-        for kind, obj in items:
-            if kind == "add":
-                self._admit(obj, out)
-            elif kind == "abort":
-                target: _Request = obj
+        for command in items:
+            if isinstance(command, _Add):
+                self._admit(command.req, out)
+            elif isinstance(command, _Abort):
+                target = command.req
                 # Only if still live and the same request (not a later one reusing the id).
                 if self._requests.get(target.request_id) is target:
                     self._abort(target, out)
-            elif kind == "abort_all":
+            elif isinstance(command, _AbortAll):
                 for live in list(self._requests.values()):
                     self._abort(live, out)
-            else:  # abort_id
-                live = self._requests.get(obj)
+            else:
+                live = self._requests.get(command.request_id)
                 if live is not None:
                     self._abort(live, out)
 
@@ -716,7 +624,7 @@ class Engine:
         out: list[tuple[_Request, TokenEvent]] = []
         try:
             self._fail_requests(set(self._requests), message, out)
-            self.stats.scheduler = self.scheduler.stats()
+            self._refresh_stats()
         except Exception:
             logger.exception("failing requests failed")
         return out

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from iron_batch._core import SchedulerConfig
 from iron_batch.engine import Engine
 from iron_batch.sampling_params import SamplingParams
 
@@ -47,7 +46,7 @@ class LLM:
         backend: Backend | None = None,
         *,
         total_kv_blocks: int | None = None,
-        kv_block_size: int = 16,
+        kv_block_size: int | None = None,
         device: str | None = None,
         dtype: str | None = None,
         kv_cache_memory_gb: float | None = None,
@@ -56,29 +55,28 @@ class LLM:
         unknown = set(scheduler_kwargs) - set(_SCHEDULER_KEYS)
         if unknown:
             raise TypeError(f"unknown LLM argument(s): {', '.join(sorted(unknown))}")
+        # Lazy: importing iron_batch must not import torch (build_backend imports it when
+        # asked for a torch backend).
+        from iron_batch.backends.build import build_backend, scheduler_config
+
         if backend is None:
             if model is None:
                 raise ValueError("pass model= (a checkpoint directory) or backend=")
-            # Lazy: importing iron_batch must not import torch.
-            from iron_batch.backends.torch_backend import TorchBackend
-
-            backend = TorchBackend.from_model(
-                model,
-                device=device or "auto",
-                dtype=dtype or "auto",
+            backend = build_backend(
+                "torch",
+                model=model,
+                device=device,
+                dtype=dtype,
                 total_kv_blocks=total_kv_blocks,
                 kv_block_size=kv_block_size,
                 kv_cache_memory_gb=kv_cache_memory_gb,
             )
         elif model is not None:
             raise ValueError("pass model= or backend=, not both")
-        # A backend that owns KV storage decides the pool; otherwise the arguments do.
-        num_blocks = getattr(backend, "num_kv_blocks", None) or total_kv_blocks or 4096
-        block_size = getattr(backend, "kv_block_size", None) or kv_block_size
-        config = SchedulerConfig(
-            total_kv_blocks=int(num_blocks),
-            kv_block_size=int(block_size),
-            max_model_len=backend.max_model_len,
+        config = scheduler_config(
+            backend,
+            total_kv_blocks=total_kv_blocks,
+            kv_block_size=kv_block_size,
             **scheduler_kwargs,
         )
         self.backend = backend

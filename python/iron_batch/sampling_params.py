@@ -5,6 +5,54 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting accepts: ``lo <= x <= hi`` (``lo < x`` when
+    ``lo_open``); ``hi`` None is unbounded above. ``integer``: ints only (never bools)."""
+
+    lo: float
+    hi: float | None = None
+    lo_open: bool = False
+    integer: bool = False
+
+    def contains(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        above = value > self.lo if self.lo_open else value >= self.lo
+        return above and (self.hi is None or value <= self.hi)
+
+    def describe(self) -> str:
+        left = "(" if self.lo_open else "["
+        hi = "inf)" if self.hi is None else f"{_num(self.hi)}]"
+        return f"{left}{_num(self.lo)}, {hi}"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 2**64 else str(x)
+
+
+#: Largest seed (seeds are non-negative 63-bit integers everywhere).
+SEED_MAX = (1 << 63) - 1
+MAX_LOGPROBS = 20
+
+#: The one statement of each numeric setting's valid range: ``SamplingParams.validate``, the
+#: HTTP parsers and the OpenAPI document all read it.
+RANGES: dict[str, Range] = {
+    "max_new_tokens": Range(0, None, integer=True),
+    "temperature": Range(0.0, 100.0),
+    "top_k": Range(-1, None, integer=True),
+    "top_p": Range(0.0, 1.0, lo_open=True),
+    "min_p": Range(0.0, 1.0),
+    "seed": Range(0, SEED_MAX, integer=True),
+    "repetition_penalty": Range(0.0, 100.0, lo_open=True),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "logprobs": Range(0, MAX_LOGPROBS, integer=True),
+}
+#: Settings that may be None (not given).
+_OPTIONAL = frozenset(("seed", "logprobs"))
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -31,26 +79,13 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            raise ValueError("max_new_tokens must be a non-negative integer")
-        if not (self.temperature >= 0.0) or self.temperature > 100.0:
-            raise ValueError("temperature must be between 0 and 100")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError("top_k must be -1, 0 (disabled) or a positive integer")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError("top_p must be in (0, 1]")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError("min_p must be in [0, 1]")
-        if not (self.repetition_penalty > 0.0) or self.repetition_penalty > 100.0:
-            raise ValueError("repetition_penalty must be in (0, 100]")
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name, allowed in RANGES.items():
             value = getattr(self, name)
-            if not (-2.0 <= value <= 2.0):
-                raise ValueError(f"{name} must be in [-2, 2]")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise ValueError("logprobs must be between 0 and 20")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError("seed must be an integer")
+            if value is None and name in _OPTIONAL:
+                continue
+            if not allowed.contains(value):
+                kind = "an integer" if allowed.integer else "a number"
+                raise ValueError(f"{name} must be {kind} in {allowed.describe()}, got {value!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
 

@@ -48,6 +48,29 @@ class Tokenizer:
         self._bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
         self._template: Any = None
 
+    def to_info(self) -> dict[str, Any]:
+        """Everything :meth:`from_info` needs: tokenizers' own JSON, no code (a worker
+        sends it to the server in its INFO reply)."""
+        return {
+            "json": self._tok.to_str(),
+            "chat_template": self.chat_template,
+            "eos_token_ids": list(self.eos_token_ids),
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "add_bos": bool(self._add_bos),
+        }
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> Tokenizer:
+        return cls(
+            HFTokenizer.from_str(info["json"]),
+            chat_template=info.get("chat_template"),
+            eos_token_ids=[int(i) for i in info.get("eos_token_ids", [])],
+            bos_token=info.get("bos_token"),
+            eos_token=info.get("eos_token"),
+            add_bos=bool(info.get("add_bos", False)),
+        )
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

@@ -37,6 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from iron_batch.batch import BATCH_FIELDS, I64
+from iron_batch.batch import I32 as I32  # re-exported: the codec's dtypes
+
 MAGIC = b"IBW1"
 PROTOCOL = 1
 HEADER = struct.Struct("<4sBBHI")
@@ -58,8 +61,6 @@ _DTYPES: dict[int, np.dtype[Any]] = {
 }
 _CODES = {dt: code for code, dt in _DTYPES.items()}
 
-I32 = np.dtype("<i4")
-I64 = np.dtype("<i8")
 U8 = np.dtype("u1")
 
 
@@ -193,19 +194,11 @@ def decode_arrays(body: bytearray, offset: int, count: int) -> list[np.ndarray]:
 
 # ---------------------------------------------------------------------------- execute
 
-#: The arrays of an EXECUTE body, in order, with dtypes. T tokens, S sequences, B block-table
-#: columns, N sample rows, R removed and A added requests.
+#: The arrays of an EXECUTE body, in order, with dtypes: the batch's own arrays
+#: (:data:`iron_batch.batch.BATCH_FIELDS`, N sample rows), then the request bookkeeping
+#: (R removed and A added requests).
 EXECUTE_FIELDS: tuple[tuple[str, np.dtype[Any]], ...] = (
-    ("input_ids", I64),  # [T]
-    ("positions", I64),  # [T]
-    ("slot_mapping", I64),  # [T]
-    ("query_start_loc", I32),  # [S + 1]
-    ("seq_lens", I32),  # [S]
-    ("num_computed_before", I32),  # [S]
-    ("block_tables", I32),  # [S, B]
-    ("sample_indices", I64),  # [N]
-    ("sample_seq_indices", I64),  # [N]
-    ("sample_max_steps", I32),  # [N]
+    *((f.name, f.dtype) for f in BATCH_FIELDS),
     ("sample_handles", I64),  # [N] request handles of the sample rows
     ("remove_handles", I64),  # [R] requests ended since the last frame
     ("add_handles", I64),  # [A] requests new since the last frame
@@ -237,23 +230,25 @@ class WorkerLimits:
     max_model_len: int | None
 
 
-@dataclass
+_NDIM = {f.name: f.ndim for f in BATCH_FIELDS}
+
+
 class ExecuteRequest:
-    steps: int
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    query_start_loc: np.ndarray
-    seq_lens: np.ndarray
-    num_computed_before: np.ndarray
-    block_tables: np.ndarray
-    sample_indices: np.ndarray
-    sample_seq_indices: np.ndarray
-    sample_max_steps: np.ndarray
-    sample_handles: np.ndarray
-    remove_handles: np.ndarray
-    #: (handle, prompt token ids, sampling settings) of each new request.
-    adds: list[tuple[int, list[int], dict[str, Any]]]
+    """A decoded EXECUTE: ``steps``, each array of :data:`EXECUTE_FIELDS` but the add_*
+    ones as an attribute of its name, and ``adds``: (handle, prompt token ids, sampling
+    settings) of each new request."""
+
+    def __init__(
+        self, steps: int, arrays: dict[str, np.ndarray],
+        adds: list[tuple[int, list[int], dict[str, Any]]],
+    ) -> None:
+        self.steps = steps
+        self.__dict__.update(arrays)
+        self.adds = adds
+
+    def batch(self) -> dict[str, np.ndarray]:
+        """The batch's own arrays (:data:`iron_batch.batch.BATCH_FIELDS`) by name."""
+        return {f.name: self.__dict__[f.name] for f in BATCH_FIELDS}
 
     @property
     def num_seqs(self) -> int:
@@ -271,7 +266,8 @@ def encode_execute(
     remove_handles: list[int],
     adds: list[tuple[int, list[int], dict[str, Any]]],
 ) -> list[bytes | memoryview]:
-    """Body parts of an EXECUTE; ``batch_arrays`` are the first 10 :data:`EXECUTE_FIELDS`."""
+    """Body parts of an EXECUTE; ``batch_arrays`` are the batch's arrays in
+    :data:`iron_batch.batch.BATCH_FIELDS` order (:func:`iron_batch.batch.batch_arrays`)."""
     lens = [len(p) for _, p, _ in adds]
     tokens = [t for _, p, _ in adds for t in p]
     arrays = [
@@ -323,7 +319,7 @@ def decode_execute(body: bytearray, limits: WorkerLimits) -> ExecuteRequest:
     named: dict[str, np.ndarray] = {}
     for (name, dt), a in zip(EXECUTE_FIELDS, arrays, strict=True):
         _fail_unless(a.dtype == dt, f"{name}: dtype {a.dtype}, expected {dt}")
-        _fail_unless(a.ndim == (2 if name == "block_tables" else 1), f"{name}: wrong ndim")
+        _fail_unless(a.ndim == _NDIM.get(name, 1), f"{name}: wrong ndim")
         named[name] = a
 
     bs = limits.kv_block_size
@@ -389,22 +385,8 @@ def decode_execute(body: bytearray, limits: WorkerLimits) -> ExecuteRequest:
     for h, k, p in zip(add_handles.tolist(), lens.tolist(), settings, strict=True):
         adds.append((h, tokens[start : start + k].tolist(), _check_params(p)))
         start += k
-    return ExecuteRequest(
-        steps=steps,
-        input_ids=ids,
-        positions=pos,
-        slot_mapping=slots,
-        query_start_loc=qsl,
-        seq_lens=seq_lens,
-        num_computed_before=before,
-        block_tables=tables,
-        sample_indices=rows,
-        sample_seq_indices=row_seqs,
-        sample_max_steps=max_steps,
-        sample_handles=handles,
-        remove_handles=named["remove_handles"],
-        adds=adds,
-    )
+    arrays = {name: a for name, a in named.items() if not name.startswith("add_")}
+    return ExecuteRequest(steps, arrays, adds)
 
 
 def encode_result(tokens: np.ndarray) -> list[bytes | memoryview]:

@@ -24,12 +24,12 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from iron_batch import wire
+from iron_batch.batch import ArrayBatch
 from iron_batch.openmp import release_thread_pool
 from iron_batch.sampling_params import SamplingParams
 from iron_batch.wire import ExecuteRequest, Kind, WireError, WorkerLimits
@@ -38,29 +38,6 @@ logger = logging.getLogger("iron_batch.worker")
 
 #: Seconds a new connection has to send its hello; a silent stranger must not hold a thread.
 HELLO_TIMEOUT_S = 10.0
-
-
-@dataclass
-class WireBatch:
-    """The attributes of ``_core.Batch`` that backends read, built from a received frame."""
-
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    query_start_loc: np.ndarray
-    seq_lens: np.ndarray
-    num_computed_before: np.ndarray
-    block_tables: np.ndarray
-    sample_indices: np.ndarray
-    sample_request_ids: list[str]
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.seq_lens.shape[0])
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
 
 
 def run_steps(backend: Any, req: ExecuteRequest, block_size: int) -> np.ndarray:
@@ -73,19 +50,7 @@ def run_steps(backend: Any, req: ExecuteRequest, block_size: int) -> np.ndarray:
     that stop anyway, so the extra counts are never used.
     """
     rids = [str(h) for h in req.sample_handles.tolist()]
-    first = backend.execute(
-        WireBatch(
-            input_ids=req.input_ids,
-            positions=req.positions,
-            slot_mapping=req.slot_mapping,
-            query_start_loc=req.query_start_loc,
-            seq_lens=req.seq_lens,
-            num_computed_before=req.num_computed_before,
-            block_tables=req.block_tables,
-            sample_indices=req.sample_indices,
-            sample_request_ids=rids,
-        )
-    )
+    first = backend.execute(ArrayBatch(rids, **req.batch()))
     n, k = len(rids), req.steps
     out = np.zeros((n, k), dtype=np.int64)  # unused entries stay 0 (the server ignores them)
     if n == 0:
@@ -108,7 +73,8 @@ def run_steps(backend: Any, req: ExecuteRequest, block_size: int) -> np.ndarray:
         )
         prev = np.asarray(
             backend.execute(
-                WireBatch(
+                ArrayBatch(
+                    [rids[i] for i in active.tolist()],
                     input_ids=prev,
                     positions=pos,
                     slot_mapping=slots,
@@ -117,7 +83,8 @@ def run_steps(backend: Any, req: ExecuteRequest, block_size: int) -> np.ndarray:
                     num_computed_before=pos.astype(np.int32),
                     block_tables=tables,
                     sample_indices=np.arange(m, dtype=np.int64),
-                    sample_request_ids=[rids[i] for i in active.tolist()],
+                    sample_seq_indices=np.arange(m, dtype=np.int64),
+                    sample_max_steps=np.ones(m, dtype=np.int32),
                 )
             ),
             dtype=np.int64,
@@ -167,13 +134,17 @@ class Worker:
                 name=f"worker-conn-{peer}",
             ).start()
 
-    def _reply(self, conn: socket.socket, kind: Kind, parts: list[bytes | memoryview]) -> None:
+    def _delay(self) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)  # emulated network round trip (benchmarks)
+
+    def _reply(self, conn: socket.socket, kind: Kind, parts: list[bytes | memoryview]) -> None:
+        self._delay()
         wire.write_frame(conn, kind, parts)
 
     def _error(self, conn: socket.socket, message: str) -> None:
-        self._reply(conn, Kind.ERROR, [message.encode("utf-8", "replace")])
+        self._delay()
+        wire.write_error(conn, message)
 
     def _serve_connection(self, conn: socket.socket, peer: Any) -> None:
         with conn:
@@ -261,62 +232,40 @@ class Worker:
 # ---------------------------------------------------------------------------- backends
 
 
-def tokenizer_info(tokenizer: Any) -> dict[str, Any] | None:
-    """What the server needs to rebuild the tokenizer: tokenizers' own JSON, no code."""
-    if tokenizer is None:
-        return None
-    return {
-        "json": tokenizer._tok.to_str(),
-        "chat_template": tokenizer.chat_template,
-        "eos_token_ids": list(tokenizer.eos_token_ids),
-        "bos_token": tokenizer.bos_token,
-        "eos_token": tokenizer.eos_token,
-        "add_bos": bool(tokenizer._add_bos),
-    }
-
-
 def build_backend(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The backend and the INFO the server sizes its scheduler from."""
-    if args.backend == "mock":
-        from iron_batch.backends.mock import MockBackend
+    from iron_batch.backends.build import build_backend as build
+    from iron_batch.backends.build import scheduler_config
 
-        mock = MockBackend(
-            token_latency_us=args.mock_token_latency_us,
-            prefill_token_latency_us=args.mock_prefill_token_latency_us,
-        )
-        return mock, {
-            "model_name": "mock",
-            "num_kv_blocks": args.total_kv_blocks or 4096,
-            "kv_block_size": args.kv_block_size,
-            "max_model_len": None,
-            "eos_token_ids": [],
-            "vocab_size": mock.vocab_size,
-            "tokenizer": None,
-        }
-    if not args.model:
-        raise SystemExit("--backend torch needs --model PATH")
-    from iron_batch.backends.torch_backend import TorchBackend
-
-    be = TorchBackend.from_model(
-        args.model,
+    backend = build(
+        args.backend,
+        model=args.model,
         device=args.device,
         dtype=args.dtype,
         total_kv_blocks=args.total_kv_blocks,
         kv_block_size=args.kv_block_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
+        mock_token_latency_us=args.mock_token_latency_us,
+        mock_prefill_token_latency_us=args.mock_prefill_token_latency_us,
     )
-    return be, {
-        "model_name": be.model_name,
-        "num_kv_blocks": be.num_kv_blocks,
-        "kv_block_size": be.kv_block_size,
-        "max_model_len": be.max_model_len,
-        "eos_token_ids": list(be.eos_token_ids),
-        "vocab_size": be.model.config.vocab_size,
-        "tokenizer": tokenizer_info(be.tokenizer),
+    # The pool the server's scheduler will index: the backend's own, or the flags'.
+    config = scheduler_config(
+        backend, total_kv_blocks=args.total_kv_blocks, kv_block_size=args.kv_block_size
+    )
+    tokenizer = backend.tokenizer
+    return backend, {
+        "model_name": backend.model_name,
+        "num_kv_blocks": config.total_kv_blocks,
+        "kv_block_size": config.kv_block_size,
+        "max_model_len": backend.max_model_len,
+        "eos_token_ids": list(backend.eos_token_ids),
+        "vocab_size": backend.vocab_size,
+        "tokenizer": tokenizer.to_info() if tokenizer is not None else None,
     }
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from iron_batch.backends.build import DEFAULTS
     from iron_batch.cli_args import non_negative_float, parse_addr, positive_int
 
     p = argparse.ArgumentParser(
@@ -329,14 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("torch", "mock"), default="torch",
                    help="torch (a local checkpoint, --model) or mock (no weights, for tests)")
     p.add_argument("--model", default=None, help="torch: checkpoint folder, .gguf or short name")
-    p.add_argument("--device", default="auto", help="torch: cpu, cuda, cuda:1 (default auto)")
-    p.add_argument("--dtype", default="auto", help="torch: float32, bfloat16, float16 (auto)")
+    p.add_argument("--device", default=None, help="torch: cpu, cuda, cuda:1 (default auto)")
+    p.add_argument("--dtype", default=None, help="torch: float32, bfloat16, float16 (auto)")
     p.add_argument("--kv-cache-memory-gb", type=non_negative_float, default=None,
                    help="torch: KV pool memory budget when --total-kv-blocks is not given")
     p.add_argument("--total-kv-blocks", type=positive_int, default=None,
-                   help="KV blocks (default: sized from memory; 4096 for mock)")
-    p.add_argument("--kv-block-size", type=positive_int, default=16,
-                   help="token slots per block (16)")
+                   help="KV blocks (default: sized from memory; "
+                   f"{DEFAULTS.total_kv_blocks} for mock)")
+    p.add_argument("--kv-block-size", type=positive_int, default=None,
+                   help=f"token slots per block ({DEFAULTS.kv_block_size})")
     p.add_argument("--api-key", default=os.environ.get("IRON_BATCH_WORKER_API_KEY"),
                    help="clients must send this key in their first frame "
                    "(default $IRON_BATCH_WORKER_API_KEY; none: open)")
@@ -352,11 +302,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
     if args.delay_ms < 0:
         raise SystemExit("--delay-ms must be >= 0")
-    backend, info = build_backend(args)
+    from iron_batch.backends.build import BackendConfigError
+
+    try:
+        backend, info = build_backend(args)
+    except BackendConfigError as exc:
+        parser.error(str(exc))
     host, port = args.addr
     listener = socket.create_server((host, port), reuse_port=False, backlog=16)
     bound = listener.getsockname()

@@ -20,6 +20,14 @@ class FatalBackendError(RuntimeError):
     row the same way."""
 
 
+class BackendError(RuntimeError):
+    """A failed ``execute`` that says what it broke. With ``invalidates_kv`` the backend lost
+    its KV storage (a remote worker gone): the engine then fails every live request, not
+    just the batch's, and starts a fresh scheduler (its prefix cache points at lost KV)."""
+
+    invalidates_kv: bool = False
+
+
 @runtime_checkable
 class Backend(Protocol):
     """Advance a whole batch by one token per sample row, in one call.
@@ -40,6 +48,13 @@ class Backend(Protocol):
     model_name: str
     #: Token ids must be in [0, vocab_size); add_request raises ValueError otherwise.
     vocab_size: int
+    #: Decode steps one ``execute`` runs per sampled row; the engine schedules with
+    #: ``lookahead = steps_per_call - 1`` and ``execute`` returns ``[rows, K]`` when K > 1.
+    steps_per_call: int
+    #: KV geometry of a backend that owns its KV storage (the scheduler must match it), or
+    #: None when the scheduler's configuration decides (mock).
+    num_kv_blocks: int | None
+    kv_block_size: int | None
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -56,3 +71,17 @@ class Backend(Protocol):
         one (chosen-token logprob, top alternatives) per sample row, or None when no
         request in the batch wants logprobs."""
         ...
+
+
+class BackendBase:
+    """Defaults for the optional parts of :class:`Backend` (subclass to get them)."""
+
+    max_model_len: int | None = None
+    tokenizer: Tokenizer | None = None
+    model_name: str = "backend"
+    steps_per_call: int = 1
+    num_kv_blocks: int | None = None
+    kv_block_size: int | None = None
+
+    def last_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
+        return None

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from iron_batch.backends.base import BackendBase
+
 if TYPE_CHECKING:
     from iron_batch._core import Batch
     from iron_batch.sampling_params import SamplingParams
-    from iron_batch.tokenizer import Tokenizer
 
 _MASK64 = (1 << 64) - 1
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -44,12 +45,10 @@ def _prompt_hash(prompt_token_ids: list[int]) -> int:
     return h
 
 
-class MockBackend:
+class MockBackend(BackendBase):
     """Backend protocol implementation for scheduler and server work (no model)."""
 
-    max_model_len: int | None = None
     eos_token_ids: list[int]
-    tokenizer: Tokenizer | None = None
     model_name: str = "mock"
 
     def __init__(
@@ -76,9 +75,6 @@ class MockBackend:
 
     def remove_request(self, request_id: str) -> None:
         self._prompt_hashes.pop(request_id, None)
-
-    def last_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
-        return None
 
     def step_seconds(self, batch: Batch) -> float:
         """Modelled duration of one forward pass over ``batch``."""

@@ -34,6 +34,8 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from iron_batch import wire
+from iron_batch.backends.base import BackendBase, BackendError
+from iron_batch.batch import batch_arrays
 from iron_batch.wire import Kind, WireError
 
 if TYPE_CHECKING:
@@ -45,10 +47,8 @@ if TYPE_CHECKING:
 _GEOMETRY = ("kv_block_size", "max_model_len", "vocab_size")
 
 
-class RemoteBackendError(RuntimeError):
+class RemoteBackendError(BackendError):
     """The worker refused or failed one batch; the connection and its KV are intact."""
-
-    invalidates_kv = False
 
 
 class WorkerLost(RemoteBackendError):
@@ -76,21 +76,12 @@ def _sampling_settings(params: SamplingParams) -> dict[str, Any]:
 def _tokenizer_from_info(info: dict[str, Any] | None) -> Tokenizer | None:
     if not info:
         return None
-    from tokenizers import Tokenizer as HFTokenizer
-
     from iron_batch.tokenizer import Tokenizer
 
-    return Tokenizer(
-        HFTokenizer.from_str(info["json"]),
-        chat_template=info.get("chat_template"),
-        eos_token_ids=[int(i) for i in info.get("eos_token_ids", [])],
-        bos_token=info.get("bos_token"),
-        eos_token=info.get("eos_token"),
-        add_bos=bool(info.get("add_bos", False)),
-    )
+    return Tokenizer.from_info(info)
 
 
-class RemoteBackend:
+class RemoteBackend(BackendBase):
     """Backend protocol over a worker connection; connects (and reads INFO) on creation."""
 
     def __init__(
@@ -236,9 +227,6 @@ class RemoteBackend:
             handle = self._handles[request_id]
         return handle
 
-    def last_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
-        return None
-
     # ------------------------------------------------------------------ execute
 
     def execute(self, batch: Batch) -> np.ndarray:
@@ -257,24 +245,7 @@ class RemoteBackend:
         )
         adds = [(h, p, s) for h, (p, s) in self._pending_adds.items()]
         removes = self._pending_removes
-        parts = wire.encode_execute(
-            k,
-            [
-                batch.input_ids,
-                batch.positions,
-                batch.slot_mapping,
-                batch.query_start_loc,
-                batch.seq_lens,
-                batch.num_computed_before,
-                batch.block_tables,
-                batch.sample_indices,
-                batch.sample_seq_indices,
-                batch.sample_max_steps,
-            ],
-            handles,
-            removes,
-            adds,
-        )
+        parts = wire.encode_execute(k, batch_arrays(batch), handles, removes, adds)
         try:
             sock.settimeout(self.timeout)
             wire.write_frame(sock, Kind.EXECUTE, parts)

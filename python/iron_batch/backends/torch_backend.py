@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from iron_batch.backends.base import BackendBase
+from iron_batch.batch import model_inputs
 from iron_batch.models.llama import LlamaModel
 from iron_batch.models.loader import ModelSource, load_model, read_gguf_fields, resolve
 from iron_batch.sampling import Logprobs, RequestState, Sampler
@@ -45,7 +47,7 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-class TorchBackend:
+class TorchBackend(BackendBase):
     """Runs each scheduler batch in one forward pass and samples one token per sample row."""
 
     def __init__(
@@ -60,8 +62,8 @@ class TorchBackend:
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.num_kv_blocks = num_kv_blocks
-        self.kv_block_size = kv_block_size
+        self.num_kv_blocks: int = num_kv_blocks
+        self.kv_block_size: int = kv_block_size
         self.max_model_len: int | None = model.config.max_position_embeddings
         self.vocab_size = model.config.vocab_size
         eos = list(model.config.eos_token_ids)
@@ -119,16 +121,7 @@ class TorchBackend:
             return np.zeros(0, dtype=np.int64)
         if batch.block_tables.size and int(batch.block_tables.max()) >= self.num_kv_blocks:
             raise ValueError("batch uses a KV block id beyond this backend's num_kv_blocks")
-        logits = self.model.forward(
-            input_ids=batch.input_ids,
-            positions=batch.positions,
-            slot_mapping=batch.slot_mapping,
-            query_start_loc=batch.query_start_loc,
-            seq_lens=batch.seq_lens,
-            num_computed_before=batch.num_computed_before,
-            block_tables=batch.block_tables,
-            sample_indices=batch.sample_indices,
-        )
+        logits = self.model.forward(**model_inputs(batch))
         states = [self._state(rid) for rid in batch.sample_request_ids]
         if not states:
             self._last_logprobs = None

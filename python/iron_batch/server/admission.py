@@ -1,9 +1,10 @@
 """Limits and backpressure shared by /generate and the OpenAI endpoints, and the drain.
 
-Every generation request passes :meth:`Admission.check` before it reaches the engine: too
-big is the client's fault (400/413, see :class:`ServerLimits`), a full queue, a failed
-engine or a server shutting down is 503 + Retry-After. A request that was accepted is never
-dropped to make room: limits only ever refuse new work.
+Every generation request passes :meth:`Admission.check_size` (too big is the client's fault:
+400) and :meth:`Admission.check_capacity` (a full queue, a failed engine or a server shutting
+down is 503 + Retry-After) before it reaches the engine. Bodies over ``max_body_bytes`` are a
+413 while they are read (:func:`iron_batch.server.asgi.read_body`). A request that was
+accepted is never dropped to make room: limits only ever refuse new work.
 
 :meth:`Admission.drain` is the graceful half of SIGTERM: no new requests, in-flight ones get
 ``timeout`` seconds to finish, then the engine aborts the rest so each client still gets a
@@ -14,13 +15,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from iron_batch.engine import Engine
-from iron_batch.server.protocol import MAX_BODY_BYTES
+from iron_batch.server.errors import ApiError, unavailable
+from iron_batch.server.fields import MAX_BODY_BYTES
+
+if TYPE_CHECKING:
+    from iron_batch.engine import Engine
 
 DEFAULT_MAX_WAITING_REQUESTS = 4096
-#: Seconds a client is told to wait when the server is full.
-RETRY_AFTER_S = 1
 #: After the drain timeout aborts what is left, how long the handlers get to write the
 #: final lines before the server closes their connections anyway.
 ABORT_GRACE_S = 5.0
@@ -37,14 +40,24 @@ class ServerLimits:
     max_waiting_tokens: int | None = None
 
 
-class Unavailable(Exception):
-    """503: the request is fine but the server cannot take it now."""
-
-    def __init__(self, message: str, code: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.status = 503
-        self.headers = {"Retry-After": str(RETRY_AFTER_S)}
+def check_size(
+    limits: ServerLimits, prompt_len: int, max_new_tokens: int | None, *, prompt_param: str,
+    new_tokens_param: str,
+) -> None:
+    """400 unless one prompt of ``prompt_len`` tokens asking for ``max_new_tokens``
+    (None: not given) is within ``limits``."""
+    if limits.max_prompt_tokens is not None and prompt_len > limits.max_prompt_tokens:
+        raise ApiError(
+            f"the prompt has {prompt_len} tokens; this server accepts at most "
+            f"{limits.max_prompt_tokens}",
+            param=prompt_param, code="context_length_exceeded",
+        )
+    cap = limits.max_new_tokens
+    if cap is not None and max_new_tokens is not None and max_new_tokens > cap:
+        raise ApiError(
+            f"{new_tokens_param} is {max_new_tokens}; this server allows at most {cap}",
+            param=new_tokens_param,
+        )
 
 
 class Admission:
@@ -57,20 +70,26 @@ class Admission:
         #: Generation handlers between submit and their last write.
         self.active = 0
 
-    def check(self, num_requests: int, num_prompt_tokens: int) -> None:
-        """Raise :class:`Unavailable` unless ``num_requests`` new engine requests with this
-        many prompt tokens in all may be queued now."""
+    def check_size(
+        self, prompt_len: int, max_new_tokens: int | None, *, prompt_param: str,
+        new_tokens_param: str,
+    ) -> None:
+        check_size(self.limits, prompt_len, max_new_tokens, prompt_param=prompt_param,
+                   new_tokens_param=new_tokens_param)
+
+    def check_capacity(self, num_requests: int, num_prompt_tokens: int) -> None:
+        """503 unless ``num_requests`` new engine requests with this many prompt tokens in
+        all may be queued now."""
         if self.draining:
-            raise Unavailable("the server is shutting down", "server_shutting_down")
+            raise unavailable("the server is shutting down", "server_shutting_down")
         engine = self.engine
         if engine.fatal_error is not None:
-            raise Unavailable(f"the engine has failed: {engine.fatal_error}", "engine_failed")
+            raise unavailable(f"the engine has failed: {engine.fatal_error}", "engine_failed")
         limits = self.limits
-        # Racy snapshots of the engine thread's state, which is fine for a soft cap: the
-        # scheduler's waiting queue as of the last step, plus what the inbox holds.
-        waiting = engine.stats.scheduler.get("waiting", 0) + len(engine._inbox)
+        # A racy snapshot of the engine thread's queue, which is fine for a soft cap.
+        waiting = engine.num_waiting_requests
         if waiting + num_requests > limits.max_waiting_requests:
-            raise Unavailable(
+            raise unavailable(
                 f"the server is full ({waiting} requests waiting); retry later",
                 "server_overloaded",
             )
@@ -79,7 +98,7 @@ class Admission:
             queued = engine.waiting_prompt_tokens
             # An empty queue takes anything (a prompt over the cap would wait forever).
             if queued > 0 and queued + num_prompt_tokens > cap:
-                raise Unavailable(
+                raise unavailable(
                     f"the server is full ({queued} prompt tokens waiting); retry later",
                     "server_overloaded",
                 )

@@ -17,8 +17,6 @@ from iron_batch.cli_args import (
     positive_int,
 )
 
-DEFAULT_TOTAL_KV_BLOCKS = 4096
-
 _DESCRIPTION = """\
 iron-batch server: continuous batching over a paged KV cache, streaming NDJSON.
 
@@ -42,6 +40,11 @@ Prompt tokens add --mock-prefill-token-latency-us each to the step that processe
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from iron_batch.backends.build import ALIASES, BACKEND_KINDS, DEFAULTS
+    from iron_batch.engine import DEFAULT_MAX_STREAM_BUFFER_EVENTS
+    from iron_batch.server.admission import DEFAULT_MAX_WAITING_REQUESTS
+    from iron_batch.server.fields import MAX_BODY_BYTES
+
     p = argparse.ArgumentParser(
         prog="python -m iron_batch.server",
         description=_DESCRIPTION,
@@ -51,14 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--addr", type=parse_addr, default="0.0.0.0:8080",
                    help="HOST:PORT to listen on (default 0.0.0.0:8080)")
     p.add_argument("--total-kv-blocks", type=positive_int, default=None,
-                   help=f"KV cache blocks in the pool (default {DEFAULT_TOTAL_KV_BLOCKS} for "
-                   "mock; torch sizes the pool from free device memory unless given)")
-    p.add_argument("--kv-block-size", type=positive_int, default=16,
-                   help="token slots per KV block (default 16)")
-    p.add_argument("--max-batch-tokens", type=positive_int, default=8192,
-                   help="token budget of one step, prefill chunks included (default 8192)")
-    p.add_argument("--max-running-seqs", type=positive_int, default=256,
-                   help="sequences in one step at most (default 256)")
+                   help=f"KV cache blocks in the pool (default {DEFAULTS.total_kv_blocks} for "
+                   "mock; torch sizes the pool from free device memory unless given; remote: "
+                   "at most the worker's)")
+    p.add_argument("--kv-block-size", type=positive_int, default=None,
+                   help=f"token slots per KV block (default {DEFAULTS.kv_block_size}; remote: "
+                   "the worker's)")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=None,
+                   help="token budget of one step, prefill chunks included (default "
+                   f"{DEFAULTS.max_batch_tokens})")
+    p.add_argument("--max-running-seqs", type=positive_int, default=None,
+                   help=f"sequences in one step at most (default {DEFAULTS.max_running_seqs})")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="disable reuse of cached KV blocks across requests")
     p.add_argument("--mock-token-latency-us", type=non_negative_float, default=200.0,
@@ -66,18 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "size (default 200)")
     p.add_argument("--mock-prefill-token-latency-us", type=non_negative_float, default=1.0,
                    help="mock: extra time per prompt token in microseconds (default 1)")
-    p.add_argument("--backend", choices=("mock", "torch", "real"), default="mock",
-                   help="mock (no weights), torch (local HF checkpoint, --model), or real "
-                   "(a `python -m iron_batch.worker` at --backend-url) (default mock)")
+    p.add_argument("--backend", choices=(*BACKEND_KINDS, *ALIASES), default="mock",
+                   help="mock (no weights), torch (local HF checkpoint, --model), or remote "
+                   "(a `python -m iron_batch.worker` at --backend-url; 'real' is an old "
+                   "alias) (default mock)")
     p.add_argument("--backend-url", default="",
-                   help="real: worker address, tcp://HOST:PORT or HOST:PORT")
+                   help="remote: worker address, tcp://HOST:PORT or HOST:PORT")
     p.add_argument("--backend-api-key", default=None,
-                   help="real: the worker's --api-key (default: this server's --api-key)")
+                   help="remote: the worker's --api-key (default: this server's --api-key)")
     p.add_argument("--backend-timeout", type=non_negative_float, default=30.0,
-                   help="real: seconds to wait for one worker call before failing its "
+                   help="remote: seconds to wait for one worker call before failing its "
                    "requests (default 30)")
     p.add_argument("--steps-per-call", type=positive_int, default=1,
-                   help="real: decode steps the worker runs per call; K > 1 amortises the "
+                   help="remote: decode steps the worker runs per call; K > 1 amortises the "
                    "network round trip, surplus tokens after a stop are discarded (default 1)")
     p.add_argument("--model", default=None,
                    help="torch: a Hugging Face-format checkpoint folder, a .gguf file, or "
@@ -95,22 +102,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("IRON_BATCH_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                    "(default: $IRON_BATCH_API_KEY; none when unset)")
-    p.add_argument("--max-waiting-requests", type=non_negative_int, default=4096,
+    p.add_argument("--max-waiting-requests", type=non_negative_int,
+                   default=DEFAULT_MAX_WAITING_REQUESTS,
                    help="/generate and /v1 answer 503 + Retry-After while this many requests "
-                   "wait for admission (default 4096)")
+                   f"wait for admission (default {DEFAULT_MAX_WAITING_REQUESTS})")
     p.add_argument("--max-waiting-tokens", type=positive_int, default=None,
                    help="503 + Retry-After while this many prompt tokens wait for their "
                    "first token (default: no limit)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=16 << 20,
-                   help="larger request bodies are a 413 (default 16777216)")
+    p.add_argument("--max-body-bytes", type=positive_int, default=MAX_BODY_BYTES,
+                   help=f"larger request bodies are a 413 (default {MAX_BODY_BYTES})")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="longer prompts are a 400 (default: what fits the KV pool / model)")
     p.add_argument("--max-new-tokens-limit", type=positive_int, default=None,
                    help="max_new_tokens / max_tokens above this is a 400; an omitted /v1 "
                    "max_tokens is clamped to it (default: what fits)")
-    p.add_argument("--max-stream-buffer-events", type=non_negative_int, default=4096,
+    p.add_argument("--max-stream-buffer-events", type=non_negative_int,
+                   default=DEFAULT_MAX_STREAM_BUFFER_EVENTS,
                    help="a client that leaves this many events unread (it stopped reading) "
-                   "has its request aborted and its KV blocks freed (default 4096; 0: never)")
+                   f"has its request aborted and its KV blocks freed (default "
+                   f"{DEFAULT_MAX_STREAM_BUFFER_EVENTS}; 0: never)")
     p.add_argument("--max-consecutive-step-failures", type=non_negative_int, default=8,
                    help="this many failed engine steps in a row (or one FatalBackendError) "
                    "is fatal: live requests get an error, /health fails, the process exits "
@@ -134,84 +144,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     """Backend and engine from parsed flags; bad combinations exit through ``parser.error``."""
-    from iron_batch._core import SchedulerConfig
+    from iron_batch.backends.build import BackendConfigError, build_backend, scheduler_config
     from iron_batch.engine import Engine
 
-    backend: Any
-    if args.backend == "real":
-        if not args.backend_url:
-            parser.error("--backend real requires --backend-url")
-        from iron_batch.backends.remote import RemoteBackend
-
-        try:
-            backend = RemoteBackend(
-                args.backend_url,
-                api_key=args.backend_api_key or args.api_key,
-                timeout=args.backend_timeout,
-                steps_per_call=args.steps_per_call,
-            )
-        except (OSError, ValueError) as exc:
-            parser.error(f"cannot use worker {args.backend_url!r}: {exc}")
-        # The worker owns the KV memory: the allocator takes its size from it.
-        if args.total_kv_blocks and args.total_kv_blocks > backend.num_kv_blocks:
-            parser.error(f"--total-kv-blocks {args.total_kv_blocks} exceeds the worker's "
-                         f"{backend.num_kv_blocks} blocks")
-        if args.kv_block_size != 16 and args.kv_block_size != backend.kv_block_size:
-            parser.error(f"--kv-block-size {args.kv_block_size} differs from the worker's "
-                         f"{backend.kv_block_size}")
-        total_kv_blocks = args.total_kv_blocks or backend.num_kv_blocks
-        kv_block_size = backend.kv_block_size
-        max_model_len = backend.max_model_len
-    elif args.backend == "torch":
-        if not args.model:
-            parser.error("--backend torch requires --model PATH")
-        # Imported lazily: the mock server must not need (or pay for) torch.
-        from iron_batch.backends.torch_backend import TorchBackend
-
-        try:
-            backend = TorchBackend.from_model(
-                args.model,
-                device=args.device or "auto",
-                dtype=args.dtype or "auto",
-                total_kv_blocks=args.total_kv_blocks,
-                kv_block_size=args.kv_block_size,
-                kv_cache_memory_gb=args.kv_cache_memory_gb or None,
-            )
-        except (OSError, ValueError) as exc:
-            parser.error(f"cannot load --model {args.model!r}: {exc}")
-        total_kv_blocks = int(backend.num_kv_blocks)
-        kv_block_size = int(backend.kv_block_size)
-        max_model_len = backend.max_model_len
-    else:
-        for flag in ("model", "device", "dtype", "kv_cache_memory_gb"):
-            if getattr(args, flag):
-                parser.error(f"--{flag} only applies to --backend torch")
-        from iron_batch.backends.mock import MockBackend
-
-        backend = MockBackend(
-            token_latency_us=args.mock_token_latency_us,
-            prefill_token_latency_us=args.mock_prefill_token_latency_us,
-        )
-        total_kv_blocks = args.total_kv_blocks or DEFAULT_TOTAL_KV_BLOCKS
-        kv_block_size = args.kv_block_size
-        max_model_len = None
     try:
-        config = SchedulerConfig(
-            total_kv_blocks=total_kv_blocks,
-            kv_block_size=kv_block_size,
+        backend = build_backend(
+            args.backend,
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            total_kv_blocks=args.total_kv_blocks,
+            kv_block_size=args.kv_block_size,
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
+            mock_token_latency_us=args.mock_token_latency_us,
+            mock_prefill_token_latency_us=args.mock_prefill_token_latency_us,
+            url=args.backend_url,
+            api_key=args.backend_api_key or args.api_key,
+            timeout=args.backend_timeout,
+            steps_per_call=args.steps_per_call,
+        )
+        config = scheduler_config(
+            backend,
+            total_kv_blocks=args.total_kv_blocks,
+            kv_block_size=args.kv_block_size,
             max_batch_tokens=args.max_batch_tokens,
             max_running_seqs=args.max_running_seqs,
             enable_prefix_caching=not args.no_prefix_caching,
-            max_model_len=max_model_len,
         )
-        return Engine(
-            backend,
-            config,
-            max_consecutive_failures=args.max_consecutive_step_failures,
-            max_stream_buffer_events=args.max_stream_buffer_events,
-        )
-    except (ValueError, OverflowError) as exc:
-        parser.error(f"invalid scheduler configuration: {exc}")
+    except BackendConfigError as exc:
+        parser.error(str(exc))
+    return Engine(
+        backend,
+        config,
+        max_consecutive_failures=args.max_consecutive_step_failures,
+        max_stream_buffer_events=args.max_stream_buffer_events,
+    )
 
 
 def uvicorn_options() -> dict[str, str]:

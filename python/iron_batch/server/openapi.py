@@ -11,18 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 from iron_batch import __version__
-from iron_batch.server.openai_protocol import MAX_CHOICES, MAX_LOGPROBS, MAX_STOP
-
-_INT64_MIN = -(1 << 63)
-_INT64_MAX = (1 << 63) - 1
+from iron_batch.server import fields
+from iron_batch.server.fields import MAX_REQUEST_ID_LEN, nullable_schema
 
 
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"anyOf": [schema, {"type": "null"}]}
+_nullable = nullable_schema
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
@@ -50,23 +47,8 @@ _FULL = {
 
 _SAMPLING: dict[str, Any] = {
     "model": _nullable({"type": "string", "description": "Served model name (optional)."}),
-    "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 100, "default": 1}),
-    "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
-    "top_k": _nullable({"type": "integer", "minimum": -1, "maximum": 1 << 20}),
-    "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
-    "seed": _nullable({"type": "integer", "minimum": _INT64_MIN, "maximum": _INT64_MAX,
-                       "description": "Choice i uses seed + i."}),
-    "stop": _nullable({"anyOf": [
-        {"type": "string"},
-        {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP},
-    ]}),
-    "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0}}),
-    "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES}),
-    "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
-    "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
-    "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 100}),
-    "ignore_eos": _nullable({"type": "boolean"}),
-    "skip_special_tokens": _nullable({"type": "boolean"}),
+    **fields.sampling_schema(nullable=True),
+    "n": _nullable(fields.N.schema()),
     "stream": _nullable({"type": "boolean"}),
     "stream_options": _nullable({
         "type": "object",
@@ -74,11 +56,10 @@ _SAMPLING: dict[str, Any] = {
         "description": "Only with stream: true.",
     }),
     "user": _nullable({"type": "string"}),
-    "max_tokens": _nullable({
-        "type": "integer", "minimum": 0, "maximum": _INT64_MAX,
-        "description": "Clamped to what fits the model context and the KV pool.",
-    }),
+    "max_tokens": _nullable(fields.MAX_TOKENS_FIELD.schema()),
 }
+# OpenAI's default temperature is 1 (/generate's is greedy).
+_SAMPLING["temperature"] = _nullable({**fields.TEMPERATURE.schema(), "default": 1})
 
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
@@ -131,10 +112,9 @@ _SCHEMAS: dict[str, Any] = {
                 _TOKEN_IDS,
                 {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
             ]},
-            "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+            "logprobs": _nullable(fields.LOGPROBS.schema()),
             "echo": _nullable({"type": "boolean"}),
-            "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
-                                  "description": "Must equal n."}),
+            "best_of": _nullable(fields.BEST_OF.schema()),
         },
         "required": ["prompt"],
     },
@@ -160,11 +140,9 @@ _SCHEMAS: dict[str, Any] = {
         "properties": {
             **_SAMPLING,
             "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
-            "max_completion_tokens": _SAMPLING["max_tokens"],
+            "max_completion_tokens": _nullable(fields.MAX_COMPLETION_TOKENS.schema()),
             "logprobs": _nullable({"type": "boolean"}),
-            "top_logprobs": _nullable({"type": "integer", "minimum": 0,
-                                       "maximum": MAX_LOGPROBS,
-                                       "description": "Needs logprobs: true."}),
+            "top_logprobs": _nullable(fields.TOP_LOGPROBS.schema()),
             "add_generation_prompt": _nullable({"type": "boolean"}),
         },
         "required": ["messages"],
@@ -250,25 +228,12 @@ _SCHEMAS: dict[str, Any] = {
         "description": "Exactly one of prompt_tokens, prompt_token_ids, prompt. Unknown "
         "fields are rejected.",
         "properties": {
-            "prompt_tokens": {"type": "integer", "minimum": 1, "maximum": 1 << 20},
+            "prompt_tokens": fields.PROMPT_TOKENS.schema(),
             "prompt_token_ids": _TOKEN_IDS,
             "prompt": {"type": "string", "minLength": 1},
-            "max_new_tokens": {"type": "integer", "minimum": 0, "maximum": 1 << 20,
-                               "default": 16},
-            "request_id": {"type": "string", "minLength": 1, "maxLength": 256},
-            "temperature": {"type": "number", "minimum": 0, "maximum": 100},
-            "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-            "top_k": {"type": "integer", "minimum": -1, "maximum": 1 << 20},
-            "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-            "seed": {"type": "integer", "minimum": 0, "maximum": _INT64_MAX},
-            "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
-            "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-            "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-            "stop": {"anyOf": [{"type": "string", "minLength": 1}, {
-                "type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]},
-            "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-            "ignore_eos": {"type": "boolean"},
-            "skip_special_tokens": {"type": "boolean"},
+            "max_new_tokens": fields.MAX_NEW_TOKENS.schema(),
+            "request_id": {"type": "string", "minLength": 1, "maxLength": MAX_REQUEST_ID_LEN},
+            **fields.sampling_schema(nullable=False),
         },
         "additionalProperties": False,
     },

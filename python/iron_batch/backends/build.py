@@ -1,0 +1,118 @@
+"""Backend construction and the scheduler configuration that matches it, for the server
+CLI, the worker and the offline :class:`iron_batch.llm.LLM` alike.
+
+Scheduler defaults are the Rust core's (``SchedulerConfig()``); nothing here restates them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from iron_batch._core import SchedulerConfig
+from iron_batch.backends.base import Backend
+
+#: Backend kinds; ``real`` is the old name of ``remote``.
+BACKEND_KINDS = ("mock", "torch", "remote")
+ALIASES = {"real": "remote"}
+_TORCH_ONLY = ("model", "device", "dtype", "kv_cache_memory_gb")
+
+#: The Rust core's scheduler defaults.
+DEFAULTS = SchedulerConfig()
+
+
+class BackendConfigError(ValueError):
+    """A bad combination of options, or a backend that cannot be built from them; the
+    message names the option (CLIs print it as a usage error)."""
+
+
+def build_backend(
+    kind: str,
+    *,
+    model: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    total_kv_blocks: int | None = None,
+    kv_block_size: int | None = None,
+    kv_cache_memory_gb: float | None = None,
+    mock_token_latency_us: float = 200.0,
+    mock_prefill_token_latency_us: float = 1.0,
+    url: str | None = None,
+    api_key: str | None = None,
+    timeout: float = 30.0,
+    steps_per_call: int = 1,
+) -> Backend:
+    """The backend of ``kind`` (mock, torch, remote; real = remote)."""
+    kind = ALIASES.get(kind, kind)
+    if kind != "torch":
+        given = {"model": model, "device": device, "dtype": dtype,
+                 "kv_cache_memory_gb": kv_cache_memory_gb}
+        for name in _TORCH_ONLY:
+            if given[name]:
+                raise BackendConfigError(f"--{name.replace('_', '-')} only applies to "
+                                         "--backend torch")
+    if kind == "mock":
+        from iron_batch.backends.mock import MockBackend
+
+        return MockBackend(
+            token_latency_us=mock_token_latency_us,
+            prefill_token_latency_us=mock_prefill_token_latency_us,
+        )
+    if kind == "torch":
+        if not model:
+            raise BackendConfigError("--backend torch requires --model PATH")
+        # Imported lazily: the mock server must not need (or pay for) torch.
+        from iron_batch.backends.torch_backend import TorchBackend
+
+        try:
+            return TorchBackend.from_model(
+                model,
+                device=device or "auto",
+                dtype=dtype or "auto",
+                total_kv_blocks=total_kv_blocks,
+                kv_block_size=kv_block_size or DEFAULTS.kv_block_size,
+                kv_cache_memory_gb=kv_cache_memory_gb or None,
+            )
+        except (OSError, ValueError) as exc:
+            raise BackendConfigError(f"cannot load --model {model!r}: {exc}") from exc
+    if kind == "remote":
+        if not url:
+            raise BackendConfigError(f"--backend {kind} requires --backend-url")
+        from iron_batch.backends.remote import RemoteBackend
+
+        try:
+            return RemoteBackend(url, api_key=api_key, timeout=timeout,
+                                 steps_per_call=steps_per_call)
+        except (OSError, ValueError) as exc:
+            raise BackendConfigError(f"cannot use worker {url!r}: {exc}") from exc
+    raise BackendConfigError(f"unknown backend {kind!r} (one of {', '.join(BACKEND_KINDS)})")
+
+
+def scheduler_config(
+    backend: Backend,
+    *,
+    total_kv_blocks: int | None = None,
+    kv_block_size: int | None = None,
+    **options: Any,
+) -> SchedulerConfig:
+    """A scheduler configuration that fits ``backend``: a backend that owns KV storage
+    (torch, remote) decides the pool's geometry, and the arguments may only use less of it;
+    otherwise the arguments do, with the core's defaults. ``options``: the other
+    ``SchedulerConfig`` fields (max_batch_tokens, max_running_seqs, enable_prefix_caching).
+    """
+    own_blocks = backend.num_kv_blocks
+    own_size = backend.kv_block_size
+    if own_blocks is not None and total_kv_blocks is not None and total_kv_blocks > own_blocks:
+        raise BackendConfigError(f"--total-kv-blocks {total_kv_blocks} exceeds the backend's "
+                                 f"{own_blocks} blocks")
+    if own_size is not None and kv_block_size is not None and kv_block_size != own_size:
+        raise BackendConfigError(f"--kv-block-size {kv_block_size} differs from the "
+                                 f"backend's {own_size}")
+    try:
+        return SchedulerConfig(
+            total_kv_blocks=int(total_kv_blocks or own_blocks or DEFAULTS.total_kv_blocks),
+            kv_block_size=int(own_size or kv_block_size or DEFAULTS.kv_block_size),
+            max_model_len=backend.max_model_len,
+            **{k: v for k, v in options.items() if v is not None},
+        )
+    except (ValueError, OverflowError) as exc:
+        raise BackendConfigError(f"invalid scheduler configuration: {exc}") from exc

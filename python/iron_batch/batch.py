@@ -1,0 +1,77 @@
+"""The arrays of a scheduler batch: one table for the wire codec, the worker and the torch
+backend, so a field is added or renamed in one place.
+
+``_core.Batch`` (the scheduler's batch) has each field as a numpy attribute; a worker
+rebuilds the same attributes from a received frame as an :class:`ArrayBatch`. The torch
+model's forward takes the fields marked ``model_input`` as keyword arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+I32 = np.dtype("<i4")
+I64 = np.dtype("<i8")
+
+
+@dataclass(frozen=True)
+class BatchField:
+    name: str
+    dtype: np.dtype[Any]
+    #: Passed to the model's forward (the rest only matter to the scheduler and the worker).
+    model_input: bool
+    ndim: int = 1
+
+
+#: T tokens, S sequences, B block-table columns, N sample rows.
+BATCH_FIELDS: tuple[BatchField, ...] = (
+    BatchField("input_ids", I64, True),  # [T]
+    BatchField("positions", I64, True),  # [T]
+    BatchField("slot_mapping", I64, True),  # [T]
+    BatchField("query_start_loc", I32, True),  # [S + 1]
+    BatchField("seq_lens", I32, True),  # [S]
+    BatchField("num_computed_before", I32, True),  # [S]
+    BatchField("block_tables", I32, True, ndim=2),  # [S, B]
+    BatchField("sample_indices", I64, True),  # [N] token row of each sample
+    BatchField("sample_seq_indices", I64, False),  # [N] sequence of each sample
+    BatchField("sample_max_steps", I32, False),  # [N] decode steps it may take (lookahead)
+)
+BATCH_FIELD_NAMES = tuple(f.name for f in BATCH_FIELDS)
+MODEL_INPUTS = tuple(f.name for f in BATCH_FIELDS if f.model_input)
+
+
+def batch_arrays(batch: Any) -> list[np.ndarray]:
+    """The batch's arrays in :data:`BATCH_FIELDS` order."""
+    return [getattr(batch, name) for name in BATCH_FIELD_NAMES]
+
+
+def model_inputs(batch: Any) -> dict[str, np.ndarray]:
+    """The keyword arguments of the model's forward for ``batch``."""
+    return {name: getattr(batch, name) for name in MODEL_INPUTS}
+
+
+class ArrayBatch:
+    """The attributes of ``_core.Batch`` that backends read, from plain arrays (the worker
+    builds one per received frame and per lookahead step)."""
+
+    def __init__(self, sample_request_ids: list[str], **arrays: np.ndarray) -> None:
+        missing = set(MODEL_INPUTS) - set(arrays)
+        if missing:
+            raise TypeError(f"ArrayBatch lacks {', '.join(sorted(missing))}")
+        self.__dict__.update(arrays)
+        self.sample_request_ids = sample_request_ids
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.sample_indices.shape[0])
