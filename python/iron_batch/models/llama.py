@@ -119,6 +119,7 @@ class LlamaModel:
         self.kv_size = c.num_kv_heads * c.head_dim
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.config
@@ -127,6 +128,19 @@ class LlamaModel:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)
         ]
         self.block_size = block_size
+
+    def _cos_sin(
+        self, pos: torch.Tensor, positions: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary cos/sin rows of these positions from a table computed once (grown by
+        doubling): the same values rope_cos_sin gives, without a sin and a cos per step."""
+        need = int(positions.max()) + 1 if len(positions) else 1
+        if self._rope_table is None or self._rope_table[0].shape[0] < need:
+            size = max(need, 256, 2 * (0 if self._rope_table is None else len(self._rope_table[0])))
+            every = torch.arange(size, device=self.device)
+            self._rope_table = rope_cos_sin(every, self.inv_freq, self.dtype)
+        cos, sin = self._rope_table
+        return cos[pos], sin[pos]
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         c = self.config
@@ -194,7 +208,7 @@ class LlamaModel:
             dtype=self.dtype,
             use_cpu_kernel=cpu_attention.kernel_enabled(dev, self.dtype),
         )
-        cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
+        cos, sin = self._cos_sin(pos, positions)
         eps = c.rms_norm_eps
         n = ids.shape[0]
         # CPU: RMSNorm (+ the residual add before it) as one Rust call, and for decode-only
@@ -247,8 +261,13 @@ class LlamaModel:
             else:
                 h = h + o
                 x = _rms_norm(h, layer.post_norm, eps)
-            gate, up = lin(x, layer, "gate_up").chunk(2, dim=-1)
-            mlp = lin(F.silu(gate) * up, layer, "down")
+            gate_up = lin(x, layer, "gate_up")
+            if fused:
+                act = cpu_fused.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            mlp = lin(act, layer, "down")
             if fused and i + 1 < len(layers):
                 x = cpu_fused.add_rms_norm_(h, mlp, layers[i + 1].input_norm, eps)  # h += mlp
             else:

@@ -194,3 +194,98 @@ pub fn rope_store_kv<T: Element>(
     }
     Ok(())
 }
+
+/// `out = silu(gate) * up` over the fused projection `gate_up` `[rows, 2 * inter]` (gate
+/// columns first), into `out` `[rows, inter]`. Like torch: silu in f32 rounded to T, then
+/// the product rounded to T.
+pub fn silu_mul<T: Element>(
+    out: &mut [T],
+    gate_up: &[T],
+    rows: usize,
+    inter: usize,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
+    if out.len() != rows * inter || gate_up.len() != 2 * rows * inter {
+        return Err(KernelError(format!(
+            "silu_mul: out {} / gate_up {} elements for {rows} rows of {inter}",
+            out.len(),
+            gate_up.len()
+        )));
+    }
+    let out_addr = out.as_mut_ptr() as usize;
+    let parts = split_rows(rows, inter, threads);
+    for_row_ranges(rows, parts, parallel, &|lo, hi| {
+        // SAFETY: row ranges are disjoint, so these sub-slices are too.
+        let out = unsafe {
+            std::slice::from_raw_parts_mut((out_addr as *mut T).add(lo * inter), (hi - lo) * inter)
+        };
+        let mut g = vec![0f32; inter];
+        for (r, o) in out.chunks_exact_mut(inter).enumerate() {
+            let row = &gate_up[(lo + r) * 2 * inter..(lo + r + 1) * 2 * inter];
+            let (gate, up) = row.split_at(inter);
+            for (v, x) in g.iter_mut().zip(gate) {
+                let x = x.to_f32();
+                *v = x / (1.0 + exp_f32(-x));
+            }
+            for ((o, s), u) in o.iter_mut().zip(&g).zip(up) {
+                *o = T::from_f32(T::from_f32(*s).to_f32() * u.to_f32());
+            }
+        }
+    });
+    Ok(())
+}
+
+/// e^x in f32 within a few ulp, branch-free so loops over it vectorize: +inf above 88.7,
+/// 0 below -87.3 (see `attention::exp_nonpositive` for the method).
+#[inline(always)]
+pub(crate) fn exp_f32(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const ROUND: f32 = 12_582_912.0;
+    let big = x > 88.72;
+    let small = x < -87.33;
+    let x = x.clamp(-87.33, 88.72);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = 1.0 / 5040.0;
+    let p = p * r + 1.0 / 720.0;
+    let p = p * r + 1.0 / 120.0;
+    let p = p * r + 1.0 / 24.0;
+    let p = p * r + 1.0 / 6.0;
+    let p = p * r + 0.5;
+    let p = p * r + 1.0;
+    let p = p * r + 1.0;
+    // 2^n in two halves, so n = 128 (x near 88.7) does not overflow the exponent field.
+    let half = (n * 0.5 + ROUND) - ROUND;
+    let s1 = f32::from_bits(((half as i32 + 127) as u32) << 23);
+    let s2 = f32::from_bits((((n - half) as i32 + 127) as u32) << 23);
+    let v = p * s1 * s2;
+    if big {
+        f32::INFINITY
+    } else if small {
+        0.0
+    } else {
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exp_f32;
+
+    #[test]
+    fn exp_matches_std_over_the_whole_range() {
+        let mut x = -87.0f32;
+        while x < 88.5 {
+            let (got, want) = (exp_f32(x), x.exp());
+            let ulps = (got.to_bits() as i64 - want.to_bits() as i64).abs();
+            assert!(ulps <= 3, "exp({x}) = {got}, std says {want} ({ulps} ulp)");
+            x += 0.0173;
+        }
+        assert_eq!(exp_f32(0.0), 1.0);
+        assert_eq!(exp_f32(100.0), f32::INFINITY);
+        assert_eq!(exp_f32(-100.0), 0.0);
+    }
+}
