@@ -106,22 +106,3 @@ def test_prepacked_linear_equals_f_linear() -> None:
         x = torch.randn(rows, 576, generator=g).bfloat16()
         assert torch.equal(cpu_fused.packed_linear(x, packed, b), F.linear(x, w, b))
 
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 64, 900])
-def test_silu_mul_matches_the_torch_chain(dtype: torch.dtype, rows: int) -> None:
-    g = torch.Generator().manual_seed(rows)
-    gate_up = (torch.randn(rows, 2 * 1536, generator=g) * 4).to(dtype)
-    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).to(dtype)  # far tails, zeros
-    gate, up = gate_up.chunk(2, dim=-1)
-    want = F.silu(gate) * up
-    got = cpu_fused.silu_mul(gate_up)
-    if dtype == torch.bfloat16:
-        # Same roundings as torch; its exp and ours may differ in the last f32 bit, which
-        # can move a bf16 rounding by one unit in rare cases.
-        diff = (got.float() - want.float()).abs()
-        ulp = want.float().abs() * 2**-7 + 1e-30
-        assert bool((diff <= ulp).all())
-        assert (diff > 0).float().mean() < 0.01
-    else:
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

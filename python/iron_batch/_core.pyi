@@ -237,16 +237,3 @@ def _gemv_bf16(
 ) -> None:
     """``out = x @ weight.T (+ bias)`` for 1-2 bf16 rows over raw CPU tensor addresses;
     call it through ``iron_batch.models.cpu_fused.linear``."""
-
-def _silu_mul(
-    out: int,
-    gate_up: int,
-    *,
-    rows: int,
-    inter: int,
-    bf16: bool,
-    threads: int,
-    openmp: tuple[int, int, int] | None = None,
-) -> None:
-    """``silu(gate) * up`` over raw CPU tensor addresses; call it through
-    ``iron_batch.models.cpu_fused.silu_mul``."""

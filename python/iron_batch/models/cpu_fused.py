@@ -20,16 +20,10 @@ from iron_batch.models.cpu_attention import _openmp_entry_points, kernel_enabled
 _RMS = getattr(_core, "_add_rms_norm", None)
 _ROPE = getattr(_core, "_rope_store_kv", None)
 _GEMV = getattr(_core, "_gemv_bf16", None)
-_SILU_MUL = getattr(_core, "_silu_mul", None)
 
 
 def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        _RMS is not None
-        and _ROPE is not None
-        and _SILU_MUL is not None
-        and kernel_enabled(device, dtype)
-    )
+    return _RMS is not None and _ROPE is not None and kernel_enabled(device, dtype)
 
 
 def _check(*tensors: torch.Tensor) -> None:
@@ -154,18 +148,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     )
     return out
 
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of the fused projection [rows, 2 * inter] (gate first), in one
-    pass: torch's chunk + silu + mul reads strided halves and writes an intermediate."""
-    _check(gate_up)
-    rows, width = gate_up.shape
-    if width % 2:
-        raise ValueError("silu_mul: gate_up must have an even number of columns")
-    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-    _SILU_MUL(
-        out.data_ptr(), gate_up.data_ptr(), rows=rows, inter=width // 2,
-        bf16=gate_up.dtype == torch.bfloat16, threads=torch.get_num_threads(),
-        openmp=_openmp_entry_points(),
-    )
-    return out

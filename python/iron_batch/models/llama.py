@@ -261,13 +261,8 @@ class LlamaModel:
             else:
                 h = h + o
                 x = _rms_norm(h, layer.post_norm, eps)
-            gate_up = lin(x, layer, "gate_up")
-            if fused:
-                act = cpu_fused.silu_mul(gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
-            mlp = lin(act, layer, "down")
+            gate, up = lin(x, layer, "gate_up").chunk(2, dim=-1)
+            mlp = lin(F.silu(gate) * up, layer, "down")
             if fused and i + 1 < len(layers):
                 x = cpu_fused.add_rms_norm_(h, mlp, layers[i + 1].input_norm, eps)  # h += mlp
             else:

@@ -7,8 +7,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use iron_batch_kernels::{
-    add_rms_norm, gemv_bf16, paged_decode_attention, rope_store_kv, silu_mul, Bf16, DecodeShape,
-    Element, Parallel, ScopedThreads,
+    add_rms_norm, gemv_bf16, paged_decode_attention, rope_store_kv, Bf16, DecodeShape, Element,
+    Parallel, ScopedThreads,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -388,58 +388,6 @@ pub fn _gemv_bf16(
     if omp.is_some_and(|o| o.panicked.load(Ordering::Relaxed)) {
         return Err(PyRuntimeError::new_err(
             "gemv kernel panicked on an OpenMP thread",
-        ));
-    }
-    result.map_err(|e| PyValueError::new_err(e.0))
-}
-
-/// `out = silu(gate) * up` from the fused `gate_up` rows.
-#[pyfunction]
-#[pyo3(signature = (out, gate_up, *, rows, inter, bf16, threads, openmp=None))]
-#[allow(clippy::too_many_arguments)]
-pub fn _silu_mul(
-    py: Python<'_>,
-    out: usize,
-    gate_up: usize,
-    rows: usize,
-    inter: usize,
-    bf16: bool,
-    threads: usize,
-    openmp: Option<(usize, usize, usize)>,
-) -> PyResult<()> {
-    fn go<T: Element>(
-        out: usize,
-        gate_up: usize,
-        rows: usize,
-        inter: usize,
-        threads: usize,
-        omp: Option<&OpenMp>,
-    ) -> Result<(), iron_batch_kernels::KernelError> {
-        // SAFETY: see `slice`.
-        let (out, gate_up) = unsafe {
-            (
-                slice_mut::<T>(out, rows * inter),
-                slice::<T>(gate_up, 2 * rows * inter),
-            )
-        };
-        let parallel: &dyn Parallel = match omp {
-            Some(o) => o,
-            None => &ScopedThreads,
-        };
-        silu_mul(out, gate_up, rows, inter, threads, parallel)
-    }
-    let omp = openmp_runner(openmp);
-    let omp_ref = omp.as_ref();
-    let result = py.detach(|| {
-        if bf16 {
-            go::<Bf16>(out, gate_up, rows, inter, threads, omp_ref)
-        } else {
-            go::<f32>(out, gate_up, rows, inter, threads, omp_ref)
-        }
-    });
-    if omp.is_some_and(|o| o.panicked.load(Ordering::Relaxed)) {
-        return Err(PyRuntimeError::new_err(
-            "silu_mul kernel panicked on an OpenMP thread",
         ));
     }
     result.map_err(|e| PyValueError::new_err(e.0))

@@ -21,6 +21,5 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::_add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_rope_store_kv, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_gemv_bf16, m)?)?;
-    m.add_function(wrap_pyfunction!(kernels::_silu_mul, m)?)?;
     Ok(())
 }

@@ -8,5 +8,5 @@ mod gemv;
 
 pub use attention::{paged_decode_attention, DecodeShape, KernelError, Parallel, ScopedThreads};
 pub use element::{Bf16, Element};
-pub use elementwise::{add_rms_norm, rope_store_kv, silu_mul};
+pub use elementwise::{add_rms_norm, rope_store_kv};
 pub use gemv::gemv_bf16;
