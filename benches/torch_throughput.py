@@ -267,7 +267,7 @@ def prefix_cache_run(model: str, dtype: str, caching: bool, n: int = 64) -> dict
         "tok_s": tokens / elapsed,
         "ttft_p50_ms": statistics.median(ttft) * 1e3,
         "ttft_p99_ms": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] * 1e3,
-        "prefix_cache_hit_tokens": stats["prefix_cache_hits"],
+        "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"],
     }
 
 

@@ -145,7 +145,7 @@ class Scheduler:
     def num_free_blocks(self) -> int: ...
     def stats(self) -> dict[str, int]:
         """Counters: total_blocks, free_blocks, used_blocks, cached_blocks, running, waiting,
-        preemptions, prefix_cache_queries, prefix_cache_hits (tokens), prefix_cache_query_tokens,
+        preemptions, prefix_cache_queries, prefix_cache_hit_tokens, prefix_cache_query_tokens,
         requests_added, requests_finished, requests_aborted."""
     def check_invariants(self) -> None:
         """Raise AllocatorError if any internal invariant is broken (for tests)."""

@@ -16,13 +16,7 @@ import torch.nn.functional as F
 
 from iron_batch.models import cpu_attention, cpu_fused
 from iron_batch.models.config import ModelConfig
-from iron_batch.models.paged_attention import (
-    _FLASH_PAGE_MULTIPLE,
-    AttentionPlan,
-    flash_attn_varlen_func,
-    paged_attention,
-    write_kv,
-)
+from iron_batch.models.paged_attention import AttentionPlan, paged_attention, write_kv
 from iron_batch.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -147,15 +141,6 @@ class LlamaModel:
         per_token = 2 * c.num_kv_heads * c.head_dim * c.num_layers
         return per_token * block_size * torch.empty((), dtype=self.dtype).element_size()
 
-    def _use_flash(self) -> bool:
-        return (
-            flash_attn_varlen_func is not None
-            and self.device.type == "cuda"
-            and self.dtype in (torch.float16, torch.bfloat16)
-            and self.block_size % _FLASH_PAGE_MULTIPLE == 0
-            and self.config.sliding_window is None
-        )
-
     @torch.inference_mode()
     def forward(self, **batch: np.ndarray) -> torch.Tensor:
         """Float32 logits [len(sample_indices), vocab] for one flattened batch."""
@@ -204,7 +189,6 @@ class LlamaModel:
             group=c.num_heads // c.num_kv_heads,
             sliding_window=c.sliding_window,
             device=dev,
-            use_flash=self._use_flash(),
             dtype=self.dtype,
             use_cpu_kernel=cpu_attention.kernel_enabled(dev, self.dtype),
         )

@@ -15,14 +15,6 @@ import torch.nn.functional as F
 
 from iron_batch.models import cpu_attention
 
-try:  # Paged CUDA kernel; optional.
-    from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
-except Exception:  # noqa: BLE001 - any import failure just means "not available"
-    flash_attn_varlen_func = None
-
-# flash-attn's paged mode needs pages that are a multiple of 256 tokens.
-_FLASH_PAGE_MULTIPLE = 256
-
 
 @dataclass
 class _Prefill:
@@ -57,15 +49,6 @@ class _Decodes:
     sliding_window: int | None = None
 
 
-@dataclass
-class _Flash:
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
-    max_k: int
-    block_table: torch.Tensor
-
-
 class AttentionPlan:
     """Per-forward batch layout, shared by all layers."""
 
@@ -81,7 +64,6 @@ class AttentionPlan:
         group: int,
         sliding_window: int | None,
         device: torch.device,
-        use_flash: bool,
         dtype: torch.dtype = torch.float32,
         use_cpu_kernel: bool = False,
     ) -> None:
@@ -90,18 +72,7 @@ class AttentionPlan:
         self.prefills: list[_Prefill] = []
         self.fresh: _FreshPrefills | None = None
         self.decodes: _Decodes | None = None
-        self.flash: _Flash | None = None
         q_lens = np.diff(query_start_loc)
-        if use_flash:
-            self.flash = _Flash(
-                cu_q=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
-                cu_k=torch.from_numpy(np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32))
-                .to(device),
-                max_q=int(q_lens.max(initial=0)),
-                max_k=int(seq_lens.max(initial=0)),
-                block_table=torch.from_numpy(block_tables.astype(np.int32)).to(device),
-            )
-            return
         tables = torch.from_numpy(block_tables.astype(np.int64))
         offsets = torch.arange(block_size, dtype=torch.int64)
         decode_seqs = np.nonzero(q_lens == 1)[0]
@@ -214,13 +185,6 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = cache.shape[-2]
     group = num_heads // kv_heads
-    if plan.flash is not None:
-        f = plan.flash
-        out = flash_attn_varlen_func(
-            q, cache[0], cache[1], f.cu_q, f.cu_k, f.max_q, f.max_k,
-            softmax_scale=scale, causal=True, block_table=f.block_table,
-        )
-        return out.reshape(num_tokens, num_heads * head_dim)
     flat = cache.view(2, -1, kv_heads, head_dim)
     d = plan.decodes
     fresh = plan.fresh

@@ -34,7 +34,7 @@ def metrics_json(stats: EngineStats) -> dict[str, Any]:
     sched = stats.scheduler
     elapsed = stats.elapsed_secs
     query_tokens = sched.get("prefix_cache_query_tokens", 0)
-    hits = sched.get("prefix_cache_hits", 0)
+    hits = sched.get("prefix_cache_hit_tokens", 0)
     return {
         "elapsed_secs": round(elapsed, 3),
         "tokens_generated": stats.tokens_generated,

@@ -309,7 +309,7 @@ impl Scheduler {
         d.set_item("preemptions", s.preemptions)?;
         d.set_item("prefix_cache_queries", s.prefix_cache_queries)?;
         d.set_item("prefix_cache_query_tokens", s.prefix_cache_query_tokens)?;
-        d.set_item("prefix_cache_hits", s.prefix_cache_hit_tokens)?;
+        d.set_item("prefix_cache_hit_tokens", s.prefix_cache_hit_tokens)?;
         d.set_item("requests_added", s.requests_added)?;
         d.set_item("requests_finished", s.requests_finished)?;
         d.set_item("requests_aborted", s.requests_aborted)?;
