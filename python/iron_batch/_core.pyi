@@ -130,8 +130,9 @@ class Scheduler:
         no token."""
     def abort(self, request_id: str) -> bool:
         """Free everything the request holds; False if it is not live (already ended)."""
-    def finish(self, request_id: str, reason: str = "stop") -> bool:
-        """End a live request from outside (e.g. a stop string matched); frees its blocks."""
+    def finish(self, request_id: str) -> bool:
+        """End a live request from outside (its caller says why, e.g. a stop string
+        matched): frees its blocks and emits no event."""
     def has_work(self) -> bool: ...
     def is_live(self, request_id: str) -> bool: ...
     def output_token_ids(self, request_id: str) -> list[int]: ...

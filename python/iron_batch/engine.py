@@ -490,7 +490,7 @@ class Engine:
                     if not finished:
                         # The scheduler only knows token ids; a stop string is ours to
                         # enforce, from this thread, before the next schedule().
-                        self.scheduler.finish(request_id, "stop")
+                        self.scheduler.finish(request_id)
                         finished = True
                     reason = "stop"
             event = TokenEvent(request_id, index, token_id, text, finished, reason)

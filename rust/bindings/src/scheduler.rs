@@ -242,14 +242,10 @@ impl Scheduler {
         self.lock().core.abort(request_id)
     }
 
-    #[pyo3(signature = (request_id, reason = "stop"))]
-    fn finish(&self, request_id: &str, reason: &str) -> PyResult<bool> {
-        if reason != "stop" && reason != "length" {
-            return Err(pyo3::exceptions::PyValueError::new_err(
-                "reason must be 'stop' or 'length'",
-            ));
-        }
-        Ok(self.lock().core.finish(request_id))
+    /// End a live request now (its caller reports why, e.g. a stop string matched):
+    /// its blocks are freed and no event is emitted for it.
+    fn finish(&self, request_id: &str) -> bool {
+        self.lock().core.finish(request_id)
     }
 
     fn has_work(&self) -> bool {
