@@ -35,12 +35,11 @@ impl Element for Bf16 {
     /// Round to nearest, ties to even (what torch does); NaN stays NaN.
     #[inline(always)]
     fn from_f32(value: f32) -> Self {
+        // Both results, then a select: no branch, so loops over it vectorize.
         let bits = value.to_bits();
-        if value.is_nan() {
-            return Bf16(((bits >> 16) as u16) | 0x0040);
-        }
-        let rounding = 0x7fff + ((bits >> 16) & 1);
-        Bf16((bits.wrapping_add(rounding) >> 16) as u16)
+        let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
+        let quiet_nan = ((bits >> 16) as u16) | 0x0040;
+        Bf16(if value.is_nan() { quiet_nan } else { rounded })
     }
 }
 

@@ -5,6 +5,38 @@
 use crate::attention::{KernelError, Parallel};
 use crate::element::Element;
 
+/// Defines `$name`, which runs `$body` (a plain-Rust function marked `#[inline(always)]`)
+/// compiled for AVX-512 when the CPU has it, so that its plain loops vectorize 16 wide,
+/// and as built for the baseline target otherwise.
+macro_rules! simd_dispatch {
+    ($name:ident, $body:ident, ($($arg:ident: $ty:ty),*)) => {
+        #[allow(clippy::too_many_arguments)]
+        fn $name<T: Element>($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn wide<T: Element>($($arg: $ty),*) {
+                    $body::<T>($($arg),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+                {
+                    // SAFETY: the CPU has the features `wide` is compiled for.
+                    unsafe { wide::<T>($($arg),*) };
+                    return;
+                }
+            }
+            $body::<T>($($arg),*)
+        }
+    };
+}
+
+simd_dispatch!(norm_rows_dispatch, norm_rows, (
+    out: &mut [T], res: &mut [T], delta: Option<&[T]>, weight: &[T], eps: f32
+));
+
 /// Rows per part below which splitting a call across threads costs more than it saves.
 const MIN_ELEMENTS_PER_PART: usize = 32 * 1024;
 
@@ -67,11 +99,12 @@ pub fn add_rms_norm<T: Element>(
             )
         };
         let delta = delta.map(|d| &d[lo * dim..hi * dim]);
-        norm_rows(out, res, delta, weight, eps);
+        norm_rows_dispatch(out, res, delta, weight, eps);
     });
     Ok(())
 }
 
+#[inline(always)]
 fn norm_rows<T: Element>(
     out: &mut [T],
     res: &mut [T],
@@ -161,17 +194,52 @@ pub fn rope_store_kv<T: Element>(
             "rope_store_kv: slot {bad} outside 0..{num_slots}"
         )));
     }
+    rope_tokens_dispatch(
+        q_out, k_cache, v_cache, qkv, cos, sin, slots, heads, kv_heads, head_dim,
+    );
+    Ok(())
+}
+
+simd_dispatch!(rope_tokens_dispatch, rope_tokens, (
+    q_out: &mut [T], k_cache: &mut [T], v_cache: &mut [T], qkv: &[T], cos: &[T], sin: &[T],
+    slots: &[i64], heads: usize, kv_heads: usize, head_dim: usize
+));
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn rope_tokens<T: Element>(
+    q_out: &mut [T],
+    k_cache: &mut [T],
+    v_cache: &mut [T],
+    qkv: &[T],
+    cos: &[T],
+    sin: &[T],
+    slots: &[i64],
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) {
+    let tokens = slots.len();
+    let width = (heads + 2 * kv_heads) * head_dim;
+    let kv_row = kv_heads * head_dim;
     let half = head_dim / 2;
+    // Straight loops over the two halves (no per-element branch), so they vectorize:
+    // first half x1 * cos - x2 * sin, second half x2 * cos + x1 * sin.
     let rotate = |dst: &mut [T], x: &[T], c: &[T], s: &[T]| {
-        for i in 0..head_dim {
-            let rot = if i < half {
-                -x[i + half].to_f32()
-            } else {
-                x[i - half].to_f32()
-            };
-            let a = T::from_f32(x[i].to_f32() * c[i].to_f32()).to_f32();
-            let b = T::from_f32(rot * s[i].to_f32()).to_f32();
-            dst[i] = T::from_f32(a + b);
+        let round = |v: f32| T::from_f32(v).to_f32();
+        let (x1, x2) = x.split_at(half);
+        let (c1, c2) = c.split_at(half);
+        let (s1, s2) = s.split_at(half);
+        let (d1, d2) = dst.split_at_mut(half);
+        for i in 0..half {
+            let a = round(x1[i].to_f32() * c1[i].to_f32());
+            let b = round(-x2[i].to_f32() * s1[i].to_f32());
+            d1[i] = T::from_f32(a + b);
+        }
+        for i in 0..half {
+            let a = round(x2[i].to_f32() * c2[i].to_f32());
+            let b = round(x1[i].to_f32() * s2[i].to_f32());
+            d2[i] = T::from_f32(a + b);
         }
     };
     for t in 0..tokens {
@@ -192,5 +260,4 @@ pub fn rope_store_kv<T: Element>(
         let v_src = &row[(heads + kv_heads) * head_dim..];
         v_cache[slot * kv_row..(slot + 1) * kv_row].copy_from_slice(v_src);
     }
-    Ok(())
 }
