@@ -132,21 +132,19 @@ pub fn paged_decode_attention<T: Element>(
         shape: s,
         scale,
     };
-    // Work is split by sequence (all heads of a sequence together: each position's keys
-    // and values for every kv head are one contiguous row of the cache).
-    let per_item = s.num_heads * s.head_dim;
-    let items = s.num_seqs;
-    let cost = |seq: usize| job.span(seq).1 as u64 + 8;
+    let group = s.num_heads / s.num_kv_heads;
+    let per_item = group * s.head_dim;
+    let items = s.num_seqs * s.num_kv_heads;
+    let cost = |item: usize| job.span(item / s.num_kv_heads).1 as u64 + 8;
     let total: u64 = (0..items).map(cost).sum();
     // Below ~32k key reads a call is done in microseconds: a thread would cost more.
     let wanted = ((total * s.num_kv_heads as u64) / 32_768).max(1) as usize;
     let parts = threads.clamp(1, items).min(wanted);
     if parts == 1 {
-        run_seqs(&job, 0, out);
+        run_items(&job, 0, out);
         return Ok(());
     }
-    // Contiguous runs of sequences of about equal cost; sequence i writes
-    // out[i * per_item..].
+    // Contiguous runs of items of about equal cost; item i writes out[i * per_item..].
     let mut bounds = vec![0usize];
     let mut acc = 0u64;
     for item in 0..items {
@@ -168,7 +166,7 @@ pub fn paged_decode_attention<T: Element>(
                 (hi - lo) * per_item,
             )
         };
-        run_seqs(&job, lo, mine);
+        run_items(&job, lo, mine);
     };
     parallel.run(bounds.len() - 1, &task);
     Ok(())
@@ -214,8 +212,9 @@ impl<T: Element> Job<'_, T> {
     }
 }
 
-/// Sequences `first..` into `out`, with the widest SIMD the CPU has.
-fn run_seqs<T: Element>(job: &Job<'_, T>, first: usize, out: &mut [T]) {
+/// Items `first..` (one (sequence, kv head) each) into `out`, with the widest SIMD the CPU
+/// has; the arithmetic is the same plain Rust either way.
+fn run_items<T: Element>(job: &Job<'_, T>, first: usize, out: &mut [T]) {
     #[cfg(target_arch = "x86_64")]
     {
         let hd = job.shape.head_dim;
@@ -225,20 +224,17 @@ fn run_seqs<T: Element>(job: &Job<'_, T>, first: usize, out: &mut [T]) {
             && std::arch::is_x86_feature_detected!("avx512bw")
         {
             // SAFETY: the CPU supports the features the function is compiled for.
-            unsafe { avx512::run_seqs(job, first, out) };
+            unsafe { avx512::run_items(job, first, out) };
             return;
         }
-        // The portable loops work per (sequence, kv head) item; a sequence's items are
-        // consecutive, and so are their outputs.
-        let first_item = first * job.shape.num_kv_heads;
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
             // SAFETY: as above.
-            unsafe { run_items_avx2(job, first_item, out) };
+            unsafe { run_items_avx2(job, first, out) };
             return;
         }
     }
-    run_items_generic::<T, false>(job, first * job.shape.num_kv_heads, out);
+    run_items_generic::<T, false>(job, first, out);
 }
 
 /// The same computation in AVX-512 registers: a 16-wide f32 vector per 16 elements of a
@@ -264,94 +260,85 @@ mod avx512 {
         }
     }
 
-    /// Whole sequences: each position's keys (then values) of every kv head are read once,
-    /// as one contiguous row, and scored against all query heads.
-    ///
     /// SAFETY: AVX-512 F and BW are present; `head_dim` is a multiple of 16 and at most
     /// `16 * MAX_CHUNKS`; the job was validated by `paged_decode_attention`.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn run_seqs<T: Element>(job: &Job<'_, T>, first: usize, out: &mut [T]) {
+    pub(super) unsafe fn run_items<T: Element>(job: &Job<'_, T>, first: usize, out: &mut [T]) {
         let s = job.shape;
-        let (hd, heads, kv_heads) = (s.head_dim, s.num_heads, s.num_kv_heads);
+        let hd = s.head_dim;
         let chunks = hd / 16;
-        let group = heads / kv_heads;
-        let stride = kv_heads * hd;
+        let group = s.num_heads / s.num_kv_heads;
+        let stride = s.num_kv_heads * hd;
         let scale = _mm512_set1_ps(job.scale);
-        let mut query = vec![_mm512_setzero_ps(); heads * chunks];
-        let mut acc = vec![_mm512_setzero_ps(); heads * chunks];
+        let mut query = vec![_mm512_setzero_ps(); group * chunks];
+        let mut acc = vec![_mm512_setzero_ps(); group * chunks];
         let mut row = [_mm512_setzero_ps(); MAX_CHUNKS];
         let mut scores: Vec<f32> = Vec::new();
-        let mut inv_sum = vec![0f32; heads];
-        let mut result = vec![0f32; heads * hd];
+        let mut result = vec![0f32; group * hd];
         let (kp, vp) = (job.k_cache.as_ptr(), job.v_cache.as_ptr());
-        for (k, seq_out) in out.chunks_exact_mut(heads * hd).enumerate() {
-            let seq = first + k;
+        for (k, item_out) in out.chunks_exact_mut(group * hd).enumerate() {
+            let item = first + k;
+            let (seq, head) = (item / s.num_kv_heads, item % s.num_kv_heads);
             let (start, n) = job.span(seq);
             let table = &job.block_tables[seq * s.max_blocks..(seq + 1) * s.max_blocks];
             let runs = (start / s.block_size..(start + n).div_ceil(s.block_size)).map(|b| {
                 let lo = start.max(b * s.block_size);
                 let hi = (start + n).min((b + 1) * s.block_size);
                 let block = table[b] as usize;
-                (
-                    (block * s.block_size + lo - b * s.block_size) * stride,
-                    hi - lo,
-                )
+                let at =
+                    ((block * s.block_size + lo - b * s.block_size) * s.num_kv_heads + head) * hd;
+                (at, hi - lo)
             });
-            let qp = job.q.as_ptr().add(seq * heads * hd);
+            let qp = job.q.as_ptr().add((seq * s.num_heads + head * group) * hd);
             for (i, q) in query.iter_mut().enumerate() {
                 *q = _mm512_mul_ps(load16(qp.add(i * 16)), scale);
             }
             scores.clear();
-            scores.resize(heads * n, 0.0);
+            scores.resize(group * n, 0.0);
             let mut j = 0;
             for (at, count) in runs.clone() {
                 for i in 0..count {
                     let p = kp.add(at + i * stride);
-                    for h in 0..kv_heads {
-                        for (c, r) in row[..chunks].iter_mut().enumerate() {
-                            *r = load16(p.add(h * hd + c * 16));
+                    for (c, r) in row[..chunks].iter_mut().enumerate() {
+                        *r = load16(p.add(c * 16));
+                    }
+                    for (g, q) in query.chunks_exact(chunks).enumerate() {
+                        let mut sum = _mm512_mul_ps(q[0], row[0]);
+                        for c in 1..chunks {
+                            sum = _mm512_fmadd_ps(q[c], row[c], sum);
                         }
-                        for g in h * group..(h + 1) * group {
-                            let q = &query[g * chunks..(g + 1) * chunks];
-                            let mut sum = _mm512_mul_ps(q[0], row[0]);
-                            for c in 1..chunks {
-                                sum = _mm512_fmadd_ps(q[c], row[c], sum);
-                            }
-                            *scores.get_unchecked_mut(g * n + j) = _mm512_reduce_add_ps(sum);
-                        }
+                        *scores.get_unchecked_mut(g * n + j) = _mm512_reduce_add_ps(sum);
                     }
                     j += 1;
                 }
             }
+            let mut inv_sum = [0f32; 64];
             for (g, sc) in scores.chunks_exact_mut(n).enumerate() {
                 let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 for x in sc.iter_mut() {
                     *x = exp_nonpositive(*x - max);
                 }
-                inv_sum[g] = 1.0 / sc.iter().sum::<f32>();
+                inv_sum[g % 64] = 1.0 / sc.iter().sum::<f32>();
             }
             acc.fill(_mm512_setzero_ps());
             let mut j = 0;
             for (at, count) in runs {
                 for i in 0..count {
                     let p = vp.add(at + i * stride);
-                    for h in 0..kv_heads {
-                        for (c, r) in row[..chunks].iter_mut().enumerate() {
-                            *r = load16(p.add(h * hd + c * 16));
-                        }
-                        for g in h * group..(h + 1) * group {
-                            let w = _mm512_set1_ps(*scores.get_unchecked(g * n + j));
-                            let a = &mut acc[g * chunks..(g + 1) * chunks];
-                            for c in 0..chunks {
-                                a[c] = _mm512_fmadd_ps(w, row[c], a[c]);
-                            }
+                    for (c, r) in row[..chunks].iter_mut().enumerate() {
+                        *r = load16(p.add(c * 16));
+                    }
+                    for (g, a) in acc.chunks_exact_mut(chunks).enumerate() {
+                        let w = _mm512_set1_ps(*scores.get_unchecked(g * n + j));
+                        for c in 0..chunks {
+                            a[c] = _mm512_fmadd_ps(w, row[c], a[c]);
                         }
                     }
                     j += 1;
                 }
             }
             for (g, a) in acc.chunks_exact(chunks).enumerate() {
-                let inv = _mm512_set1_ps(inv_sum[g]);
+                let inv = _mm512_set1_ps(inv_sum[g % 64]);
                 for (c, v) in a.iter().enumerate() {
                     _mm512_storeu_ps(
                         result.as_mut_ptr().add(g * hd + c * 16),
@@ -359,7 +346,7 @@ mod avx512 {
                     );
                 }
             }
-            for (o, &r) in seq_out.iter_mut().zip(&result) {
+            for (o, &r) in item_out.iter_mut().zip(&result) {
                 *o = T::from_f32(r);
             }
         }
