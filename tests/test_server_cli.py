@@ -36,6 +36,7 @@ def test_help_documents_every_flag() -> None:
         "--device",
         "--dtype",
         "--api-key",
+        "--no-ui",
     ):
         assert flag in result.stdout, flag
     for default in ("0.0.0.0:8080", "4096", "16", "8192", "256", "200"):

@@ -31,6 +31,7 @@ from iron_batch.server.metrics import (
 )
 from iron_batch.server.openai.serving import OpenAIServer
 from iron_batch.server.openapi import openapi_schema
+from iron_batch.server.ui import UI, server_info
 
 #: /health fails when the engine has been inside one loop iteration this long: a step
 #: that slow is a hang (a long CPU prefill takes seconds, not a minute).
@@ -44,6 +45,7 @@ def create_app(
     max_waiting_requests: int | None = None,
     served_model_name: str | None = None,
     limits: ServerLimits | None = None,
+    ui: bool = True,
 ) -> Starlette:
     """The server app; its lifespan starts the engine thread and stops it.
 
@@ -51,6 +53,8 @@ def create_app(
     generation endpoint; ``max_waiting_requests``, when given, overrides its queue cap
     (503 + Retry-After beyond it). ``served_model_name`` is the model id of /v1 (default:
     the backend's model_name). ``app.state.admission`` drains the app at shutdown.
+    ``ui`` serves the page for people at ``/`` (see :mod:`iron_batch.server.ui`);
+    ``app.state.info`` is the configuration it and the console banner show.
     """
     limits = dataclasses.replace(limits) if limits is not None else ServerLimits()
     if max_waiting_requests is not None:
@@ -61,7 +65,15 @@ def create_app(
     openai_server = OpenAIServer(
         engine, api_key=key, admission=admission, served_model_name=served_model_name
     )
-    schema = openapi_schema(openai_server.model.name)
+    schema = openapi_schema(openai_server.model.name, ui=ui)
+    info = server_info(
+        engine,
+        model_name=openai_server.model.name,
+        max_seq_tokens=openai_server.model.max_seq_tokens,
+        limits=limits,
+        auth=key is not None,
+    )
+    page = UI(engine, info, key) if ui else None
 
     async def metrics(request: Request) -> Response:
         accept = request.headers.get("accept", "")
@@ -93,7 +105,11 @@ def create_app(
         if not engine.started:
             engine.start()
         try:
-            yield
+            if page is None:
+                yield
+            else:
+                async with page.running():
+                    yield
         finally:
             # Joining the thread blocks; do it off the loop so late deliveries still land.
             await asyncio.to_thread(engine.shutdown)
@@ -104,9 +120,11 @@ def create_app(
         Route("/metrics", guarded(metrics, key), methods=["GET"]),
         Route("/health", health, methods=["GET"]),  # never needs the API key
         Route("/openapi.json", guarded(openapi, key), methods=["GET"]),
+        *(page.routes() if page is not None else []),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.engine = engine
     app.state.registry = registry
     app.state.admission = admission
+    app.state.info = info
     return app

@@ -26,6 +26,7 @@ Endpoints:
   GET  /metrics   JSON; Prometheus text when the Accept header asks for text/plain or
                   application/openmetrics-text.
   GET  /health    200 while the engine thread runs steps (never needs the API key)
+  GET  /          a page for people: chat playground and live dashboard (--no-ui: off)
   OpenAI-compatible: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
                   (stream: true for server-sent events); POST /tokenize, /detokenize;
                   GET /openapi.json
@@ -136,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Python GIL switch interval in microseconds (default 200; Python's "
                    "own is 5000, which lets a busy HTTP loop delay each engine step by "
                    "up to 5 ms)")
+    p.add_argument("--no-ui", action="store_true",
+                   help="do not serve the chat playground and dashboard page at /")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="log level (default warning; access logs are off for speed)")
@@ -190,13 +193,30 @@ def uvicorn_options() -> dict[str, str]:
     }
 
 
-def _draining_server(config: Any, admission: Any, drain_timeout: float) -> Any:
+def page_urls(host: str, port: int) -> list[str]:
+    """Where to point a browser: a wildcard address is not one, so name loopback for it."""
+    if host in ("0.0.0.0", "::", ""):
+        return [f"http://localhost:{port}/  (listening on all interfaces)"]
+    if ":" in host:
+        host = f"[{host}]"
+    return [f"http://{host}:{port}/"]
+
+
+def _draining_server(
+    config: Any, admission: Any, drain_timeout: float, started_text: str | None = None
+) -> Any:
     """A uvicorn Server whose shutdown drains first (see Admission.drain): listeners close
     at once (new connections are refused), idle keep-alive connections close, requests
-    still arriving on busy ones get a 503, in-flight ones get ``drain_timeout`` seconds."""
+    still arriving on busy ones get a 503, in-flight ones get ``drain_timeout`` seconds.
+    ``started_text`` is printed once it listens."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started and started_text:
+                print(started_text, flush=True)
+
         async def shutdown(self, sockets: Any = None) -> None:
             for server in self.servers:
                 server.close()
@@ -239,7 +259,11 @@ def main(argv: list[str] | None = None) -> None:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         limits=limits,
+        ui=not args.no_ui,
     )
+    from iron_batch.server.ui import banner
+
+    started_text = banner(app.state.info, page_urls(host, port), ui=not args.no_ui)
     config = uvicorn.Config(
         app,
         host=host,
@@ -251,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         timeout_graceful_shutdown=10,
         **uvicorn_options(),  # type: ignore[arg-type]
     )
-    server = _draining_server(config, app.state.admission, args.drain_timeout)
+    server = _draining_server(config, app.state.admission, args.drain_timeout, started_text)
 
     def on_fatal(message: str) -> None:  # engine thread; uvicorn polls the flag
         server.should_exit = True

@@ -253,7 +253,7 @@ def _sse_or_json(schema_name: str, description: str) -> dict[str, Any]:
     }
 
 
-def openapi_schema(model_name: str) -> dict[str, Any]:
+def openapi_schema(model_name: str, *, ui: bool = False) -> dict[str, Any]:
     """The whole document; ``model_name`` appears in descriptions and examples."""
     auth_gen = {**_AUTH_ERRORS, **_BODY_ERRORS, **_FULL}
     auth_body = {**_AUTH_ERRORS, **_BODY_ERRORS}
@@ -385,6 +385,8 @@ def openapi_schema(model_name: str) -> dict[str, Any]:
                           **_AUTH_ERRORS},
         }},
     }
+    if ui:
+        paths.update(_ui_paths())
     return {
         "openapi": "3.1.0",
         "info": {
@@ -400,4 +402,40 @@ def openapi_schema(model_name: str) -> dict[str, Any]:
         },
         # Only enforced when the server was started with --api-key.
         "security": [{"bearer": []}, {}],
+    }
+
+
+def _ui_paths() -> dict[str, Any]:
+    """The page at / and the two JSON endpoints it reads (see iron_batch.server.ui)."""
+    return {
+        "/": {"get": {
+            "operationId": "page",
+            "summary": "The chat playground and live dashboard (off with --no-ui); holds no "
+            "data itself, so it never needs the API key.",
+            "security": [],
+            "responses": {"200": {"description": "The page.",
+                                  "content": {"text/html": {"schema": {"type": "string"}}}}},
+        }},
+        "/ui/api/info": {"get": {
+            "operationId": "ui_info",
+            "summary": "The server's configuration: model, dtype, device, backend, KV pool, "
+            "scheduler and request limits.",
+            "responses": {"200": _json({"type": "object"}, "Configuration."), **_AUTH_ERRORS},
+        }},
+        "/ui/api/snapshots": {"get": {
+            "operationId": "ui_snapshots",
+            "summary": "Metric snapshots (one a second, the last 300 kept) newer than `after`.",
+            "parameters": [{
+                "name": "after", "in": "query", "required": False,
+                "description": "The seq of the last snapshot already seen (default 0: all).",
+                "schema": {"type": "integer"},
+            }],
+            "responses": {
+                "200": _json({"type": "object", "properties": {
+                    "snapshots": {"type": "array", "items": {"type": "object"}}}},
+                    "Snapshots, oldest first."),
+                "400": _error("after is not an integer."),
+                **_AUTH_ERRORS,
+            },
+        }},
     }
