@@ -221,7 +221,7 @@ function drawChart(chart, snaps, windowS) {
   let max = 0;
   for (const s of shown) for (const [key] of chart.series) if (s[key] > max) max = s[key];
   const cap = chart.max && shown.length ? shown[shown.length - 1][chart.max] : 0;
-  max = chart.fixedMax || (cap >= max ? cap : niceMax(max)); // KV: the pool is the top
+  max = chart.fixedMax || (cap > 0 && cap >= max ? cap : niceMax(max)); // KV: the pool
   ctx.font = "10px system-ui, sans-serif";
   ctx.fillStyle = ink;
   ctx.strokeStyle = grid;
