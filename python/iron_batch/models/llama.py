@@ -253,10 +253,12 @@ class LlamaModel:
                 h = h + mlp
         rows = torch.from_numpy(np.ascontiguousarray(sample_indices, dtype=np.int64)).to(dev)
         last = _rms_norm(h[rows], self.norm, eps)
-        if cpu_fused.gemv_enabled(dev, self.dtype, last.shape[0]):
-            return cpu_fused.linear(last, self.lm_head, None).float()
+        # The LM head goes to oneDNN's packed layout even for one row: on a matrix this
+        # large (vocab x hidden) it streams faster than the GEMV (0.66 vs 1.17 ms, SmolLM2).
         if self.lm_head_packed is not None:
             return cpu_fused.packed_linear(last, self.lm_head_packed, None).float()
+        if cpu_fused.gemv_enabled(dev, self.dtype, last.shape[0]):
+            return cpu_fused.linear(last, self.lm_head, None).float()
         return F.linear(last, self.lm_head).float()
 
 

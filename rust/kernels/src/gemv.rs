@@ -45,18 +45,25 @@ pub fn gemv_bf16(
     let out_addr = out.as_mut_ptr() as usize;
     let task = |part: usize| {
         let (lo, hi) = (n * part / parts, n * (part + 1) / parts);
-        let mut results = [0f32; 2];
-        for row in lo..hi {
-            let w = &weight[row * k..(row + 1) * k];
-            dot_rows(&xf, w, rows, k, &mut results);
-            for (r, value) in results.iter().enumerate().take(rows) {
-                let b = bias.map_or(0.0, |b| b[row].to_f32());
-                // SAFETY: parts own disjoint column ranges [lo, hi) of each output row, and
-                // `out` (rows * n elements) outlives the call.
-                unsafe {
-                    *(out_addr as *mut Bf16).add(r * n + row) = Bf16::from_f32(value + b);
+        let mut results = [[0f32; 4]; 2];
+        let mut row = lo;
+        while row < hi {
+            // Four weight rows at a time where the SIMD path has them: four independent
+            // streams in flight and one activation load per four rows.
+            let take = if hi - row >= 4 { 4 } else { 1 };
+            let w = &weight[row * k..(row + take) * k];
+            dot_rows(&xf, w, rows, k, take, &mut results);
+            for (r, values) in results.iter().enumerate().take(rows) {
+                for (t, value) in values.iter().enumerate().take(take) {
+                    let b = bias.map_or(0.0, |b| b[row + t].to_f32());
+                    // SAFETY: parts own disjoint column ranges [lo, hi) of each output
+                    // row, and `out` (rows * n elements) outlives the call.
+                    unsafe {
+                        *(out_addr as *mut Bf16).add(r * n + row + t) = Bf16::from_f32(value + b);
+                    }
                 }
             }
+            row += take;
         }
     };
     if parts == 1 {
@@ -67,33 +74,48 @@ pub fn gemv_bf16(
     Ok(())
 }
 
-fn dot_rows(xf: &[f32], w: &[Bf16], rows: usize, k: usize, results: &mut [f32; 2]) {
+/// `results[r][t]` = activation row `r` . weight row `t`, for the `take` (1 or 4) weight
+/// rows in `w`.
+fn dot_rows(
+    xf: &[f32],
+    w: &[Bf16],
+    rows: usize,
+    k: usize,
+    take: usize,
+    results: &mut [[f32; 4]; 2],
+) {
     #[cfg(target_arch = "x86_64")]
     {
         if k.is_multiple_of(32)
             && std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bw")
         {
-            // SAFETY: features checked; k is a multiple of 32 and the slices have k
-            // (weights) and rows * k (activations) elements.
-            unsafe { avx512::dot_rows(xf, w, rows, k, results) };
+            // SAFETY: features checked; k is a multiple of 32; `w` holds `take` rows of k
+            // and `xf` `rows` rows of k.
+            unsafe { avx512::dot_rows(xf, w, rows, k, take, results) };
             return;
         }
     }
-    for (r, result) in results.iter_mut().enumerate().take(rows) {
-        let x = &xf[r * k..(r + 1) * k];
-        let mut lanes = [0f32; 16];
-        let whole = k / 16 * 16;
-        for (xs, ws) in x[..whole].chunks_exact(16).zip(w[..whole].chunks_exact(16)) {
-            for i in 0..16 {
-                lanes[i] += xs[i] * ws[i].to_f32();
+    for t in 0..take {
+        let wt = &w[t * k..(t + 1) * k];
+        for r in 0..rows {
+            let x = &xf[r * k..(r + 1) * k];
+            let mut lanes = [0f32; 16];
+            let whole = k / 16 * 16;
+            for (xs, ws) in x[..whole]
+                .chunks_exact(16)
+                .zip(wt[..whole].chunks_exact(16))
+            {
+                for i in 0..16 {
+                    lanes[i] += xs[i] * ws[i].to_f32();
+                }
             }
+            let mut sum: f32 = lanes.iter().sum();
+            for i in whole..k {
+                sum += x[i] * wt[i].to_f32();
+            }
+            results[r][t] = sum;
         }
-        let mut sum: f32 = lanes.iter().sum();
-        for i in whole..k {
-            sum += x[i] * w[i].to_f32();
-        }
-        *result = sum;
     }
 }
 
@@ -103,38 +125,61 @@ mod avx512 {
 
     use crate::element::Bf16;
 
-    /// SAFETY: AVX-512 F/BW present; `k % 32 == 0`; `w.len() >= k`, `xf.len() >= rows * k`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn widen(p: *const u16) -> (__m512, __m512) {
+        let raw = _mm512_loadu_si512(p as *const __m512i);
+        let lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw));
+        let hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64::<1>(raw));
+        (
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(lo)),
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(hi)),
+        )
+    }
+
+    #[allow(clippy::needless_range_loop)]
+    /// SAFETY: AVX-512 F/BW present; `k % 32 == 0`; `w.len() >= take * k` (take 1 or 4),
+    /// `xf.len() >= rows * k` (rows 1 or 2).
     #[target_feature(enable = "avx512f,avx512bw")]
     pub(super) unsafe fn dot_rows(
         xf: &[f32],
         w: &[Bf16],
         rows: usize,
         k: usize,
-        results: &mut [f32; 2],
+        take: usize,
+        results: &mut [[f32; 4]; 2],
     ) {
         let wp = w.as_ptr() as *const u16;
         let xp = xf.as_ptr();
-        let mut a0 = _mm512_setzero_ps();
-        let mut a1 = _mm512_setzero_ps();
-        let mut b0 = _mm512_setzero_ps();
-        let mut b1 = _mm512_setzero_ps();
+        let zero = _mm512_setzero_ps();
+        // acc[r][t]: two vectors per (activation row, weight row), summed at the end.
+        let mut acc = [[[zero; 2]; 4]; 2];
         let mut i = 0;
         while i < k {
-            // 32 weights: two 16-lane f32 vectors, widened by a shift.
-            let raw = _mm512_loadu_si512(wp.add(i) as *const __m512i);
-            let lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw));
-            let hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64::<1>(raw));
-            let w0 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(lo));
-            let w1 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(hi));
-            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(xp.add(i)), w0, a0);
-            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(xp.add(i + 16)), w1, a1);
-            if rows == 2 {
-                b0 = _mm512_fmadd_ps(_mm512_loadu_ps(xp.add(k + i)), w0, b0);
-                b1 = _mm512_fmadd_ps(_mm512_loadu_ps(xp.add(k + i + 16)), w1, b1);
+            let x0 = [_mm512_loadu_ps(xp.add(i)), _mm512_loadu_ps(xp.add(i + 16))];
+            let x1 = if rows == 2 {
+                [
+                    _mm512_loadu_ps(xp.add(k + i)),
+                    _mm512_loadu_ps(xp.add(k + i + 16)),
+                ]
+            } else {
+                [zero; 2]
+            };
+            for t in 0..take {
+                let (w0, w1) = widen(wp.add(t * k + i));
+                acc[0][t][0] = _mm512_fmadd_ps(x0[0], w0, acc[0][t][0]);
+                acc[0][t][1] = _mm512_fmadd_ps(x0[1], w1, acc[0][t][1]);
+                if rows == 2 {
+                    acc[1][t][0] = _mm512_fmadd_ps(x1[0], w0, acc[1][t][0]);
+                    acc[1][t][1] = _mm512_fmadd_ps(x1[1], w1, acc[1][t][1]);
+                }
             }
             i += 32;
         }
-        results[0] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-        results[1] = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
+        for r in 0..rows {
+            for t in 0..take {
+                results[r][t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]));
+            }
+        }
     }
 }
