@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
@@ -66,11 +67,28 @@ class Backend(Protocol):
         """Return int64 sampled token ids, one per ``batch.sample_indices`` row."""
         ...
 
+    def describe(self) -> BackendInfo:
+        """What the server shows about this backend (the page at /, the console banner)."""
+        ...
+
     def last_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
         """Logprobs of the last execute's sample rows for requests that asked for them:
         one (chosen-token logprob, top alternatives) per sample row, or None when no
         request in the batch wants logprobs."""
         ...
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """A backend's self-description for people: the kind (mock, torch, remote, ...), the
+    compute dtype and device when it has them, the KV bytes of one block of
+    ``kv_block_size`` slots when it knows them, and a remote worker's address."""
+
+    kind: str
+    dtype: str | None = None
+    device: str | None = None
+    kv_bytes_per_block: int | None = None
+    url: str | None = None
 
 
 class BackendBase:
@@ -82,6 +100,9 @@ class BackendBase:
     steps_per_call: int = 1
     num_kv_blocks: int | None = None
     kv_block_size: int | None = None
+
+    def describe(self) -> BackendInfo:
+        return BackendInfo(kind=type(self).__name__)
 
     def last_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
         return None

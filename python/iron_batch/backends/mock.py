@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from iron_batch.backends.base import BackendBase
+from iron_batch.backends.base import BackendBase, BackendInfo
 
 if TYPE_CHECKING:
     from iron_batch._core import Batch
@@ -83,6 +83,9 @@ class MockBackend(BackendBase):
         # Tokens beyond one per sequence are prompt (prefill) tokens.
         prefill_tokens = batch.num_tokens - batch.num_seqs
         return self.token_latency_s + prefill_tokens * self.prefill_token_latency_s
+
+    def describe(self) -> BackendInfo:
+        return BackendInfo(kind="mock")
 
     def execute(self, batch: Batch) -> np.ndarray:
         started = time.perf_counter()

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from iron_batch import wire
-from iron_batch.backends.base import BackendBase, BackendError
+from iron_batch.backends.base import BackendBase, BackendError, BackendInfo
 from iron_batch.batch import batch_arrays
 from iron_batch.wire import Kind, WireError
 
@@ -228,6 +228,16 @@ class RemoteBackend(BackendBase):
         return handle
 
     # ------------------------------------------------------------------ execute
+
+    def describe(self) -> BackendInfo:
+        info = self.info if isinstance(self.info, dict) else {}
+        dtype, device = info.get("dtype"), info.get("device")
+        return BackendInfo(
+            kind="remote",
+            dtype=dtype if isinstance(dtype, str) else None,
+            device=device if isinstance(device, str) else None,
+            url=self.url,
+        )
 
     def execute(self, batch: Batch) -> np.ndarray:
         """[num_samples] int64 when steps_per_call == 1, else [num_samples, K] int64."""

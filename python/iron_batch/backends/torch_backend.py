@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from iron_batch.backends.base import BackendBase
+from iron_batch.backends.base import BackendBase, BackendInfo
 from iron_batch.batch import model_inputs
 from iron_batch.models.llama import LlamaModel
 from iron_batch.models.loader import ModelSource, load_model, read_gguf_fields, resolve
@@ -128,6 +128,15 @@ class TorchBackend(BackendBase):
             return np.zeros(0, dtype=np.int64)
         tokens, self._last_logprobs = self.sampler.sample(logits, states)
         return tokens.cpu().numpy().astype(np.int64, copy=False)
+
+    def describe(self) -> BackendInfo:
+        net = self.model
+        return BackendInfo(
+            kind="torch",
+            dtype=str(net.dtype).removeprefix("torch."),
+            device=str(net.device),
+            kv_bytes_per_block=net.kv_bytes_per_block(self.kv_block_size),
+        )
 
     def last_logprobs(self) -> Logprobs | None:
         return self._last_logprobs

@@ -43,7 +43,6 @@ HISTORY_SECONDS = 300
 LATENCY_WINDOW_S = 10
 SAMPLE_INTERVAL_S = 1.0
 
-_BACKEND_KINDS = {"MockBackend": "mock", "TorchBackend": "torch", "RemoteBackend": "remote"}
 
 
 def static_dir() -> str:
@@ -61,32 +60,22 @@ def server_info(
     """What the page and the console banner show about this server's configuration."""
     backend = engine.backend
     config = engine.config
-    kind = next(
-        (_BACKEND_KINDS[c.__name__] for c in type(backend).__mro__ if c.__name__ in _BACKEND_KINDS),
-        type(backend).__name__,
-    )
-    net = getattr(backend, "model", None)  # torch: the LlamaModel
-    remote_info = getattr(backend, "info", None)
-    remote_info = remote_info if isinstance(remote_info, dict) else {}
-    dtype = getattr(net, "dtype", None) or remote_info.get("dtype")
-    device = getattr(net, "device", None) or remote_info.get("device")
+    described = backend.describe()
     kv_bytes = None
-    per_block = getattr(net, "kv_bytes_per_block", None)
-    if callable(per_block):
-        with contextlib.suppress(Exception):
-            kv_bytes = int(per_block(config.kv_block_size)) * config.total_kv_blocks
+    if described.kv_bytes_per_block is not None:
+        kv_bytes = described.kv_bytes_per_block * config.total_kv_blocks
     tokenizer = backend.tokenizer
     return {
         "model": model_name,
-        "backend": kind,
-        "backend_url": getattr(backend, "url", None) if kind == "remote" else None,
-        "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
-        "device": None if device is None else str(device),
+        "backend": described.kind,
+        "backend_url": described.url,
+        "dtype": described.dtype,
+        "device": described.device,
         "vocab_size": backend.vocab_size,
         "max_model_len": config.max_model_len,
         "tokenizer": tokenizer is not None,
         "chat_template": getattr(tokenizer, "chat_template", None) is not None,
-        "steps_per_call": getattr(backend, "steps_per_call", 1),
+        "steps_per_call": backend.steps_per_call,
         "kv": {
             "blocks": config.total_kv_blocks,
             "block_size": config.kv_block_size,
