@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from iron_batch import Engine, SamplingParams
 from iron_batch.backends.torch_backend import TorchBackend
 from iron_batch.llm import LLM
 from iron_batch.models.loader import resolve
+from server_bench import free_port  # benches/, next to this script
 
 SHAPES = {
     # hidden, layers, heads, kv heads, ffn, vocab: Qwen2.5-0.5B's published config.
@@ -183,17 +183,11 @@ def ours_engine_thread_ms(llm: LLM, prompt: np.ndarray, new: int) -> float:
     return (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) * 1e3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def server_run(model: str, dtype: str, vocab: int, args: argparse.Namespace) -> dict[str, float]:
     """Output tok/s of W and batch-1 ms/token through ``python -m iron_batch.server``."""
     import httpx
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "iron_batch.server", "--backend", "torch", "--model", model,
            "--dtype", dtype, "--device", "cpu", "--addr", f"127.0.0.1:{port}",

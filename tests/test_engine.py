@@ -193,18 +193,37 @@ def test_shutdown_ends_live_requests_with_abort() -> None:
     assert engine.stats.scheduler["free_blocks"] == engine.config.total_kv_blocks
 
 
+class _RecordingCondition(threading.Condition):
+    """The engine's condition, recording how its thread waits: an untimed wait parks it
+    until a notify; a timed one would be a polling loop."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.Lock())
+        self.timeouts: list[float | None] = []
+        self.parked = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.timeouts.append(timeout)
+        if timeout is None:
+            self.parked.set()
+        return super().wait(timeout)
+
+
 def test_idle_engine_uses_no_cpu_and_wakes_for_work() -> None:
     """An idle engine thread sleeps (no busy polling, no empty steps), and a request that
     arrives later still gets served at once."""
     engine = Engine(fast_mock(), SchedulerConfig())
+    cond = _RecordingCondition()
+    engine._cond = cond  # before start: every use of the condition goes through this one
     engine.start()
     try:
-        assert wait_for(lambda: engine.idle, what="engine idle")
+        assert cond.parked.wait(10), "the idle engine thread never parked"
         steps = engine.backend.steps  # type: ignore[attr-defined]
         cpu = time.process_time()
         beat = engine.heartbeat  # stamped once per loop iteration
-        time.sleep(0.5)
-        # A polling loop would burn CPU and iterate; a parked one does neither.
+        # Parked in an untimed wait: it cannot iterate, step or spend CPU until notified,
+        # and it never waited with a timeout (a poll) on the way there.
+        assert cond.timeouts and all(t is None for t in cond.timeouts), cond.timeouts
         assert time.process_time() - cpu < 0.1
         assert engine.heartbeat == beat and engine.idle
         assert engine.backend.steps == steps  # type: ignore[attr-defined]

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -206,17 +205,20 @@ def test_chat_streams_tokens_with_stats(start_server: ServerFactory, page: Any) 
     page.fill("#max_tokens", "24")
     page.fill("#seed", "7")
     page.fill("#prompt", "hello")
+    # Every text the reply shows, recorded in the page as the DOM changes.
+    page.evaluate("""() => {
+        window.__seen = [];
+        new MutationObserver(() => {
+            const body = document.querySelector('.msg.assistant .body');
+            const text = body ? body.innerText : '';
+            const seen = window.__seen;
+            if (text && (!seen.length || seen[seen.length - 1] !== text)) seen.push(text);
+        }).observe(document.body, {subtree: true, childList: true, characterData: true});
+    }""")
     page.click("#send")
+    page.wait_for_selector(".msg.assistant[data-done]", timeout=20_000)
     reply = page.locator(".msg.assistant .body")
-    seen: list[str] = []
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        text = reply.inner_text() if reply.count() else ""
-        if text and (not seen or text != seen[-1]):
-            seen.append(text)
-        if page.locator(".msg.assistant[data-done]").count():
-            break
-        time.sleep(0.03)
+    seen: list[str] = page.evaluate("window.__seen")
     final = reply.inner_text()
     assert len(final) == 24 and final.isalpha()
     # Streamed: the page showed partial replies that grew into the final one.
@@ -282,14 +284,18 @@ def test_dashboard_moves_under_load(start_server: ServerFactory, page: Any) -> N
                  10, "tokens generated to grow")
         wait_for(lambda: page.inner_text("#stat-ttft") != "– / –", 10, "TTFT percentiles")
         assert page.inner_text("#stat-kv").endswith("%")
-        time.sleep(2.5)  # a few points on the plots
+
+        def drawn() -> int:
+            """Non-background pixels of the tok/s plot."""
+            return int(page.evaluate("""() => {
+                const c = document.getElementById('chart-tok-s');
+                const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i]) n++;
+                return n; }"""))
+
         # The plots drew something: a canvas with non-background pixels.
-        drawn = page.evaluate("""() => {
-            const c = document.getElementById('chart-tok-s');
-            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-            let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i]) n++;
-            return n; }""")
-        assert drawn > 100
+        wait_for(lambda: drawn() > 100, 10, "points on the tok/s plot")
+        assert drawn() > 100
         page.screenshot(path=str(artifacts_dir() / "ui-dashboard.png"))
     finally:
         client.terminate()

@@ -100,6 +100,11 @@ class LlamaModel:
                     down_bias=opt(m + "down_proj.bias", c.mlp_bias),
                 )
             )
+        # Which CPU kernels this model uses, decided once (the environment switches are
+        # read at load, not per step).
+        self.cpu_attention_kernel = cpu_attention.kernel_enabled(device, dtype)
+        self.cpu_fused = cpu_fused.fused_enabled(device, dtype)
+        self.cpu_gemv = cpu_fused.gemv_enabled(device, dtype, 1)
         self.lm_head_packed: torch.Tensor | None = None
         if cpu_fused.prepack_enabled(device, dtype):
             for layer in self.layers:
@@ -190,16 +195,16 @@ class LlamaModel:
             sliding_window=c.sliding_window,
             device=dev,
             dtype=self.dtype,
-            use_cpu_kernel=cpu_attention.kernel_enabled(dev, self.dtype),
+            use_cpu_kernel=self.cpu_attention_kernel,
         )
         cos, sin = self._cos_sin(pos, positions)
         eps = c.rms_norm_eps
         n = ids.shape[0]
         # CPU: RMSNorm (+ the residual add before it) as one Rust call, and for decode-only
         # steps rotary + KV store too (prefill paths also need k/v as tensors).
-        fused = cpu_fused.fused_enabled(dev, self.dtype)
+        fused = self.cpu_fused
         fused_rope = fused and plan.decodes is not None and plan.decodes.all_rows
-        gemv = cpu_fused.gemv_enabled(dev, self.dtype, n)
+        gemv = self.cpu_gemv and n <= 2
 
         def lin(x: torch.Tensor, layer: LayerWeights, name: str) -> torch.Tensor:
             weight, bias = getattr(layer, name), getattr(layer, name + "_bias")
@@ -257,7 +262,7 @@ class LlamaModel:
         # large (vocab x hidden) it streams faster than the GEMV (0.66 vs 1.17 ms, SmolLM2).
         if self.lm_head_packed is not None:
             return cpu_fused.packed_linear(last, self.lm_head_packed, None).float()
-        if cpu_fused.gemv_enabled(dev, self.dtype, last.shape[0]):
+        if self.cpu_gemv and last.shape[0] <= 2:
             return cpu_fused.linear(last, self.lm_head, None).float()
         return F.linear(last, self.lm_head).float()
 

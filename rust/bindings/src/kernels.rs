@@ -1,6 +1,6 @@
-//! CPU kernels over torch tensor memory. `iron_batch.models.cpu_attention` is the only
-//! caller: it checks device, dtype, contiguity and shapes of every tensor before passing its
-//! address here, because a raw address carries none of that.
+//! CPU kernels over torch tensor memory. `iron_batch.models.cpu_attention` and `cpu_fused`
+//! are the only callers: they check device, dtype, contiguity and shapes of every tensor
+//! before passing its address here, because a raw address carries none of that.
 
 use std::ffi::{c_int, c_uint, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use iron_batch_kernels::{
     add_rms_norm, gemv_bf16, paged_decode_attention, rope_store_kv, Bf16, DecodeShape, Element,
-    Parallel, ScopedThreads,
+    KernelError, Parallel, ScopedThreads,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -94,49 +94,37 @@ fn openmp_runner(openmp: Option<(usize, usize, usize)>) -> Option<OpenMp> {
     }
 }
 
-/// Builds the slices from the caller's addresses and runs the kernel without the GIL.
-///
-/// SAFETY (upheld by the Python wrapper): each address points at a live, contiguous CPU
-/// tensor of `T` with exactly the element count given by `shape`, and `out` aliases none of
-/// the inputs.
-#[allow(clippy::too_many_arguments)]
-unsafe fn run<T: Element>(
+/// Runs a kernel without the GIL, its parts on the caller's OpenMP team when the team's
+/// entry points are given (OS threads otherwise). A kernel error becomes ValueError; a
+/// panic on a team thread (caught there) becomes RuntimeError.
+fn run_kernel(
     py: Python<'_>,
-    out: usize,
-    q: usize,
-    k_cache: usize,
-    v_cache: usize,
-    tables: &[i32],
-    lens: &[i32],
-    shape: DecodeShape,
-    scale: f32,
-    threads: usize,
-    omp: Option<&OpenMp>,
+    openmp: Option<(usize, usize, usize)>,
+    kernel: impl FnOnce(&dyn Parallel) -> Result<(), KernelError> + Send,
 ) -> PyResult<()> {
-    let n = shape.num_seqs * shape.num_heads * shape.head_dim;
-    let cache = shape.num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim;
-    let result = py.detach(|| {
-        // SAFETY: see the function's contract.
-        let (out, q, k, v) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(out as *mut T, n),
-                std::slice::from_raw_parts(q as *const T, n),
-                std::slice::from_raw_parts(k_cache as *const T, cache),
-                std::slice::from_raw_parts(v_cache as *const T, cache),
-            )
-        };
-        let parallel: &dyn Parallel = match omp {
-            Some(omp) => omp,
-            None => &ScopedThreads,
-        };
-        paged_decode_attention(out, q, k, v, tables, lens, &shape, scale, threads, parallel)
+    let omp = openmp_runner(openmp);
+    let result = py.detach(|| match &omp {
+        Some(team) => kernel(team),
+        None => kernel(&ScopedThreads),
     });
     if omp.is_some_and(|o| o.panicked.load(Ordering::Relaxed)) {
         return Err(PyRuntimeError::new_err(
-            "attention kernel panicked on an OpenMP thread",
+            "a CPU kernel panicked on an OpenMP thread",
         ));
     }
     result.map_err(|e| PyValueError::new_err(e.0))
+}
+
+/// SAFETY (for every function below, upheld by `iron_batch.models.cpu_attention` and
+/// `cpu_fused`, which check device, dtype, contiguity and shapes first): each address points
+/// at a live contiguous CPU tensor of the element type `bf16` names, with the element count
+/// the other arguments imply; outputs alias no input.
+unsafe fn slice<'a, T>(addr: usize, len: usize) -> &'a [T] {
+    std::slice::from_raw_parts(addr as *const T, len)
+}
+
+unsafe fn slice_mut<'a, T>(addr: usize, len: usize) -> &'a mut [T] {
+    std::slice::from_raw_parts_mut(addr as *mut T, len)
 }
 
 /// Decode attention read in place from a paged KV cache (see the kernels crate).
@@ -168,7 +156,6 @@ pub fn _paged_decode_attention(
     threads: usize,
     openmp: Option<(usize, usize, usize)>,
 ) -> PyResult<()> {
-    let omp = openmp_runner(openmp);
     let dims = block_tables.shape();
     let shape = DecodeShape {
         num_seqs: dims[0],
@@ -180,51 +167,37 @@ pub fn _paged_decode_attention(
         num_blocks,
         sliding_window,
     };
-    let tables = block_tables.as_slice()?;
-    let lens = seq_lens.as_slice()?;
-    // SAFETY: the Python wrapper upholds `run`'s contract.
-    unsafe {
-        if bf16 {
-            run::<Bf16>(
-                py,
-                out,
-                q,
-                k_cache,
-                v_cache,
-                tables,
-                lens,
-                shape,
-                scale,
-                threads,
-                omp.as_ref(),
+    let (tables, lens) = (block_tables.as_slice()?, seq_lens.as_slice()?);
+    fn go<T: Element>(
+        addrs: [usize; 4],
+        tables: &[i32],
+        lens: &[i32],
+        shape: &DecodeShape,
+        scale: f32,
+        threads: usize,
+        parallel: &dyn Parallel,
+    ) -> Result<(), KernelError> {
+        let n = shape.num_seqs * shape.num_heads * shape.head_dim;
+        let cache = shape.num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim;
+        // SAFETY: see `slice`.
+        let (out, q, k, v) = unsafe {
+            (
+                slice_mut::<T>(addrs[0], n),
+                slice::<T>(addrs[1], n),
+                slice::<T>(addrs[2], cache),
+                slice::<T>(addrs[3], cache),
             )
-        } else {
-            run::<f32>(
-                py,
-                out,
-                q,
-                k_cache,
-                v_cache,
-                tables,
-                lens,
-                shape,
-                scale,
-                threads,
-                omp.as_ref(),
-            )
-        }
+        };
+        paged_decode_attention(out, q, k, v, tables, lens, shape, scale, threads, parallel)
     }
-}
-
-/// SAFETY (for the two functions below, upheld by `iron_batch.models.cpu_fused`): every
-/// address points at a live contiguous CPU tensor of the element type `bf16` names, with
-/// the element count the other arguments imply; outputs alias no input.
-unsafe fn slice<'a, T>(addr: usize, len: usize) -> &'a [T] {
-    std::slice::from_raw_parts(addr as *const T, len)
-}
-
-unsafe fn slice_mut<'a, T>(addr: usize, len: usize) -> &'a mut [T] {
-    std::slice::from_raw_parts_mut(addr as *mut T, len)
+    let addrs = [out, q, k_cache, v_cache];
+    run_kernel(py, openmp, |parallel| {
+        if bf16 {
+            go::<Bf16>(addrs, tables, lens, &shape, scale, threads, parallel)
+        } else {
+            go::<f32>(addrs, tables, lens, &shape, scale, threads, parallel)
+        }
+    })
 }
 
 /// `residual += delta` (delta 0: none), then `out = weight * rms_norm(residual)`.
@@ -245,51 +218,33 @@ pub fn _add_rms_norm(
     openmp: Option<(usize, usize, usize)>,
 ) -> PyResult<()> {
     fn go<T: Element>(
-        out: usize,
-        residual: usize,
-        delta: usize,
-        weight: usize,
+        addrs: [usize; 4],
         rows: usize,
         dim: usize,
         eps: f32,
         threads: usize,
-        omp: Option<&OpenMp>,
-    ) -> Result<(), iron_batch_kernels::KernelError> {
+        parallel: &dyn Parallel,
+    ) -> Result<(), KernelError> {
         let n = rows * dim;
-        // SAFETY: see above.
+        // SAFETY: see `slice`.
         let (out, res, delta, weight) = unsafe {
             (
-                slice_mut::<T>(out, n),
-                slice_mut::<T>(residual, n),
-                (delta != 0).then(|| slice::<T>(delta, n)),
-                slice::<T>(weight, dim),
+                slice_mut::<T>(addrs[0], n),
+                slice_mut::<T>(addrs[1], n),
+                (addrs[2] != 0).then(|| slice::<T>(addrs[2], n)),
+                slice::<T>(addrs[3], dim),
             )
-        };
-        let parallel: &dyn Parallel = match omp {
-            Some(o) => o,
-            None => &ScopedThreads,
         };
         add_rms_norm(out, res, delta, weight, rows, eps, threads, parallel)
     }
-    let omp = openmp_runner(openmp);
-    let omp_ref = omp.as_ref();
-    let result = py.detach(|| {
+    let addrs = [out, residual, delta, weight];
+    run_kernel(py, openmp, |parallel| {
         if bf16 {
-            go::<Bf16>(
-                out, residual, delta, weight, rows, dim, eps, threads, omp_ref,
-            )
+            go::<Bf16>(addrs, rows, dim, eps, threads, parallel)
         } else {
-            go::<f32>(
-                out, residual, delta, weight, rows, dim, eps, threads, omp_ref,
-            )
+            go::<f32>(addrs, rows, dim, eps, threads, parallel)
         }
-    });
-    if omp.is_some_and(|o| o.panicked.load(Ordering::Relaxed)) {
-        return Err(PyRuntimeError::new_err(
-            "rms_norm kernel panicked on an OpenMP thread",
-        ));
-    }
-    result.map_err(|e| PyValueError::new_err(e.0))
+    })
 }
 
 /// Rotary embedding of q and k from the fused qkv rows; K and V stored at their slots.
@@ -320,10 +275,10 @@ pub fn _rope_store_kv(
         kv_heads: usize,
         head_dim: usize,
         num_slots: usize,
-    ) -> Result<(), iron_batch_kernels::KernelError> {
+    ) -> Result<(), KernelError> {
         let tokens = slots.len();
         let cache = num_slots * kv_heads * head_dim;
-        // SAFETY: see above.
+        // SAFETY: see `slice`.
         unsafe {
             rope_store_kv(
                 slice_mut::<T>(addrs[0], tokens * heads * head_dim),
@@ -341,14 +296,14 @@ pub fn _rope_store_kv(
     }
     let slots = slots.as_slice()?;
     let addrs = [q_out, k_cache, v_cache, qkv, cos, sin];
-    let result = py.detach(|| {
+    // One thread: a decode step's rows are too few to split.
+    run_kernel(py, None, |_| {
         if bf16 {
             go::<Bf16>(addrs, slots, heads, kv_heads, head_dim, num_slots)
         } else {
             go::<f32>(addrs, slots, heads, kv_heads, head_dim, num_slots)
         }
-    });
-    result.map_err(|e| PyValueError::new_err(e.0))
+    })
 }
 
 /// `out = x @ weight.T (+ bias)` for 1-2 bf16 rows (bias 0: none).
@@ -367,9 +322,7 @@ pub fn _gemv_bf16(
     threads: usize,
     openmp: Option<(usize, usize, usize)>,
 ) -> PyResult<()> {
-    let omp = openmp_runner(openmp);
-    let omp_ref = omp.as_ref();
-    let result = py.detach(|| {
+    run_kernel(py, openmp, |parallel| {
         // SAFETY: see `slice`.
         let (out, x, weight, bias) = unsafe {
             (
@@ -379,16 +332,6 @@ pub fn _gemv_bf16(
                 (bias != 0).then(|| slice::<Bf16>(bias, n)),
             )
         };
-        let parallel: &dyn Parallel = match omp_ref {
-            Some(o) => o,
-            None => &ScopedThreads,
-        };
         gemv_bf16(out, x, weight, bias, rows, n, k, threads, parallel)
-    });
-    if omp.is_some_and(|o| o.panicked.load(Ordering::Relaxed)) {
-        return Err(PyRuntimeError::new_err(
-            "gemv kernel panicked on an OpenMP thread",
-        ));
-    }
-    result.map_err(|e| PyValueError::new_err(e.0))
+    })
 }

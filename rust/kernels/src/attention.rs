@@ -210,6 +210,28 @@ impl<T: Element> Job<'_, T> {
         let start = if w > 0 && len > w { len - w } else { 0 };
         (start, len - start)
     }
+
+    /// The attended positions of `seq` for kv head `head`: their number, and per cache
+    /// block they lie in, (offset of the first one's row, positions in the block). Whole
+    /// runs, so the position loops do no division.
+    fn runs(
+        &self,
+        seq: usize,
+        head: usize,
+    ) -> (usize, impl Iterator<Item = (usize, usize)> + Clone + '_) {
+        let s = self.shape;
+        let (start, n) = self.span(seq);
+        let table = &self.block_tables[seq * s.max_blocks..(seq + 1) * s.max_blocks];
+        let blocks = start / s.block_size..(start + n).div_ceil(s.block_size);
+        let runs = blocks.map(move |b| {
+            let lo = start.max(b * s.block_size);
+            let hi = (start + n).min((b + 1) * s.block_size);
+            let block = table[b] as usize;
+            let at = (block * s.block_size + lo - b * s.block_size) * s.num_kv_heads + head;
+            (at * s.head_dim, hi - lo)
+        });
+        (n, runs)
+    }
 }
 
 /// Items `first..` (one (sequence, kv head) each) into `out`, with the widest SIMD the CPU
@@ -279,16 +301,7 @@ mod avx512 {
         for (k, item_out) in out.chunks_exact_mut(group * hd).enumerate() {
             let item = first + k;
             let (seq, head) = (item / s.num_kv_heads, item % s.num_kv_heads);
-            let (start, n) = job.span(seq);
-            let table = &job.block_tables[seq * s.max_blocks..(seq + 1) * s.max_blocks];
-            let runs = (start / s.block_size..(start + n).div_ceil(s.block_size)).map(|b| {
-                let lo = start.max(b * s.block_size);
-                let hi = (start + n).min((b + 1) * s.block_size);
-                let block = table[b] as usize;
-                let at =
-                    ((block * s.block_size + lo - b * s.block_size) * s.num_kv_heads + head) * hd;
-                (at, hi - lo)
-            });
+            let (n, runs) = job.runs(seq, head);
             let qp = job.q.as_ptr().add((seq * s.num_heads + head * group) * hd);
             for (i, q) in query.iter_mut().enumerate() {
                 *q = _mm512_mul_ps(load16(qp.add(i * 16)), scale);
@@ -373,17 +386,7 @@ fn run_items_generic<T: Element, const FMA: bool>(job: &Job<'_, T>, first: usize
     for (k, item_out) in out.chunks_exact_mut(group * hd).enumerate() {
         let item = first + k;
         let (seq, head) = (item / s.num_kv_heads, item % s.num_kv_heads);
-        let (start, n) = job.span(seq);
-        let table = &job.block_tables[seq * s.max_blocks..(seq + 1) * s.max_blocks];
-        // (offset of the first attended position's row in the cache, positions) per block:
-        // whole runs, so the position loop does no division.
-        let runs = (start / s.block_size..(start + n).div_ceil(s.block_size)).map(|b| {
-            let lo = start.max(b * s.block_size);
-            let hi = (start + n).min((b + 1) * s.block_size);
-            let block = table[b] as usize;
-            let at = ((block * s.block_size + lo - b * s.block_size) * s.num_kv_heads + head) * hd;
-            (at, hi - lo)
-        });
+        let (n, runs) = job.runs(seq, head);
         let q_base = (seq * s.num_heads + head * group) * hd;
         load(&mut query, &job.q[q_base..q_base + group * hd]);
         for x in query.iter_mut() {
