@@ -114,8 +114,17 @@ class Scheduler:
         prompt_token_ids: Sequence[int] | npt.NDArray[np.integer],
         max_new_tokens: int,
         stop_token_ids: Sequence[int] = (),
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        skip_prefix_cache: bool = False,
     ) -> None:
-        """Queue a request. Raises RequestRejected or DuplicateRequest, changing nothing."""
+        """Queue a request. Raises RequestRejected or DuplicateRequest, changing nothing.
+
+        ``priority``: lower runs first; the waiting queue and the choice of preemption
+        victim follow (priority, arrival). ``cache_salt``: requests with different salts
+        never share prefix-cache blocks. ``skip_prefix_cache``: compute every prompt token
+        (for prompt logprobs); the blocks are still published for later requests."""
     def schedule(self, lookahead: int = 0) -> Batch:
         """Pick the next step's work. An empty batch (num_seqs == 0) means nothing to run.
         With ``lookahead = K - 1`` KV slots are reserved so that each sampled sequence can

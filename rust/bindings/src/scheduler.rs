@@ -150,13 +150,18 @@ impl Scheduler {
         self.config.clone()
     }
 
-    #[pyo3(signature = (request_id, prompt_token_ids, max_new_tokens, stop_token_ids = None))]
+    #[pyo3(signature = (request_id, prompt_token_ids, max_new_tokens, stop_token_ids = None,
+                        *, priority = 0, cache_salt = None, skip_prefix_cache = false))]
+    #[allow(clippy::too_many_arguments)]
     fn add_request(
         &self,
         request_id: &Bound<'_, PyString>,
         prompt_token_ids: &Bound<'_, PyAny>,
         max_new_tokens: i64,
         stop_token_ids: Option<&Bound<'_, PyAny>>,
+        priority: i64,
+        cache_salt: Option<&str>,
+        skip_prefix_cache: bool,
     ) -> PyResult<()> {
         let prompt = token_ids(prompt_token_ids, "prompt_token_ids")?;
         let stops = match stop_token_ids {
@@ -173,7 +178,17 @@ impl Scheduler {
         let mut inner = self.lock();
         let slot = inner
             .core
-            .add_request(id, &prompt, max_new, &stops)
+            .add_request_with(
+                id,
+                &prompt,
+                max_new,
+                &stops,
+                &core::RequestOptions {
+                    priority,
+                    cache_salt: cache_salt.map(|c| c.as_bytes().to_vec()),
+                    skip_prefix_cache,
+                },
+            )
             .map_err(sched_err)?;
         if inner.py_ids.len() <= slot {
             inner.py_ids.resize_with(slot + 1, || None);

@@ -187,12 +187,24 @@ impl BlockAllocator {
     /// token (its logits must be computed). Takes a reference on each block returned;
     /// `hashes` receives each block's chained hash.
     pub fn match_prefix(&mut self, tokens: &[u32], hashes: &mut Vec<BlockHash>) -> Vec<BlockId> {
+        self.match_prefix_salted(tokens, None, hashes)
+    }
+
+    /// As `match_prefix` for a chain whose first block has `salt` (see
+    /// `block_hash::hash_salt`) as its parent hash: blocks published under another salt,
+    /// or none, never match.
+    pub fn match_prefix_salted(
+        &mut self,
+        tokens: &[u32],
+        salt: Option<BlockHash>,
+        hashes: &mut Vec<BlockHash>,
+    ) -> Vec<BlockId> {
         let mut out = Vec::new();
         if !self.caching || tokens.is_empty() {
             return out;
         }
         let full = (tokens.len() - 1) / self.block_size;
-        let mut parent = None;
+        let mut parent = salt;
         for b in 0..full {
             let chunk = &tokens[b * self.block_size..(b + 1) * self.block_size];
             let hash = (self.hasher)(parent, chunk);

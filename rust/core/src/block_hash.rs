@@ -20,6 +20,21 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The value a cache salt contributes to its request's chain: it stands in for the parent
+/// hash of the first block, so two requests with different salts never compute the same
+/// block hash for the same tokens, and a salted chain never matches an unsalted one. The
+/// byte string is hashed in a domain of its own (a distinct seed and the length), so a salt
+/// cannot be chosen to equal the hash of some cached block.
+pub fn hash_salt(salt: &[u8]) -> BlockHash {
+    let mut h = mix(SEED.rotate_left(41) ^ 0x5A17);
+    for chunk in salt.chunks(8) {
+        let mut word = [0u8; 8];
+        word[..chunk.len()].copy_from_slice(chunk);
+        h = mix(h ^ u64::from_le_bytes(word).wrapping_add(SEED));
+    }
+    mix(h ^ (salt.len() as u64).rotate_left(7))
+}
+
 pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
     let mut h = mix(parent.map_or(SEED, |p| p ^ SEED.rotate_left(17)));
     for &t in tokens {
@@ -33,6 +48,34 @@ mod tests {
     use std::collections::HashSet;
 
     use super::*;
+
+    #[test]
+    fn salts_differ_from_each_other_and_change_the_first_block() {
+        let tokens = [5u32, 6, 7, 8];
+        let plain = hash_block(None, &tokens);
+        let mut seen = HashSet::new();
+        for salt in [
+            "",
+            "a",
+            "b",
+            "ab",
+            "tenant-1",
+            "tenant-2",
+            "12345678",
+            "123456789",
+        ] {
+            let s = hash_salt(salt.as_bytes());
+            assert!(seen.insert(s), "salt {salt:?} collides");
+            assert_ne!(hash_block(Some(s), &tokens), plain, "salt {salt:?}");
+        }
+        // Trailing zero bytes are not padding: the length is hashed too.
+        assert_ne!(hash_salt(b"a"), hash_salt(b"a\0"));
+        assert_eq!(
+            hash_salt(b"tenant-1"),
+            hash_salt(b"tenant-1"),
+            "deterministic"
+        );
+    }
 
     #[test]
     fn mix_is_the_splitmix64_finaliser() {

@@ -12,8 +12,8 @@ pub mod sequence;
 
 pub use allocator::{BlockAllocator, BlockId};
 pub use batch::{Batch, BatchEntry};
-pub use block_hash::{hash_block, BlockHash, BlockHasher};
+pub use block_hash::{hash_block, hash_salt, BlockHash, BlockHasher};
 pub use config::SchedulerConfig;
 pub use error::{AllocError, SchedulerError};
 pub use scheduler::{Scheduler, SchedulerStats, StepEvent};
-pub use sequence::{FinishReason, SeqState, Sequence};
+pub use sequence::{FinishReason, RequestOptions, SeqState, Sequence};

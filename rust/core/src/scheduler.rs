@@ -5,10 +5,10 @@ use std::collections::{HashMap, VecDeque};
 
 use crate::allocator::BlockAllocator;
 use crate::batch::Batch;
-use crate::block_hash::{hash_block, BlockHasher};
+use crate::block_hash::{hash_block, hash_salt, BlockHasher};
 use crate::config::SchedulerConfig;
 use crate::error::{AllocError, SchedulerError};
-use crate::sequence::{FinishReason, SeqState, Sequence};
+use crate::sequence::{FinishReason, RequestOptions, SeqState, Sequence};
 
 /// What happened to one request in a step. `Scheduler::request_id(slot)` names the request
 /// until the next `schedule` (slots are reused only from then on).
@@ -43,8 +43,10 @@ pub struct Scheduler {
     /// batch and events, so they join `free_slots` only at the next `schedule`.
     retired_slots: Vec<usize>,
     by_id: HashMap<String, usize>,
-    /// Admission order: the back is the most recently admitted (first to preempt).
+    /// Sorted by `Sequence::order_key` (priority, then arrival): scheduled front first;
+    /// the back is the first to preempt.
     running: Vec<usize>,
+    /// Sorted by `Sequence::order_key`: admitted front first.
     waiting: VecDeque<usize>,
     /// Events of requests that ended without model work (max_new_tokens == 0).
     pending: Vec<StepEvent>,
@@ -133,6 +135,24 @@ impl Scheduler {
         max_new_tokens: usize,
         stop_token_ids: &[u32],
     ) -> Result<usize, SchedulerError> {
+        self.add_request_with(
+            request_id,
+            prompt,
+            max_new_tokens,
+            stop_token_ids,
+            &RequestOptions::default(),
+        )
+    }
+
+    /// `add_request` with a priority, a cache salt or no prefix-cache lookup.
+    pub fn add_request_with(
+        &mut self,
+        request_id: &str,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        stop_token_ids: &[u32],
+        opts: &RequestOptions,
+    ) -> Result<usize, SchedulerError> {
         if self.by_id.contains_key(request_id) {
             return Err(SchedulerError::DuplicateRequest(request_id.to_string()));
         }
@@ -194,10 +214,35 @@ impl Scheduler {
             state: SeqState::Waiting,
             num_cached_prompt: None,
             num_preemptions: 0,
+            priority: opts.priority,
+            cache_salt: opts.cache_salt.as_deref().map(hash_salt),
+            skip_prefix_cache: opts.skip_prefix_cache,
         });
         self.by_id.insert(request_id.to_string(), slot);
-        self.waiting.push_back(slot);
+        self.enqueue_waiting(slot);
         Ok(slot)
+    }
+
+    fn key(&self, slot: usize) -> (i64, u64) {
+        self.seqs[slot]
+            .as_ref()
+            .expect("queued slot is live")
+            .order_key()
+    }
+
+    /// Into the waiting queue behind every sequence that orders before it (O(1) for the
+    /// common case, an arrival of the lowest priority present).
+    fn enqueue_waiting(&mut self, slot: usize) {
+        let key = self.key(slot);
+        let at = self.waiting.partition_point(|&s| self.key(s) < key);
+        self.waiting.insert(at, slot);
+    }
+
+    /// Into the running list, which stays in `order_key` order.
+    fn insert_running(&mut self, slot: usize) {
+        let key = self.key(slot);
+        let at = self.running.partition_point(|&s| self.key(s) < key);
+        self.running.insert(at, slot);
     }
 
     /// Free all blocks of a sequence, tail first, so eviction takes a prompt's end before
@@ -211,14 +256,15 @@ impl Scheduler {
         seq.num_computed = 0;
     }
 
-    /// Preempt the most recently admitted running sequence; returns its slot.
+    /// Preempt the running sequence that orders last (lowest priority, latest arrival);
+    /// returns its slot. It waits again in its place by the same order.
     fn preempt_last(&mut self) -> usize {
         let slot = self.running.pop().expect("preempt with nothing running");
         let seq = self.seqs[slot].as_mut().expect("running slot is live");
         Self::release_blocks(&mut self.alloc, seq);
         seq.state = SeqState::Waiting;
         seq.num_preemptions += 1;
-        self.waiting.push_front(slot);
+        self.enqueue_waiting(slot);
         self.stats.preemptions += 1;
         slot
     }
@@ -298,8 +344,13 @@ impl Scheduler {
             };
             let seq = self.seqs[slot].as_mut().expect("waiting slot is live");
             debug_assert!(seq.blocks.is_empty() && seq.num_computed == 0);
-            if self.alloc.caching_enabled() {
-                seq.blocks = self.alloc.match_prefix(&seq.tokens, &mut seq.block_hashes);
+            let lookup = self.alloc.caching_enabled() && !seq.skip_prefix_cache;
+            if lookup {
+                seq.blocks = self.alloc.match_prefix_salted(
+                    &seq.tokens,
+                    seq.cache_salt,
+                    &mut seq.block_hashes,
+                );
             }
             let computed = seq.blocks.len() * bs;
             let n = (seq.tokens.len() - computed).min(budget);
@@ -310,7 +361,7 @@ impl Scheduler {
                 Self::release_blocks(&mut self.alloc, seq);
                 break;
             }
-            if self.alloc.caching_enabled() {
+            if lookup {
                 self.stats.prefix_cache_queries += 1;
                 self.stats.prefix_cache_query_tokens += seq.tokens.len() as u64;
                 self.stats.prefix_cache_hit_tokens += computed as u64;
@@ -324,7 +375,7 @@ impl Scheduler {
             }
             seq.state = SeqState::Running;
             self.waiting.pop_front();
-            self.running.push(slot);
+            self.insert_running(slot);
             let seq = self.seqs[slot].as_ref().expect("live");
             batch.push(slot, seq, n, steps, bs);
             budget -= n;
@@ -426,7 +477,10 @@ impl Scheduler {
             let full = seq.num_computed / bs;
             while seq.block_hashes.len() < full {
                 let j = seq.block_hashes.len();
-                let parent = j.checked_sub(1).map(|p| seq.block_hashes[p]);
+                let parent = match j.checked_sub(1) {
+                    Some(p) => Some(seq.block_hashes[p]),
+                    None => seq.cache_salt,
+                };
                 let hash =
                     self.alloc
                         .publish(seq.blocks[j], parent, &seq.tokens[j * bs..(j + 1) * bs])?;
@@ -519,6 +573,16 @@ impl Scheduler {
         if self.running.len() > self.cfg.max_running_seqs {
             return bad("more running sequences than max_running_seqs".into());
         }
+        let sorted = |q: &mut dyn Iterator<Item = usize>| {
+            let keys: Vec<_> = q.map(|k| self.key(k)).collect();
+            keys.windows(2).all(|w| w[0] < w[1])
+        };
+        if !sorted(&mut self.running.iter().copied()) {
+            return bad("running sequences out of (priority, arrival) order".into());
+        }
+        if !sorted(&mut self.waiting.iter().copied()) {
+            return bad("waiting queue out of (priority, arrival) order".into());
+        }
         self.alloc.check_invariants(Some(&refs))
     }
 }
@@ -603,6 +667,22 @@ mod tests {
         let mut s = healthy();
         s.by_id.insert("ghost".into(), 0);
         assert_eq!(broken(&s), "queues disagree with live sequences");
+    }
+
+    #[test]
+    fn queues_out_of_priority_order_are_reported() {
+        let mut s = healthy();
+        s.add_request("d", &[8], 4, &[]).unwrap();
+        s.check_invariants().unwrap();
+        s.waiting.swap(0, 1);
+        assert_eq!(broken(&s), "waiting queue out of (priority, arrival) order");
+
+        let mut s = healthy();
+        s.running.swap(0, 1);
+        assert_eq!(
+            broken(&s),
+            "running sequences out of (priority, arrival) order"
+        );
     }
 
     #[test]

@@ -47,9 +47,33 @@ pub struct Sequence {
     /// Prompt tokens served by the prefix cache at first admission.
     pub num_cached_prompt: Option<usize>,
     pub num_preemptions: u32,
+    /// Lower runs first: the waiting queue and the choice of preemption victim order
+    /// sequences by `(priority, uid)`.
+    pub priority: i64,
+    /// `hash_salt` of the request's cache salt: the parent of its first block's hash.
+    pub cache_salt: Option<BlockHash>,
+    /// Never look up the prefix cache (its blocks are still published once computed): for
+    /// requests that need the logits of every prompt position, which a cached block lacks.
+    pub skip_prefix_cache: bool,
+}
+
+/// Per-request scheduling options beyond the prompt and the limits.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestOptions {
+    /// Lower runs first (as in vLLM); 0 by default.
+    pub priority: i64,
+    /// Requests with different salts never share prefix-cache blocks.
+    pub cache_salt: Option<Vec<u8>>,
+    /// Compute every prompt token (no prefix-cache lookup).
+    pub skip_prefix_cache: bool,
 }
 
 impl Sequence {
+    /// The order of the waiting queue and of preemption: priority, then arrival.
+    pub fn order_key(&self) -> (i64, u64) {
+        (self.priority, self.uid)
+    }
+
     pub fn num_output(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
