@@ -57,12 +57,17 @@ class ArrayBatch:
     """The attributes of ``_core.Batch`` that backends read, from plain arrays (the worker
     builds one per received frame and per lookahead step)."""
 
-    def __init__(self, sample_request_ids: list[str], **arrays: np.ndarray) -> None:
+    def __init__(
+        self, sample_request_ids: list[str], request_ids: list[str] | None = None,
+        **arrays: np.ndarray,
+    ) -> None:
         missing = set(MODEL_INPUTS) - set(arrays)
         if missing:
             raise TypeError(f"ArrayBatch lacks {', '.join(sorted(missing))}")
         self.__dict__.update(arrays)
         self.sample_request_ids = sample_request_ids
+        #: The request of every sequence (empty when the sender did not say).
+        self.request_ids = request_ids if request_ids is not None else []
 
     @property
     def num_seqs(self) -> int:

@@ -496,6 +496,8 @@ class Engine:
             event = TokenEvent(request_id, index, token_id, text, finished, reason)
             if extras and token_id is not None:
                 event.logprobs = extras.get(request_id)
+            if index == 0 and token_id is not None and req.params.prompt_logprobs is not None:
+                event.prompt_logprobs = self.backend.take_prompt_logprobs(request_id)
             if finished:
                 stats.requests_completed += 1
                 event.num_cached_tokens = req.num_cached or 0
@@ -535,6 +537,12 @@ class Engine:
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.extend(self._eos)
+        if params.prompt_logprobs is not None and not getattr(
+            self.backend, "supports_prompt_logprobs", False
+        ):
+            self._reject(req, "prompt logprobs are not supported by this backend",
+                         "ValueError", out)
+            return
         try:
             self.backend.add_request(request_id, req.prompt_token_ids, params)
         except (ValueError, TypeError) as exc:
@@ -542,7 +550,10 @@ class Engine:
             return
         try:
             self.scheduler.add_request(
-                request_id, req.prompt_token_ids, params.max_new_tokens, stop_ids
+                request_id, req.prompt_token_ids, params.max_new_tokens, stop_ids,
+                priority=params.priority, cache_salt=params.cache_salt,
+                # A cached block has KV but no logits: score the whole prompt.
+                skip_prefix_cache=params.prompt_logprobs is not None,
             )
         except (IronBatchError, ValueError, TypeError, OverflowError) as exc:
             self.backend.remove_request(request_id)

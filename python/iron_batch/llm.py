@@ -28,6 +28,9 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    #: With ``SamplingParams.prompt_logprobs``: per prompt token, None for the first, else
+    #: (its logprob, [(token id, logprob)] top alternatives).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
 
 class LLM:
@@ -127,6 +130,8 @@ class LLM:
                         continue
                     if event.finish_reason == "rejected":
                         raise ValueError(f"request {order.index(event.request_id)}: {event.error}")
+                    if event.prompt_logprobs is not None:
+                        out.prompt_logprobs = event.prompt_logprobs
                     if event.token_id is not None:
                         out.token_ids.append(event.token_id)
                     if event.text:

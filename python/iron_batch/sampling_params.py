@@ -33,6 +33,7 @@ def _num(x: float) -> str:
 
 #: Largest seed (seeds are non-negative 63-bit integers everywhere).
 SEED_MAX = (1 << 63) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_LOGPROBS = 20
 
 #: The one statement of each numeric setting's valid range: ``SamplingParams.validate``, the
@@ -48,9 +49,11 @@ RANGES: dict[str, Range] = {
     "presence_penalty": Range(-2.0, 2.0),
     "frequency_penalty": Range(-2.0, 2.0),
     "logprobs": Range(0, MAX_LOGPROBS, integer=True),
+    "prompt_logprobs": Range(0, MAX_LOGPROBS, integer=True),
+    "priority": Range(INT64_MIN, INT64_MAX, integer=True),
 }
 #: Settings that may be None (not given).
-_OPTIONAL = frozenset(("seed", "logprobs"))
+_OPTIONAL = frozenset(("seed", "logprobs", "prompt_logprobs"))
 
 
 @dataclass
@@ -76,6 +79,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    #: Logprob of every prompt token but the first (which has none) and this many top
+    #: alternatives per position. Such a request computes its whole prompt: it skips the
+    #: prefix cache, whose blocks hold KV but no logits.
+    prompt_logprobs: int | None = None
+    # Scheduling rather than sampling, carried here so every front end passes them the
+    # same way. priority: lower runs first (waiting queue and preemption order).
+    priority: int = 0
+    #: Requests with different salts never share prefix-cache blocks.
+    cache_salt: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -88,6 +100,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be {kind} in {allowed.describe()}, got {value!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not self.cache_salt
+        ):
+            raise ValueError("cache_salt must be a non-empty string")
 
     @property
     def is_greedy(self) -> bool:

@@ -18,6 +18,8 @@ class TokenEvent:
 
     ``logprobs`` is ``(chosen token logprob, [(token id, logprob)] top alternatives)`` for
     requests whose ``params.logprobs`` is set (and a backend that computes them).
+    ``prompt_logprobs`` is set on a request's first token event when its
+    ``params.prompt_logprobs`` is set: one entry per prompt token, None for the first.
     ``num_cached_tokens`` is set on the finishing event: prompt tokens the prefix cache
     served at the request's first admission (the scheduler forgets it once the request ends).
     """
@@ -33,6 +35,7 @@ class TokenEvent:
         "error_type",
         "logprobs",
         "num_cached_tokens",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -58,6 +61,7 @@ class TokenEvent:
         self.error_type = error_type
         self.logprobs = logprobs
         self.num_cached_tokens = num_cached_tokens
+        self.prompt_logprobs: list[Logprobs | None] | None = None
 
     def __repr__(self) -> str:
         return (

@@ -37,8 +37,10 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         add_bos: bool = False,
+        pad_token: str | None = None,
     ) -> None:
         self._tok = tokenizer
+        self.pad_token = pad_token
         self.chat_template = chat_template
         self.eos_token_ids = eos_token_ids
         self.bos_token = bos_token
@@ -58,6 +60,7 @@ class Tokenizer:
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             "add_bos": bool(self._add_bos),
+            "pad_token": self.pad_token,
         }
 
     @classmethod
@@ -69,6 +72,7 @@ class Tokenizer:
             bos_token=info.get("bos_token"),
             eos_token=info.get("eos_token"),
             add_bos=bool(info.get("add_bos", False)),
+            pad_token=info.get("pad_token"),
         )
 
     @property
@@ -128,7 +132,7 @@ class Tokenizer:
                 if i not in eos_ids:
                     eos_ids.append(int(i))
         return cls(tok, chat_template=template, eos_token_ids=eos_ids, bos_token=bos,
-                   eos_token=eos)
+                   eos_token=eos, pad_token=_token_text(cfg.get("pad_token")))
 
     @classmethod
     def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:

@@ -18,7 +18,11 @@ Kinds:
 - HELLO (client -> worker, first frame): JSON ``{"protocol": 1, "api_key": str | null}``.
 - INFO (worker -> client): JSON with the model name, KV geometry, limits and tokenizer.
 - EXECUTE: ``<II`` (steps K, array count) then the arrays of :data:`EXECUTE_FIELDS`.
-- RESULT: one int64 array ``[num_samples, K]``.
+- RESULT: one int64 array ``[num_samples, K]``, then a UTF-8 JSON object (uint8 array,
+  empty when there is nothing to say) with the logprobs requests asked for:
+  ``"logprobs"``: per sample row null or ``[chosen, [[id, logprob], ...]]`` (K = 1 only);
+  ``"prompt_logprobs"``: request handle -> per prompt token null or the same pair, for
+  requests whose prompt was completed in this batch.
 - ERROR: a UTF-8 message. The worker answers any bad frame with one and keeps serving.
 
 Every EXECUTE is checked whole (dtypes, shapes, consistency, id and slot ranges) before
@@ -41,7 +45,7 @@ from iron_batch.batch import BATCH_FIELDS, I64
 from iron_batch.batch import I32 as I32  # re-exported: the codec's dtypes
 
 MAGIC = b"IBW1"
-PROTOCOL = 1
+PROTOCOL = 2
 HEADER = struct.Struct("<4sBBHI")
 _ARRAY_HEADER = struct.Struct("<BB6xII")
 _EXECUTE_PREFIX = struct.Struct("<II")
@@ -205,6 +209,7 @@ EXECUTE_FIELDS: tuple[tuple[str, np.dtype[Any]], ...] = (
     ("add_prompt_lens", I64),  # [A]
     ("add_prompt_tokens", I64),  # [sum(add_prompt_lens)]
     ("add_params", U8),  # UTF-8 JSON list of A sampling-settings objects
+    ("seq_handles", I64),  # [S] request handle of every sequence (prompt logprobs)
 )
 
 #: Sampling settings a worker accepts per request (everything else stays in the server).
@@ -217,6 +222,8 @@ PARAM_FIELDS: dict[str, tuple[type, ...]] = {
     "repetition_penalty": (int, float),
     "presence_penalty": (int, float),
     "frequency_penalty": (int, float),
+    "logprobs": (int, type(None)),
+    "prompt_logprobs": (int, type(None)),
 }
 
 
@@ -265,6 +272,7 @@ def encode_execute(
     sample_handles: np.ndarray,
     remove_handles: list[int],
     adds: list[tuple[int, list[int], dict[str, Any]]],
+    seq_handles: np.ndarray | None = None,
 ) -> list[bytes | memoryview]:
     """Body parts of an EXECUTE; ``batch_arrays`` are the batch's arrays in
     :data:`iron_batch.batch.BATCH_FIELDS` order (:func:`iron_batch.batch.batch_arrays`)."""
@@ -280,6 +288,7 @@ def encode_execute(
         np.frombuffer(
             json.dumps([s for _, _, s in adds], separators=(",", ":")).encode(), dtype=U8
         ),
+        np.zeros(len(batch_arrays[4]), dtype=I64) if seq_handles is None else seq_handles,
     ]
     parts: list[bytes | memoryview] = [_EXECUTE_PREFIX.pack(steps, len(arrays))]
     for (_name, dt), a in zip(EXECUTE_FIELDS, arrays, strict=True):
@@ -333,7 +342,8 @@ def decode_execute(body: bytearray, limits: WorkerLimits) -> ExecuteRequest:
     b = tables.shape[1]
     _fail_unless(len(pos) == t and len(slots) == t, "token arrays differ in length")
     _fail_unless(len(qsl) == s + 1, "query_start_loc must have num_seqs + 1 entries")
-    _fail_unless(len(before) == s and tables.shape[0] == s, "sequence arrays differ in length")
+    _fail_unless(len(before) == s and tables.shape[0] == s
+                 and len(named["seq_handles"]) == s, "sequence arrays differ in length")
     _fail_unless(len(row_seqs) == n and len(max_steps) == n and len(handles) == n,
                  "sample arrays differ in length")
     if t:
@@ -389,14 +399,67 @@ def decode_execute(body: bytearray, limits: WorkerLimits) -> ExecuteRequest:
     return ExecuteRequest(steps, arrays, adds)
 
 
-def encode_result(tokens: np.ndarray) -> list[bytes | memoryview]:
-    return encode_array(np.ascontiguousarray(tokens, dtype=I64))
+def encode_result(
+    tokens: np.ndarray, extras: dict[str, Any] | None = None
+) -> list[bytes | memoryview]:
+    blob = json.dumps(extras, separators=(",", ":")).encode() if extras else b""
+    return [*encode_array(np.ascontiguousarray(tokens, dtype=I64)),
+            *encode_array(np.frombuffer(blob, dtype=U8))]
 
 
-def decode_result(body: bytearray, num_samples: int, steps: int, vocab_size: int) -> np.ndarray:
-    (tokens,) = decode_arrays(body, 0, 1)
+def _check_logprob_pair(value: Any, vocab_size: int) -> tuple[float, list[tuple[int, float]]]:
+    ok = isinstance(value, list) and len(value) == 2 and isinstance(value[1], list)
+    _fail_unless(ok, "a logprob entry must be [logprob, [[id, logprob], ...]]")
+    chosen, alts = value
+    _fail_unless(isinstance(chosen, (int, float)) and not isinstance(chosen, bool),
+                 "a logprob must be a number")
+    out: list[tuple[int, float]] = []
+    for alt in alts:
+        _fail_unless(isinstance(alt, list) and len(alt) == 2 and isinstance(alt[0], int)
+                     and not isinstance(alt[0], bool) and 0 <= alt[0] < vocab_size
+                     and isinstance(alt[1], (int, float)) and not isinstance(alt[1], bool),
+                     "a top logprob must be [id in the vocabulary, logprob]")
+        out.append((int(alt[0]), float(alt[1])))
+    return float(chosen), out
+
+
+def _check_extras(blob: np.ndarray, num_samples: int, vocab_size: int) -> dict[str, Any]:
+    if not blob.size:
+        return {}
+    try:
+        extras = json.loads(blob.tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise WireError("result extras are not UTF-8 JSON") from None
+    _fail_unless(isinstance(extras, dict), "result extras must be a JSON object")
+    out: dict[str, Any] = {}
+    rows = extras.get("logprobs")
+    if rows is not None:
+        _fail_unless(isinstance(rows, list) and len(rows) == num_samples,
+                     "logprobs must have one entry per sample row")
+        out["logprobs"] = [None if r is None else _check_logprob_pair(r, vocab_size)
+                           for r in rows]
+    prompts = extras.get("prompt_logprobs")
+    if prompts is not None:
+        _fail_unless(isinstance(prompts, dict), "prompt_logprobs must be an object")
+        checked: dict[int, list[Any]] = {}
+        for handle, entries in prompts.items():
+            _fail_unless(isinstance(handle, str) and handle.isdigit(),
+                         "prompt_logprobs keys must be request handles")
+            _fail_unless(isinstance(entries, list), "prompt_logprobs values must be lists")
+            checked[int(handle)] = [None if e is None else _check_logprob_pair(e, vocab_size)
+                                    for e in entries]
+        out["prompt_logprobs"] = checked
+    return out
+
+
+def decode_result(
+    body: bytearray, num_samples: int, steps: int, vocab_size: int
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """The sampled tokens ``[num_samples, steps]`` and the checked logprob extras."""
+    tokens, blob = decode_arrays(body, 0, 2)
     _fail_unless(tokens.dtype == I64 and tokens.shape == (num_samples, steps),
                  f"result is {tokens.dtype}{tokens.shape}, expected int64({num_samples}, {steps})")
     if tokens.size:
         _fail_unless(tokens.min() >= 0 and tokens.max() < vocab_size, "sampled id out of range")
-    return tokens
+    _fail_unless(blob.dtype == U8 and blob.ndim == 1, "result extras must be a byte array")
+    return tokens, _check_extras(blob, num_samples, vocab_size)

@@ -40,8 +40,12 @@ logger = logging.getLogger("iron_batch.worker")
 HELLO_TIMEOUT_S = 10.0
 
 
-def run_steps(backend: Any, req: ExecuteRequest, block_size: int) -> np.ndarray:
-    """Run the received batch, then the lookahead decode steps; [num_samples, K] int64.
+def run_steps(
+    backend: Any, req: ExecuteRequest, block_size: int
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Run the received batch, then the lookahead decode steps: [num_samples, K] int64,
+    and the RESULT extras (logprobs of the first step's samples, prompt logprobs of the
+    requests whose prompt this batch completed) for requests that asked.
 
     Step j >= 1 feeds row r's token from step j - 1 at position ``seq_lens[seq] + j - 1``,
     into the slot the scheduler reserved for it in the sequence's block table. Every token
@@ -50,11 +54,13 @@ def run_steps(backend: Any, req: ExecuteRequest, block_size: int) -> np.ndarray:
     that stop anyway, so the extra counts are never used.
     """
     rids = [str(h) for h in req.sample_handles.tolist()]
-    first = backend.execute(ArrayBatch(rids, **req.batch()))
+    seq_rids = [str(h) for h in req.seq_handles.tolist()]
+    first = backend.execute(ArrayBatch(rids, seq_rids, **req.batch()))
     n, k = len(rids), req.steps
     out = np.zeros((n, k), dtype=np.int64)  # unused entries stay 0 (the server ignores them)
+    extras = _extras(backend, rids, k)
     if n == 0:
-        return out
+        return out, extras
     out[:, 0] = first
     active = np.arange(n)
     prev = np.asarray(first, dtype=np.int64)
@@ -90,7 +96,26 @@ def run_steps(backend: Any, req: ExecuteRequest, block_size: int) -> np.ndarray:
             dtype=np.int64,
         )
         out[active, j] = prev
-    return out
+    return out, extras
+
+
+def _extras(backend: Any, rids: list[str], steps: int) -> dict[str, Any]:
+    extras: dict[str, Any] = {}
+    rows = backend.last_logprobs() if steps == 1 else None
+    if rows is not None and len(rows) == len(rids):
+        extras["logprobs"] = [None if r is None else [r[0], [list(a) for a in r[1]]]
+                              for r in rows]
+    take = getattr(backend, "take_prompt_logprobs", None)
+    if take is not None:
+        prompts: dict[str, Any] = {}
+        for rid in rids:
+            entries = take(rid)
+            if entries is not None:
+                prompts[rid] = [None if e is None else [e[0], [list(a) for a in e[1]]]
+                                for e in entries]
+        if prompts:
+            extras["prompt_logprobs"] = prompts
+    return extras
 
 
 class Worker:
@@ -211,14 +236,16 @@ class Worker:
                 if self._session != session:
                     return  # another connection took over; this client is gone
                 try:
-                    tokens = self._run(req, params)
+                    tokens, extras = self._run(req, params)
                 except Exception as exc:  # a model error fails one batch, not the worker
                     logger.exception("execute failed")
                     self._error(conn, f"execute failed: {type(exc).__name__}: {exc}")
                     continue
-            self._reply(conn, Kind.RESULT, wire.encode_result(tokens))
+            self._reply(conn, Kind.RESULT, wire.encode_result(tokens, extras))
 
-    def _run(self, req: ExecuteRequest, params: list[SamplingParams]) -> np.ndarray:
+    def _run(
+        self, req: ExecuteRequest, params: list[SamplingParams]
+    ) -> tuple[np.ndarray, dict[str, Any]]:
         backend = self.backend
         for handle in req.remove_handles.tolist():
             backend.remove_request(str(handle))
@@ -261,6 +288,7 @@ def build_backend(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         "eos_token_ids": list(backend.eos_token_ids),
         "vocab_size": backend.vocab_size,
         "tokenizer": tokenizer.to_info() if tokenizer is not None else None,
+        "supports_prompt_logprobs": bool(getattr(backend, "supports_prompt_logprobs", False)),
     }
 
 

@@ -77,6 +77,18 @@ class Backend(Protocol):
         request in the batch wants logprobs."""
         ...
 
+    #: Whether requests may set ``SamplingParams.prompt_logprobs`` (the engine rejects
+    #: them otherwise).
+    supports_prompt_logprobs: bool
+
+    def take_prompt_logprobs(
+        self, request_id: str
+    ) -> list[tuple[float, list[tuple[int, float]]] | None] | None:
+        """Once the request's prompt is computed (the engine asks at its first token): the
+        logprob of each prompt token (None for the first) with its top alternatives, as
+        ``params.prompt_logprobs`` asked; None when it did not ask. Given out once."""
+        ...
+
 
 @dataclass(frozen=True)
 class BackendInfo:
@@ -105,4 +117,11 @@ class BackendBase:
         return BackendInfo(kind=type(self).__name__)
 
     def last_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
+        return None
+
+    supports_prompt_logprobs: bool = False
+
+    def take_prompt_logprobs(
+        self, request_id: str
+    ) -> list[tuple[float, list[tuple[int, float]]] | None] | None:
         return None

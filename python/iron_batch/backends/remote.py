@@ -19,8 +19,10 @@ starts a fresh session for the new connection. A worker that answers a well-form
 (:class:`RemoteBackendError`, no invalidation).
 
 Sampling state (penalty counts, seeded generators) lives in the worker, which samples the
-lookahead tokens itself. Logprobs are not carried back; requests asking for them are
-rejected at admission.
+lookahead tokens itself. Logprobs come back in the RESULT frame: those of the sampled
+tokens (with one step per call only: requests asking for them are rejected at admission
+otherwise) and, for requests with ``prompt_logprobs``, those of the prompt, once the worker
+has computed the whole prompt.
 """
 
 from __future__ import annotations
@@ -113,6 +115,9 @@ class RemoteBackend(BackendBase):
         self._pending_removes: list[int] = []
         self._sent: set[int] = set()
         self.reconnects = 0
+        self._rids: dict[int, str] = {}
+        self._last_logprobs: list[Any] | None = None
+        self._prompt_logprobs: dict[str, list[Any]] = {}
         info = self._connect()
         self.info = info
         self.model_name: str = str(info["model_name"])
@@ -122,6 +127,7 @@ class RemoteBackend(BackendBase):
         self.vocab_size: int = int(info["vocab_size"])
         self.eos_token_ids: list[int] = [int(i) for i in info["eos_token_ids"]]
         self.tokenizer: Tokenizer | None = _tokenizer_from_info(info.get("tokenizer"))
+        self.supports_prompt_logprobs = bool(info.get("supports_prompt_logprobs", False))
 
     # ------------------------------------------------------------------ connection
 
@@ -198,20 +204,24 @@ class RemoteBackend(BackendBase):
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        if params.logprobs is not None:
-            raise ValueError("logprobs are not supported by the remote backend")
+        if params.logprobs is not None and self.steps_per_call > 1:
+            raise ValueError("logprobs need one step per call on the remote backend "
+                             "(--steps-per-call 1)")
         if request_id in self._handles:
             self.remove_request(request_id)
         handle = next(self._next_handle)
         entry = (list(prompt_token_ids), _sampling_settings(params))
         self._handles[request_id] = handle
+        self._rids[handle] = request_id
         self._requests[handle] = entry
         self._pending_adds[handle] = entry  # goes out with the next execute
 
     def remove_request(self, request_id: str) -> None:
+        self._prompt_logprobs.pop(request_id, None)
         handle = self._handles.pop(request_id, None)
         if handle is None:
             return
+        self._rids.pop(handle, None)
         self._requests.pop(handle, None)
         if self._pending_adds.pop(handle, None) is None and handle in self._sent:
             self._sent.discard(handle)
@@ -228,6 +238,12 @@ class RemoteBackend(BackendBase):
         return handle
 
     # ------------------------------------------------------------------ execute
+
+    def last_logprobs(self) -> list[Any] | None:
+        return self._last_logprobs
+
+    def take_prompt_logprobs(self, request_id: str) -> list[Any] | None:
+        return self._prompt_logprobs.pop(request_id, None)
 
     def describe(self) -> BackendInfo:
         info = self.info if isinstance(self.info, dict) else {}
@@ -253,9 +269,15 @@ class RemoteBackend(BackendBase):
             dtype=np.int64,
             count=len(batch.sample_indices),
         )
+        self._last_logprobs = None
+        seq_handles = np.fromiter(
+            (self._handle_of(rid) for rid in batch.request_ids),
+            dtype=np.int64,
+            count=batch.num_seqs,
+        )
         adds = [(h, p, s) for h, (p, s) in self._pending_adds.items()]
         removes = self._pending_removes
-        parts = wire.encode_execute(k, batch_arrays(batch), handles, removes, adds)
+        parts = wire.encode_execute(k, batch_arrays(batch), handles, removes, adds, seq_handles)
         try:
             sock.settimeout(self.timeout)
             wire.write_frame(sock, Kind.EXECUTE, parts)
@@ -275,9 +297,14 @@ class RemoteBackend(BackendBase):
         if kind != Kind.RESULT:
             raise self._lose(f"unexpected {kind.name} reply")
         try:
-            tokens = wire.decode_result(body, len(handles), k, self.vocab_size)
+            tokens, extras = wire.decode_result(body, len(handles), k, self.vocab_size)
         except WireError as exc:
             raise self._lose(f"garbage reply: {exc}") from None
+        self._last_logprobs = extras.get("logprobs")
+        for handle, entries in extras.get("prompt_logprobs", {}).items():
+            rid = self._rids.get(handle)
+            if rid is not None:
+                self._prompt_logprobs[rid] = entries
         for h, _, _ in adds:
             self._sent.add(h)
             self._pending_adds.pop(h, None)

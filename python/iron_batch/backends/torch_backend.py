@@ -11,6 +11,7 @@ from iron_batch.backends.base import BackendBase, BackendInfo
 from iron_batch.batch import model_inputs
 from iron_batch.models.llama import LlamaModel
 from iron_batch.models.loader import ModelSource, load_model, read_gguf_fields, resolve
+from iron_batch.prompt_logprobs import PromptLogprobs, PromptScorer
 from iron_batch.sampling import Logprobs, RequestState, Sampler
 from iron_batch.sampling_params import SamplingParams
 from iron_batch.tokenizer import Tokenizer
@@ -50,6 +51,8 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 class TorchBackend(BackendBase):
     """Runs each scheduler batch in one forward pass and samples one token per sample row."""
 
+    supports_prompt_logprobs = True
+
     def __init__(
         self,
         model: LlamaModel,
@@ -75,6 +78,7 @@ class TorchBackend(BackendBase):
         self.sampler = Sampler(model.config.vocab_size, model.device)
         self._requests: dict[str, RequestState] = {}
         self._last_logprobs: Logprobs | None = None
+        self.scorer = PromptScorer()
 
     @classmethod
     def from_model(
@@ -111,9 +115,14 @@ class TorchBackend(BackendBase):
                 f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
         self._requests[request_id] = self.sampler.new_state(prompt_token_ids, params)
+        self.scorer.add_request(request_id, prompt_token_ids, params.prompt_logprobs)
 
     def remove_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self.scorer.remove_request(request_id)
+
+    def take_prompt_logprobs(self, request_id: str) -> PromptLogprobs | None:
+        return self.scorer.take(request_id)
 
     def execute(self, batch: Batch) -> np.ndarray:
         if batch.num_seqs == 0:
@@ -121,7 +130,18 @@ class TorchBackend(BackendBase):
             return np.zeros(0, dtype=np.int64)
         if batch.block_tables.size and int(batch.block_tables.max()) >= self.num_kv_blocks:
             raise ValueError("batch uses a KV block id beyond this backend's num_kv_blocks")
-        logits = self.model.forward(**model_inputs(batch))
+        inputs = model_inputs(batch)
+        scoring = self.scorer.rows(batch)
+        num_samples = len(batch.sample_indices)
+        if scoring is not None:
+            # The scored prompt rows ride along behind the sample rows through the LM head.
+            inputs["sample_indices"] = np.concatenate(
+                [np.asarray(batch.sample_indices, dtype=np.int64), scoring.rows]
+            )
+        logits = self.model.forward(**inputs)
+        if scoring is not None:
+            self.scorer.record(logits[num_samples:], scoring)
+            logits = logits[:num_samples]
         states = [self._state(rid) for rid in batch.sample_request_ids]
         if not states:
             self._last_logprobs = None

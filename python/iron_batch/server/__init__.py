@@ -16,7 +16,7 @@ __all__ = ["create_app"]
 def create_app(
     engine: Engine,
     *,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     max_waiting_requests: int | None = None,
     served_model_name: str | None = None,
     limits: ServerLimits | None = None,

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -41,11 +41,12 @@ HEALTH_STALL_S = 60.0
 def create_app(
     engine: Engine,
     *,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_waiting_requests: int | None = None,
     served_model_name: str | None = None,
     limits: ServerLimits | None = None,
     ui: bool = True,
+    isolate_tenant_caches: bool = True,
 ) -> Starlette:
     """The server app; its lifespan starts the engine thread and stops it.
 
@@ -55,6 +56,9 @@ def create_app(
     the backend's model_name). ``app.state.admission`` drains the app at shutdown.
     ``ui`` serves the page for people at ``/`` (see :mod:`iron_batch.server.ui`);
     ``app.state.info`` is the configuration it and the console banner show.
+    ``api_key`` may be several keys, one per tenant: then, with ``isolate_tenant_caches``,
+    each key's requests get a prefix-cache salt of their own (no tenant can time another's
+    prompts through the cache).
     """
     limits = dataclasses.replace(limits) if limits is not None else ServerLimits()
     if max_waiting_requests is not None:
@@ -62,8 +66,10 @@ def create_app(
     admission = Admission(engine, limits)
     registry = make_registry(engine.stats)
     key = api_key_bytes(api_key)
+    tenant_keys = key if isinstance(key, tuple) and isolate_tenant_caches else None
     openai_server = OpenAIServer(
-        engine, api_key=key, admission=admission, served_model_name=served_model_name
+        engine, api_key=key, admission=admission, served_model_name=served_model_name,
+        tenant_keys=tenant_keys,
     )
     schema = openapi_schema(openai_server.model.name, ui=ui)
     info = server_info(
@@ -115,7 +121,8 @@ def create_app(
             await asyncio.to_thread(engine.shutdown)
 
     routes = [
-        Route("/generate", GenerateEndpoint(engine, key, admission), methods=["POST"]),
+        Route("/generate", GenerateEndpoint(engine, key, admission, tenant_keys),
+              methods=["POST"]),
         *openai_server.routes(),
         Route("/metrics", guarded(metrics, key), methods=["GET"]),
         Route("/health", health, methods=["GET"]),  # never needs the API key

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -33,20 +34,60 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
+#: The server's API key, or its several keys (one per tenant), or None (open).
+ApiKeys = bytes | tuple[bytes, ...] | None
 
-def api_key_bytes(api_key: str | None) -> bytes | None:
-    return api_key.encode() if api_key else None
+
+def api_key_bytes(api_key: str | Sequence[str] | None) -> ApiKeys:
+    if api_key is None or isinstance(api_key, str):
+        return api_key.encode() if api_key else None
+    keys = tuple(dict.fromkeys(k.encode() for k in api_key if k))
+    if not keys:
+        return None
+    return keys[0] if len(keys) == 1 else keys
 
 
-def authorized(scope: Scope, api_key: bytes | None) -> bool:
-    """Whether the request carries ``Authorization: Bearer <api_key>`` (always, without one)."""
+def _matched_key(scope: Scope, api_key: ApiKeys) -> bytes | None:
+    """The configured key the request's ``Authorization: Bearer`` header carries, if any."""
     if api_key is None:
-        return True
+        return None
+    keys = api_key if isinstance(api_key, tuple) else (api_key,)
     for name, value in scope["headers"]:
         if name == b"authorization":
             scheme, _, token = value.partition(b" ")
-            return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key)
-    return False
+            if scheme.lower() != b"bearer":
+                return None
+            token = token.strip()
+            found = None
+            for key in keys:  # every key compared: the time says nothing about which
+                if hmac.compare_digest(token, key):
+                    found = key
+            return found
+    return None
+
+
+def authorized(scope: Scope, api_key: ApiKeys) -> bool:
+    """Whether the request carries ``Authorization: Bearer <key>`` with one of the server's
+    keys (always, without any)."""
+    return api_key is None or _matched_key(scope, api_key) is not None
+
+
+def tenant_salt(scope: Scope, tenant_keys: tuple[bytes, ...] | None) -> str | None:
+    """With several API keys, each key is a tenant: the prefix-cache salt its requests get,
+    so that no tenant can probe another's prompts through time to first token."""
+    if not tenant_keys:
+        return None
+    key = _matched_key(scope, tenant_keys)
+    if key is None:
+        return None
+    return "tenant:" + hashlib.sha256(key).hexdigest()[:32]
+
+
+def salted(tenant: str | None, client_salt: str | None) -> str | None:
+    """A tenant's salt with the client's own ``cache_salt`` inside it."""
+    if tenant is None:
+        return client_salt
+    return tenant if client_salt is None else f"{tenant}/{client_salt}"
 
 
 async def read_body(receive: Receive, limit: int) -> bytes | None:
@@ -82,7 +123,7 @@ def error_response(exc: ApiError) -> Response:
     return JSONResponse(exc.payload(), status_code=exc.status, headers=exc.headers)
 
 
-def guarded(handler: Handler, api_key: bytes | None) -> Handler:
+def guarded(handler: Handler, api_key: ApiKeys) -> Handler:
     """A Starlette endpoint with the API key check and ApiError -> error response."""
 
     async def endpoint(request: Request) -> Response:

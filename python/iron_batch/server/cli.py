@@ -100,9 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None,
                    help="torch: float32, bfloat16 or float16 (default auto: bf16/fp16 on CUDA, "
                    "float32 on CPU)")
-    p.add_argument("--api-key", default=os.environ.get("IRON_BATCH_API_KEY") or None,
+    p.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                   "(default: $IRON_BATCH_API_KEY; none when unset)")
+                   "(default: $IRON_BATCH_API_KEY; none when unset). Repeat it (or use "
+                   "--api-key-file) for several keys: each key is a tenant, and tenants "
+                   "never share prefix-cache blocks")
+    p.add_argument("--api-key-file", default=None,
+                   help="read API keys from this file, one per line (blank lines and lines "
+                   "starting with # are skipped); adds to --api-key")
+    p.add_argument("--shared-prefix-cache", action="store_true",
+                   help="with several API keys: let tenants share prefix-cache blocks "
+                   "(default: each key's requests get a cache salt of their own, so no "
+                   "tenant can probe another's prompts through time to first token)")
     p.add_argument("--max-waiting-requests", type=non_negative_int,
                    default=DEFAULT_MAX_WAITING_REQUESTS,
                    help="/generate and /v1 answer 503 + Retry-After while this many requests "
@@ -145,11 +154,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def api_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """Every API key from --api-key, --api-key-file and $IRON_BATCH_API_KEY (the latter
+    only when neither flag is given)."""
+    keys = list(args.api_key or [])
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                lines = [line.strip() for line in f]
+        except OSError as exc:
+            parser.error(f"--api-key-file: {exc}")
+        keys += [line for line in lines if line and not line.startswith("#")]
+        if not keys:
+            parser.error(f"--api-key-file {args.api_key_file}: no keys in it")
+    if not keys and os.environ.get("IRON_BATCH_API_KEY"):
+        keys = [os.environ["IRON_BATCH_API_KEY"]]
+    if any(not k or any(c.isspace() for c in k) for k in keys):
+        parser.error("API keys must be non-empty and contain no whitespace")
+    return list(dict.fromkeys(keys))
+
+
 def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     """Backend and engine from parsed flags; bad combinations exit through ``parser.error``."""
     from iron_batch.backends.build import BackendConfigError, build_backend, scheduler_config
     from iron_batch.engine import Engine
 
+    keys = getattr(args, "api_keys", None)
+    if keys is None:
+        keys = args.api_keys = api_keys(args, parser)
     try:
         backend = build_backend(
             args.backend,
@@ -162,7 +194,8 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
             mock_token_latency_us=args.mock_token_latency_us,
             mock_prefill_token_latency_us=args.mock_prefill_token_latency_us,
             url=args.backend_url,
-            api_key=args.backend_api_key or args.api_key,
+            # One server key doubles as the worker's by default (several: name it).
+            api_key=args.backend_api_key or (keys[0] if len(keys) == 1 else None),
             timeout=args.backend_timeout,
             steps_per_call=args.steps_per_call,
         )
@@ -233,6 +266,7 @@ def _draining_server(
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)  # string defaults go through type= too (parse_addr)
+    args.api_keys = api_keys(args, parser)
     logging.basicConfig(level=args.log_level.upper())
     if args.switch_interval_us > 0:
         # The engine thread wakes from the backend (sleep, GPU wait) needing the GIL for
@@ -256,8 +290,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     app = create_app(
         engine,
-        api_key=args.api_key,
+        api_key=args.api_keys or None,
         served_model_name=args.served_model_name,
+        isolate_tenant_caches=not args.shared_prefix_cache,
         limits=limits,
         ui=not args.no_ui,
     )

@@ -112,6 +112,9 @@ MAX_COMPLETION_TOKENS = Number("max_completion_tokens", MAX_TOKENS_FIELD.range,
 N = Number("n", Range(1, MAX_CHOICES, integer=True))
 BEST_OF = Number("best_of", N.range, "Must equal n.")
 LOGPROBS = _sampling("logprobs")
+PRIORITY = Number("priority", RANGES["priority"],
+                  "Lower runs first (waiting queue and preemption order); default 0.")
+MAX_CACHE_SALT_LEN = 1024
 TOP_LOGPROBS = Number("top_logprobs", RANGES["logprobs"], "Needs logprobs: true.")
 
 

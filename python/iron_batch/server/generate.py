@@ -17,14 +17,17 @@ from iron_batch.sampling_params import SamplingParams
 from iron_batch.server import fields
 from iron_batch.server.admission import Admission
 from iron_batch.server.asgi import (
+    ApiKeys,
     Receive,
     Scope,
     Send,
     authorized,
     in_flight,
     read_body,
+    salted,
     send_error,
     submit,
+    tenant_salt,
 )
 from iron_batch.server.errors import ApiError, rejected, unauthorized
 from iron_batch.server.fields import MAX_REQUEST_ID_LEN
@@ -135,10 +138,14 @@ def encode_event(
 class GenerateEndpoint:
     """POST /generate (raw ASGI)."""
 
-    def __init__(self, engine: Engine, api_key: bytes | None, admission: Admission) -> None:
+    def __init__(
+        self, engine: Engine, api_key: ApiKeys, admission: Admission,
+        tenant_keys: tuple[bytes, ...] | None = None,
+    ) -> None:
         self.engine = engine
         self.admission = admission
         self.api_key = api_key
+        self.tenant_keys = tenant_keys
         backend = engine.backend
         self.tokenizer = backend.tokenizer
         self.vocab_size = backend.vocab_size
@@ -158,6 +165,8 @@ class GenerateEndpoint:
                                  prompt_param=req.prompt_field,
                                  new_tokens_param="max_new_tokens")
             admission.check_capacity(1, prompt_len)
+            req.params.cache_salt = salted(tenant_salt(scope, self.tenant_keys),
+                                           req.params.cache_salt)
             rid = req.request_id if req.request_id is not None else f"gen-{next(self._ids)}"
             streams = submit(self.engine, [(rid, req.prompt_token_ids, req.params)])
         except ApiError as exc:

@@ -33,7 +33,7 @@ from starlette.staticfiles import StaticFiles
 
 from iron_batch.engine import Engine
 from iron_batch.server.admission import ServerLimits
-from iron_batch.server.asgi import guarded
+from iron_batch.server.asgi import ApiKeys, guarded
 from iron_batch.server.errors import ApiError
 from iron_batch.stats import EngineStats, LatencyHistogram, bucket_upper_bound
 
@@ -258,7 +258,7 @@ class MetricsHistory:
 class UI:
     """The page's routes and its sampler task (started and stopped by the app's lifespan)."""
 
-    def __init__(self, engine: Engine, info: dict[str, Any], api_key: bytes | None) -> None:
+    def __init__(self, engine: Engine, info: dict[str, Any], api_key: ApiKeys) -> None:
         self.history = MetricsHistory(engine.stats)
         self.info = info
         self.api_key = api_key

@@ -53,6 +53,13 @@ class OpenAIRequest:
     logprobs: int | None = None
     echo: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    #: stream_options.continuous_usage_stats: every chunk carries the usage so far.
+    continuous_usage: bool = False
+    #: echo with logprobs: the prompt tokens' logprobs come first (prompt scoring).
+    prompt_logprobs: bool = False
+    #: max_tokens 0 with echo and logprobs: one token is computed (the engine samples at
+    #: least one per request) but none is returned; only the prompt is scored.
+    score_only: bool = False
 
     @property
     def num_choices(self) -> int:
@@ -87,7 +94,19 @@ def _common_params(body: dict[str, Any], model: ModelInfo) -> SamplingParams:
     """The sampling fields shared by completions and chat, on OpenAI's defaults (its
     temperature is 1; /generate's is greedy)."""
     params = SamplingParams(temperature=1.0)
-    return fields.read_sampling(body, params, model.tokenizer, model.vocab_size, null_ok=True)
+    fields.read_sampling(body, params, model.tokenizer, model.vocab_size, null_ok=True)
+    priority = fields.PRIORITY.read(body, null_ok=True)
+    if priority is not None:
+        params.priority = priority
+    salt = fields.read_str(body, "cache_salt", null_ok=True)
+    if salt is not None:
+        if not 0 < len(salt) <= fields.MAX_CACHE_SALT_LEN:
+            raise ApiError(
+                f"cache_salt must be a string of 1 to {fields.MAX_CACHE_SALT_LEN} characters",
+                param="cache_salt",
+            )
+        params.cache_salt = salt
+    return params
 
 
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -103,16 +122,18 @@ def _max_tokens(body: dict[str, Any], specs: tuple[fields.Number, ...],
     return default, specs[-1].name
 
 
-def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of ``stream_options``."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not isinstance(options, dict):
         raise ApiError("stream_options must be an object", param="stream_options")
     if not stream:
         raise ApiError("stream_options is only allowed with stream: true",
                        param="stream_options")
-    return _bool(options, "include_usage", False)
+    return (_bool(options, "include_usage", False),
+            _bool(options, "continuous_usage_stats", False))
 
 
 def _per_choice(
@@ -209,22 +230,31 @@ def parse_completion(body: dict[str, Any], model: ModelInfo) -> OpenAIRequest:
     logprobs = fields.LOGPROBS.read(body, null_ok=True)
     base.logprobs = logprobs
     echo = _bool(body, "echo", False)
-    if echo and logprobs is not None:
-        # The prompt's logprobs would need a prompt-scoring pass we do not run.
-        raise ApiError("echo with logprobs is not supported", param="echo")
+    scoring = echo and logprobs is not None
+    if scoring:
+        # Evaluation harnesses score prompts this way: every prompt token's logprob.
+        base.prompt_logprobs = logprobs
     stream = _bool(body, "stream", False)
-    include_usage = _stream_options(body, stream)
+    include_usage, continuous_usage = _stream_options(body, stream)
+    if scoring and stream:
+        raise ApiError("echo with logprobs is not supported with stream: true", param="echo")
     n = _n(body, len(prompts))
     # OpenAI's completions default is 16 tokens.
     requested, param = _max_tokens(body, (fields.MAX_TOKENS_FIELD,), 16)
-    params = _per_choice(base, prompts, requested, param, n, model, "prompt")
+    score_only = scoring and requested == 0
+    params = _per_choice(base, prompts, 1 if score_only else requested, param, n, model,
+                         "prompt")
     if echo:
         for i, text in enumerate(texts):
             if text is None and model.tokenizer is not None:
                 texts[i] = model.tokenizer.decode(prompts[i], skip_special_tokens=False)
-    return OpenAIRequest(
+    out = OpenAIRequest(
         "completion", name, prompts, texts, params, n, stream, include_usage, logprobs, echo
     )
+    out.continuous_usage = continuous_usage
+    out.prompt_logprobs = scoring
+    out.score_only = score_only
+    return out
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -315,14 +345,16 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> OpenAIRequest:
     logprobs = (top or 0) if want else None
     base.logprobs = logprobs
     stream = _bool(body, "stream", False)
-    include_usage = _stream_options(body, stream)
+    include_usage, continuous_usage = _stream_options(body, stream)
     n = _n(body, 1)
     requested, param = _max_tokens(
         body, (fields.MAX_COMPLETION_TOKENS, fields.MAX_TOKENS_FIELD), None
     )
     params = _per_choice(base, [prompt], requested, param, n, model, "messages")
-    return OpenAIRequest(
+    out = OpenAIRequest(
         "chat", name, [prompt], [None], params, n, stream, include_usage, logprobs, False
     )
+    out.continuous_usage = continuous_usage
+    return out
 
 

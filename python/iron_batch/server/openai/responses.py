@@ -77,6 +77,47 @@ def completion_logprobs(
     }
 
 
+def scored_completion_logprobs(
+    prompt: list[int],
+    prompt_logprobs: list[Logprobs | None] | None,
+    entries: list[LogprobEntry],
+    top: int,
+    token_text: TokenText,
+) -> dict[str, Any]:
+    """``echo`` with ``logprobs``: every prompt token first (the first one's logprob and
+    alternatives are null: nothing predicts it), then the generated tokens, in the legacy
+    completions format that evaluation harnesses read."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = 0
+    for i, token_id in enumerate(prompt):
+        text = token_text(token_id)
+        entry = prompt_logprobs[i] if prompt_logprobs is not None and i < len(prompt_logprobs) \
+            else None
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        chosen, alternatives = entry
+        token_logprobs.append(_finite(chosen))
+        alt: dict[str, float] = {}
+        for t, lp in alternatives[:top]:
+            alt.setdefault(token_text(t), _finite(lp))
+        top_logprobs.append(alt)
+    generated = completion_logprobs(entries, top, token_text, offset)
+    return {
+        "tokens": tokens + generated["tokens"],
+        "token_logprobs": token_logprobs + generated["token_logprobs"],
+        "top_logprobs": top_logprobs + generated["top_logprobs"],
+        "text_offset": offsets + generated["text_offset"],
+    }
+
+
 def chat_logprobs(
     entries: list[LogprobEntry],
     top: int,
@@ -116,6 +157,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     logprobs: list[LogprobEntry] = field(default_factory=list)
+    prompt_logprobs: list[Logprobs | None] | None = None
     finish_reason: str | None = None
     error: str | None = None
     error_type: str | None = None
@@ -124,6 +166,8 @@ class Choice:
     done: bool = False
 
     def add(self, event: TokenEvent) -> None:
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         if event.token_id is not None:
             self.num_tokens += 1
             if event.logprobs is not None:
@@ -157,5 +201,6 @@ def request_usage(req: OpenAIRequest, choices: list[Choice]) -> dict[str, Any]:
     # cached tokens are those of its first choice, the one whose prompt was computed/billed.
     prompt_tokens = sum(len(p) for p in req.prompts)
     cached = sum(choices[p * req.n].num_cached for p in range(len(req.prompts)))
-    completion_tokens = sum(c.num_tokens for c in choices)
+    # Scoring only (max_tokens 0): the one token computed is not returned, nor billed.
+    completion_tokens = 0 if req.score_only else sum(c.num_tokens for c in choices)
     return usage(prompt_tokens, completion_tokens, cached)

@@ -23,6 +23,7 @@ from starlette.routing import Route
 from iron_batch.engine import Engine
 from iron_batch.server.admission import Admission
 from iron_batch.server.asgi import (
+    ApiKeys,
     Receive,
     Scope,
     Send,
@@ -31,9 +32,11 @@ from iron_batch.server.asgi import (
     in_flight,
     read_body,
     read_json,
+    salted,
     send_error,
     send_json,
     submit,
+    tenant_salt,
 )
 from iron_batch.server.errors import ApiError, unauthorized
 from iron_batch.server.fields import parse_json_object
@@ -54,6 +57,7 @@ from iron_batch.server.openai.responses import (
     chat_logprobs,
     completion_logprobs,
     request_usage,
+    scored_completion_logprobs,
     sse,
 )
 from iron_batch.stream import RequestStream, TokenEvent
@@ -76,12 +80,14 @@ class OpenAIServer:
         self,
         engine: Engine,
         *,
-        api_key: bytes | None,
+        api_key: ApiKeys,
         admission: Admission,
         served_model_name: str | None = None,
+        tenant_keys: tuple[bytes, ...] | None = None,
     ) -> None:
         self.engine = engine
         self.api_key = api_key
+        self.tenant_keys = tenant_keys
         self.admission = admission
         backend = engine.backend
         config = engine.config
@@ -109,6 +115,7 @@ class OpenAIServer:
             Route("/v1/chat/completions", _Generation(self, "chat"), methods=["POST"]),
             Route("/tokenize", guarded(self.tokenize, key), methods=["POST"]),
             Route("/detokenize", guarded(self.detokenize, key), methods=["POST"]),
+            Route("/tokenizer_info", guarded(self.tokenizer_info, key), methods=["GET"]),
         ]
 
     # ------------------------------------------------------------------ small endpoints
@@ -164,6 +171,20 @@ class OpenAIServer:
             {"tokens": tokens, "count": len(tokens), "max_model_len": self.model.max_seq_tokens}
         )
 
+    async def tokenizer_info(self, request: Request) -> Response:
+        """What a client needs to tokenize as the server does (lm-evaluation-harness's
+        remote tokenizer reads it): special tokens, chat template, context length."""
+        tokenizer = self.model.tokenizer
+        if tokenizer is None:
+            raise ApiError("this model has no tokenizer", status=404, code="no_tokenizer")
+        return JSONResponse({
+            "eos_token": getattr(tokenizer, "eos_token", None),
+            "bos_token": getattr(tokenizer, "bos_token", None),
+            "pad_token": getattr(tokenizer, "pad_token", None),
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": self.model.max_seq_tokens,
+        })
+
     async def detokenize(self, request: Request) -> Response:
         body = await self._json_body(request)
         check_model(body, self.model)
@@ -213,6 +234,11 @@ class _Generation:
             body = parse_json_object(raw)
             parse = parse_completion if self.kind == "completion" else parse_chat
             req = parse(body, server.model)
+            tenant = tenant_salt(scope, server.tenant_keys)
+            if tenant is not None:
+                for per_prompt in req.params:
+                    for params in per_prompt:
+                        params.cache_salt = salted(tenant, params.cache_salt)
             response_id, streams = server.submit(req)
         except ApiError as exc:
             await send_error(send, exc)
@@ -251,9 +277,17 @@ class _Generation:
             lp: dict[str, Any] | None = None
             if req.kind == "completion":
                 prompt_text = req.prompt_texts[index // req.n] if req.echo else None
+                if req.score_only:
+                    text = ""
                 if prompt_text:
                     text = prompt_text + text
-                if req.logprobs is not None:
+                if req.prompt_logprobs:
+                    generated = [] if req.score_only else c.logprobs
+                    lp = scored_completion_logprobs(
+                        req.prompts[index // req.n], c.prompt_logprobs, generated,
+                        req.logprobs or 0, token_text,
+                    )
+                elif req.logprobs is not None:
                     lp = completion_logprobs(c.logprobs, req.logprobs, token_text, 0)
                 out.append({"index": index, "text": text, "logprobs": lp,
                             "finish_reason": c.finish_reason})
@@ -291,6 +325,10 @@ class _Generation:
         tail: dict[str, Any] = {"usage": None} if req.include_usage else {}
         choices = [Choice() for _ in streams]
         token_text = self.server.token_text
+
+        def tail_now() -> dict[str, Any]:
+            # continuous_usage_stats: every chunk says the usage so far (guidellm reads it).
+            return {"usage": request_usage(req, choices)} if req.continuous_usage else tail
         # Bounded: while a slow client blocks our writes, the pumps stop and events pile up
         # in each RequestStream, whose own bound aborts the request (see RequestStream).
         queue: asyncio.Queue[tuple[int, list[TokenEvent] | None]] = asyncio.Queue(
@@ -312,11 +350,11 @@ class _Generation:
                     delta = {"role": "assistant", "content": ""}
                     first.append(sse({**head, "choices": [
                         {"index": index, "delta": delta, "logprobs": None,
-                         "finish_reason": None}], **tail}))
+                         "finish_reason": None}], **tail_now()}))
                 elif req.echo and req.prompt_texts[index // req.n]:
                     first.append(sse({**head, "choices": [
                         {"index": index, "text": req.prompt_texts[index // req.n],
-                         "logprobs": None, "finish_reason": None}], **tail}))
+                         "logprobs": None, "finish_reason": None}], **tail_now()}))
             if first:
                 await send({"type": "http.response.body", "body": b"".join(first),
                             "more_body": True})
@@ -343,7 +381,7 @@ class _Generation:
                             return
                         chunk = self._chunk(req, index, event, token_text, text_offsets)
                         if chunk is not None:
-                            parts.append(sse({**head, "choices": [chunk], **tail}))
+                            parts.append(sse({**head, "choices": [chunk], **tail_now()}))
                 if parts:
                     await send({"type": "http.response.body", "body": b"".join(parts),
                                 "more_body": True})
