@@ -228,7 +228,8 @@ def _send_execute(sock: socket.socket, arrays: list[np.ndarray], handles: np.nda
                   steps: int = 1) -> tuple[Kind, bytearray]:
     # Built by hand rather than by encode_execute, which would fix the dtypes we break.
     empty = np.zeros(0, dtype=np.int64)
-    rest = [handles, empty, empty, empty, empty, np.frombuffer(b"[]", dtype=np.uint8)]
+    seqs = np.arange(len(arrays[4]), dtype=np.int64)
+    rest = [handles, empty, empty, empty, empty, np.frombuffer(b"[]", dtype=np.uint8), seqs]
     parts: list[bytes | memoryview] = [struct.pack("<II", steps, len(arrays) + len(rest))]
     for a in [*arrays, *rest]:
         parts.extend(wire.encode_array(a))
@@ -288,7 +289,7 @@ def test_malformed_frames_are_rejected_and_the_worker_keeps_serving(
         # The same connection still runs a good batch.
         kind, body = _send_execute(sock, good, handles)
         assert kind == Kind.RESULT
-        assert wire.decode_result(body, 2, 1, 32000).shape == (2, 1)
+        assert wire.decode_result(body, 2, 1, 32000)[0].shape == (2, 1)
     # And new clients are served as before.
     be = RemoteBackend(w.url)
     engine = Engine(be, _config(be))

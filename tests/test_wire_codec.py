@@ -57,6 +57,7 @@ def good_batch() -> dict[str, np.ndarray]:
         "add_prompt_lens": np.array([3], i64),
         "add_prompt_tokens": np.array([5, 6, 7], i64),
         "add_params": np.frombuffer(b'[{"temperature":0.5,"seed":null}]', wire.U8),
+        "seq_handles": np.array([10, 11], i64),
     }
 
 
@@ -148,7 +149,7 @@ def test_json_frames_round_trip_over_a_socket() -> None:
         wire.write_json(a, Kind.HELLO, {"protocol": wire.PROTOCOL, "api_key": "k\u00e9y"})
         kind, body = wire.read_frame(b, wire.MAX_HELLO_BODY)
         assert kind == Kind.HELLO
-        assert wire.parse_json(body) == {"protocol": 1, "api_key": "k\u00e9y"}
+        assert wire.parse_json(body) == {"protocol": wire.PROTOCOL, "api_key": "k\u00e9y"}
         wire.write_error(a, "bad \udcff input")  # unencodable text is replaced, not an error
         kind, body = wire.read_frame(b, wire.MAX_BODY)
         assert kind == Kind.ERROR and body.decode() == "bad ? input"
@@ -213,7 +214,8 @@ def test_a_good_execute_decodes_to_what_was_encoded() -> None:
     fields = good_batch()
     batch = [fields[name] for name, _ in wire.EXECUTE_FIELDS[:10]]
     adds = [(10, [5, 6, 7], {"temperature": 0.5, "seed": None})]
-    encoded = body_of(wire.encode_execute(2, batch, fields["sample_handles"], [3], adds))
+    encoded = body_of(wire.encode_execute(2, batch, fields["sample_handles"], [3], adds,
+                                          fields["seq_handles"]))
     assert encoded == execute_body(fields)
     req = wire.decode_execute(encoded, LIMITS)
     assert req.steps == 2 and req.num_seqs == 2 and req.num_tokens == 4
@@ -229,7 +231,8 @@ def test_encode_execute_sends_each_field_in_its_own_dtype() -> None:
              for name, dt in wire.EXECUTE_FIELDS[:10]]
     handles = fields["sample_handles"].astype(np.int32)
     adds = [(10, [5, 6, 7], {"temperature": 0.5, "seed": None})]
-    body = body_of(wire.encode_execute(2, batch, handles, [3], adds))
+    body = body_of(wire.encode_execute(2, batch, handles, [3], adds,
+                                       fields["seq_handles"].astype(np.int32)))
     assert body == execute_body(fields)
 
 
@@ -246,9 +249,12 @@ def test_steps_must_be_in_range(steps: int, ok: bool) -> None:
 def test_short_bodies_and_wrong_array_counts_are_refused() -> None:
     assert refused(bytearray(b"\x01\x00\x00\x00")) == "truncated EXECUTE body"
     # The 8-byte prefix alone is whole; the arrays it announces are what is missing.
-    assert refused(bytearray(struct.pack("<II", 1, 16))) == "array 0: truncated header"
+    count = len(wire.EXECUTE_FIELDS)
+    assert refused(bytearray(struct.pack("<II", 1, count))) == "array 0: truncated header"
     fields = good_batch()
-    assert "carries 15 arrays, expected 16" in refused(execute_body(fields, count=15))
+    assert f"carries {count - 1} arrays, expected {count}" in refused(
+        execute_body(fields, count=count - 1)
+    )
 
 
 @pytest.mark.parametrize("name", [name for name, _ in wire.EXECUTE_FIELDS])
@@ -372,7 +378,8 @@ def test_an_empty_step_is_allowed() -> None:
 def test_results_round_trip_and_are_checked() -> None:
     tokens = np.array([[0, 2], [3, 99]], np.int64)  # both ends of the vocabulary
     body = body_of(wire.encode_result(tokens))
-    assert np.array_equal(wire.decode_result(body, 2, 2, 100), tokens)
+    got, extras = wire.decode_result(body, 2, 2, 100)
+    assert np.array_equal(got, tokens) and extras == {}
     with pytest.raises(WireError, match=r"result is int64\(2, 2\), expected int64\(2, 1\)"):
         wire.decode_result(body, 2, 1, 100)
     with pytest.raises(WireError, match="sampled id out of range"):
@@ -380,9 +387,31 @@ def test_results_round_trip_and_are_checked() -> None:
     negative = body_of(wire.encode_result(np.array([[-1]])))
     with pytest.raises(WireError, match="sampled id out of range"):
         wire.decode_result(negative, 1, 1, 100)
-    wrong_dtype = arrays_body([np.array([[1]], np.int32)])
+    wrong_dtype = arrays_body([np.array([[1]], np.int32), np.zeros(0, wire.U8)])
     with pytest.raises(WireError, match=r"result is int32\(1, 1\)"):
         wire.decode_result(wrong_dtype, 1, 1, 100)
+
+
+def test_result_logprobs_round_trip_and_are_checked() -> None:
+    tokens = np.array([[4], [7]], np.int64)
+    extras = {"logprobs": [[-0.5, [[4, -0.5], [9, -1.25]]], None],
+              "prompt_logprobs": {"12": [None, [-2.0, [[3, -1.0]]]]}}
+    got, back = wire.decode_result(body_of(wire.encode_result(tokens, extras)), 2, 1, 10)
+    assert np.array_equal(got, tokens)
+    assert back == {"logprobs": [(-0.5, [(4, -0.5), (9, -1.25)]), None],
+                    "prompt_logprobs": {12: [None, (-2.0, [(3, -1.0)])]}}
+    for bad, message in [
+        ({"logprobs": [None]}, "one entry per sample row"),
+        ({"logprobs": [[-1.0, [[10, -1.0]]], None]}, "id in the vocabulary"),
+        ({"logprobs": [["x", []], None]}, "a logprob must be a number"),
+        ({"prompt_logprobs": {"h": []}}, "request handles"),
+        ({"prompt_logprobs": {"1": [[0.0]]}}, r"\[logprob, \[\[id, logprob\]"),
+    ]:
+        with pytest.raises(WireError, match=message):
+            wire.decode_result(body_of(wire.encode_result(tokens, bad)), 2, 1, 10)
+    garbage = arrays_body([tokens, np.frombuffer(b"{", wire.U8)])
+    with pytest.raises(WireError, match="not UTF-8 JSON"):
+        wire.decode_result(garbage, 2, 1, 10)
 
 
 # ---------------------------------------------------------------------------- properties
@@ -465,6 +494,7 @@ def batches(draw: st.DrawFn) -> tuple[int, dict[str, np.ndarray], list[Any], wir
         "sample_max_steps": np.array([max_steps[i] for i in rows], i32),
         "sample_handles": np.array([draw(st.integers(0, 2**40)) for _ in rows], i64),
         "remove_handles": np.array(draw(st.lists(st.integers(0, 2**40), max_size=3)), i64),
+        "seq_handles": np.array([draw(st.integers(0, 2**40)) for _ in range(n)], i64),
     }
     limits = wire.WorkerLimits(num_kv_blocks=num_blocks, kv_block_size=bs, vocab_size=vocab,
                                max_model_len=draw(st.none() | st.just(width * bs + steps)))
@@ -479,7 +509,7 @@ def test_every_consistent_execute_round_trips(
     steps, fields, adds, limits = batch
     arrays_ = [fields[name] for name, _ in wire.EXECUTE_FIELDS[:10]]
     parts = wire.encode_execute(steps, arrays_, fields["sample_handles"],
-                                fields["remove_handles"].tolist(), adds)
+                                fields["remove_handles"].tolist(), adds, fields["seq_handles"])
     req = wire.decode_execute(body_of(parts), limits)
     assert req.steps == steps
     for name, _ in wire.EXECUTE_FIELDS[:12]:

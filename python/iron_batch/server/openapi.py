@@ -52,9 +52,17 @@ _SAMPLING: dict[str, Any] = {
     "stream": _nullable({"type": "boolean"}),
     "stream_options": _nullable({
         "type": "object",
-        "properties": {"include_usage": _nullable({"type": "boolean"})},
+        "properties": {"include_usage": _nullable({"type": "boolean"}),
+                       "continuous_usage_stats": _nullable({
+                           "type": "boolean",
+                           "description": "Every chunk carries the usage so far."})},
         "description": "Only with stream: true.",
     }),
+    "priority": _nullable(fields.PRIORITY.schema()),
+    "cache_salt": _nullable({
+        "type": "string", "minLength": 1, "maxLength": fields.MAX_CACHE_SALT_LEN,
+        "description": "Requests with different salts never share prefix-cache blocks "
+                       "(with several API keys, each key's requests are salted apart too)."}),
     "user": _nullable({"type": "string"}),
     "max_tokens": _nullable(fields.MAX_TOKENS_FIELD.schema()),
 }
@@ -113,7 +121,11 @@ _SCHEMAS: dict[str, Any] = {
                 {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
             ]},
             "logprobs": _nullable(fields.LOGPROBS.schema()),
-            "echo": _nullable({"type": "boolean"}),
+            "echo": _nullable({
+                "type": "boolean",
+                "description": "With logprobs: every prompt token's logprob too (the first "
+                               "one's is null), computed without the prefix cache; "
+                               "max_tokens 0 then scores the prompt only."}),
             "best_of": _nullable(fields.BEST_OF.schema()),
         },
         "required": ["prompt"],
@@ -151,9 +163,9 @@ _SCHEMAS: dict[str, Any] = {
         "type": "object",
         "properties": {
             "tokens": {"type": "array", "items": {"type": "string"}},
-            "token_logprobs": {"type": "array", "items": {"type": "number"}},
-            "top_logprobs": {"type": "array", "items": {
-                "type": "object", "additionalProperties": {"type": "number"}}},
+            "token_logprobs": {"type": "array", "items": _nullable({"type": "number"})},
+            "top_logprobs": {"type": "array", "items": _nullable({
+                "type": "object", "additionalProperties": {"type": "number"}})},
             "text_offset": {"type": "array", "items": {"type": "integer"}},
         },
     },
@@ -320,6 +332,22 @@ def openapi_schema(model_name: str, *, ui: bool = False) -> dict[str, Any]:
                     "max_model_len": {"type": "integer"},
                 }, "required": ["tokens", "count"]}, "Token ids."),
                 **auth_body,
+            },
+        }},
+        "/tokenizer_info": {"get": {
+            "operationId": "tokenizerInfo",
+            "summary": "The tokenizer's special tokens, chat template and context length.",
+            "responses": {
+                "200": _json({"type": "object", "properties": {
+                    "eos_token": _nullable({"type": "string"}),
+                    "bos_token": _nullable({"type": "string"}),
+                    "pad_token": _nullable({"type": "string"}),
+                    "chat_template": _nullable({"type": "string"}),
+                    "model_max_length": {"type": "integer"},
+                }, "required": ["eos_token", "bos_token", "pad_token", "chat_template",
+                                "model_max_length"]}, "Tokenizer settings."),
+                "404": _error("The model has no tokenizer."),
+                **_AUTH_ERRORS,
             },
         }},
         "/detokenize": {"post": {
