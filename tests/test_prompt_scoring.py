@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import numpy as np
 import openai
 import pytest
 import torch
