@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -48,9 +48,11 @@ class ServerHandle:
     backend: Any
     server: uvicorn.Server
     thread: threading.Thread
+    #: Sent with metrics() (and so wait_idle()): an API key's Authorization header.
+    headers: dict[str, str] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, Any]:
-        response = httpx.get(f"{self.url}/metrics", timeout=10)
+        response = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10)
         assert response.status_code == 200
         return dict(response.json())
 
