@@ -29,7 +29,7 @@ Endpoints:
   GET  /          a page for people: chat playground and live dashboard (--no-ui: off)
   OpenAI-compatible: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
                   (stream: true for server-sent events); POST /tokenize, /detokenize;
-                  GET /openapi.json
+                  GET /tokenizer_info, /openapi.json
 """
 
 _MOCK_HELP = """\
