@@ -24,6 +24,8 @@ import torch
 
 from iron_batch.stream import Logprobs
 
+_ROWS_PER_SLICE = 256
+
 #: Per prompt position: None for the first token (nothing predicts it), else
 #: (logprob of the prompt token, [(token id, logprob)] top alternatives).
 PromptLogprobs = list["Logprobs | None"]
@@ -94,22 +96,27 @@ class PromptScorer:
 
     @torch.inference_mode()
     def record(self, logits: torch.Tensor, need: ScoringRows) -> None:
-        """Score ``need`` from its rows' float32 logits ``[M, vocab]``."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        token_ids = [o.prompt[t] for o, t in zip(need.owners, need.targets, strict=True)]
-        index = torch.tensor(token_ids, device=logprobs.device)[:, None]
-        chosen = logprobs.gather(1, index)[:, 0].tolist()
+        """Score ``need`` from its rows' float32 logits ``[M, vocab]``, a slice of rows at a
+        time (a long prefill chunk's log_softmax would double a large logits tensor)."""
         k = max(o.top for o in need.owners)
-        top_vals: list[list[float]] = []
-        top_ids: list[list[int]] = []
-        if k > 0:
-            vals, ids = logprobs.topk(k, dim=-1)
-            top_vals, top_ids = vals.tolist(), ids.tolist()
-        for i, (owner, target) in enumerate(zip(need.owners, need.targets, strict=True)):
-            alts: list[tuple[int, float]] = []
-            if owner.top > 0:
-                alts = list(zip(top_ids[i][: owner.top], top_vals[i][: owner.top], strict=True))
-            owner.entries[target] = (chosen[i], alts)
+        token_ids = [o.prompt[t] for o, t in zip(need.owners, need.targets, strict=True)]
+        for lo in range(0, len(token_ids), _ROWS_PER_SLICE):
+            hi = min(lo + _ROWS_PER_SLICE, len(token_ids))
+            logprobs = torch.log_softmax(logits[lo:hi].float(), dim=-1)
+            index = torch.tensor(token_ids[lo:hi], device=logprobs.device)[:, None]
+            chosen = logprobs.gather(1, index)[:, 0].tolist()
+            top_vals: list[list[float]] = []
+            top_ids: list[list[int]] = []
+            if k > 0:
+                vals, ids = logprobs.topk(k, dim=-1)
+                top_vals, top_ids = vals.tolist(), ids.tolist()
+            for i in range(hi - lo):
+                owner, target = need.owners[lo + i], need.targets[lo + i]
+                alts: list[tuple[int, float]] = []
+                if owner.top > 0:
+                    alts = list(zip(top_ids[i][: owner.top], top_vals[i][: owner.top],
+                                    strict=True))
+                owner.entries[target] = (chosen[i], alts)
 
     def take(self, request_id: str) -> PromptLogprobs | None:
         """The request's prompt logprobs, once its prompt is computed (then never again)."""

@@ -100,6 +100,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be {kind} in {allowed.describe()}, got {value!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        if self.prompt_logprobs is not None and self.max_new_tokens == 0:
+            # The prompt is scored by its prefill, which a request that ends at once skips.
+            raise ValueError("prompt_logprobs needs max_new_tokens >= 1")
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not self.cache_salt
         ):
