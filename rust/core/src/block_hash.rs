@@ -11,6 +11,8 @@ pub type BlockHash = u64;
 pub type BlockHasher = fn(Option<BlockHash>, &[u32]) -> BlockHash;
 
 const SEED: u64 = 0x9E37_79B9_7F4A_7C15;
+/// Fractional bits of sqrt(3): any constant other than `SEED` would do.
+const SALT_SEED: u64 = 0xBB67_AE85_84CA_A73B;
 
 #[inline]
 fn mix(mut z: u64) -> u64 {
@@ -23,10 +25,10 @@ fn mix(mut z: u64) -> u64 {
 /// The value a cache salt contributes to its request's chain: it stands in for the parent
 /// hash of the first block, so two requests with different salts never compute the same
 /// block hash for the same tokens, and a salted chain never matches an unsalted one. The
-/// byte string is hashed in a domain of its own (a distinct seed and the length), so a salt
-/// cannot be chosen to equal the hash of some cached block.
+/// byte string is hashed in a domain of its own (a seed of its own, and the length), so
+/// choosing a salt whose hash equals some cached block's would take a 64-bit preimage.
 pub fn hash_salt(salt: &[u8]) -> BlockHash {
-    let mut h = mix(SEED.rotate_left(41) ^ 0x5A17);
+    let mut h = mix(SALT_SEED);
     for chunk in salt.chunks(8) {
         let mut word = [0u8; 8];
         word[..chunk.len()].copy_from_slice(chunk);
@@ -75,6 +77,23 @@ mod tests {
             hash_salt(b"tenant-1"),
             "deterministic"
         );
+    }
+
+    #[test]
+    fn every_bit_and_the_length_of_a_salt_change_its_hash() {
+        let salt = *b"tenant:0123456789abcdef";
+        let base = hash_salt(&salt);
+        for pos in 0..salt.len() {
+            for bit in 0..8 {
+                let mut s = salt;
+                s[pos] ^= 1 << bit;
+                assert_ne!(base, hash_salt(&s), "byte {pos} bit {bit}");
+            }
+        }
+        let mut seen = HashSet::new();
+        for len in 0..=salt.len() {
+            assert!(seen.insert(hash_salt(&vec![0u8; len])), "{len} zero bytes");
+        }
     }
 
     #[test]
