@@ -198,10 +198,38 @@ def test_a_warm_prefix_cache_does_not_change_the_scores(tiny: ServerHandle) -> N
     tiny.wait_idle()
 
 
+def stream_choices(srv: ServerHandle, body: dict[str, Any]) -> dict[str, Any]:
+    """POST a streaming completion; the one choice's text and logprobs, chunks joined."""
+    import json
+
+    text, lp = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            (choice,) = json.loads(line[6:])["choices"]
+            text += choice["text"]
+            for key in lp:
+                lp[key] += (choice["logprobs"] or {}).get(key, [])
+    return {"text": text, "logprobs": lp}
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_streamed_scoring_equals_the_whole_response(tiny: ServerHandle, max_tokens: int) -> None:
+    body = {"prompt": random_prompts(8, [9])[0], "max_tokens": max_tokens, "echo": True,
+            "logprobs": 2, "temperature": 0}
+    whole = score(tiny, **body)["choices"][0]
+    streamed = stream_choices(tiny, {"model": "llama", **body})
+    assert streamed["text"] == whole["text"]
+    assert streamed["logprobs"] == whole["logprobs"]
+    assert len(whole["logprobs"]["tokens"]) == 9 + max_tokens
+    tiny.wait_idle()
+
+
 def test_scoring_bad_input_is_a_clear_400(tiny: ServerHandle, start_server: ServerFactory) -> None:
     body = {"prompt": [5, 6, 7], "echo": True, "logprobs": 1, "max_tokens": 1}
-    r = httpx.post(f"{tiny.url}/v1/completions", json={**body, "stream": True}, timeout=10)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
     r = httpx.post(f"{tiny.url}/v1/completions", json={**body, "logprobs": 21}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
     mock = start_server()

@@ -236,8 +236,6 @@ def parse_completion(body: dict[str, Any], model: ModelInfo) -> OpenAIRequest:
         base.prompt_logprobs = logprobs
     stream = _bool(body, "stream", False)
     include_usage, continuous_usage = _stream_options(body, stream)
-    if scoring and stream:
-        raise ApiError("echo with logprobs is not supported with stream: true", param="echo")
     n = _n(body, len(prompts))
     # OpenAI's completions default is 16 tokens.
     requested, param = _max_tokens(body, (fields.MAX_TOKENS_FIELD,), 16)

@@ -351,7 +351,9 @@ class _Generation:
                     first.append(sse({**head, "choices": [
                         {"index": index, "delta": delta, "logprobs": None,
                          "finish_reason": None}], **tail_now()}))
-                elif req.echo and req.prompt_texts[index // req.n]:
+                elif (req.echo and req.prompt_texts[index // req.n]
+                      and not req.prompt_logprobs):
+                    # (A scored prompt is echoed with its logprobs, on its first token.)
                     first.append(sse({**head, "choices": [
                         {"index": index, "text": req.prompt_texts[index // req.n],
                          "logprobs": None, "finish_reason": None}], **tail_now()}))
@@ -410,6 +412,19 @@ class _Generation:
         entries: list[LogprobEntry] = []
         if req.logprobs is not None and event.token_id is not None and event.logprobs:
             entries.append((event.token_id, event.logprobs))
+        if req.score_only:
+            # Nothing generated is returned: the token computed to score the prompt is not.
+            text, entries = "", []
+        if req.prompt_logprobs and event.prompt_logprobs is not None:
+            # The first token: the echoed prompt and its logprobs come with it.
+            lp = scored_completion_logprobs(
+                req.prompts[index // req.n], event.prompt_logprobs, entries,
+                req.logprobs or 0, token_text,
+            )
+            text_offsets[index] = sum(len(t) for t in lp["tokens"])
+            prompt_text = req.prompt_texts[index // req.n] or ""
+            return {"index": index, "text": prompt_text + text, "logprobs": lp,
+                    "finish_reason": reason}
         if not text and not entries and not event.finished and token_text.has_tokenizer:
             # Text held back (partial UTF-8 or a possible stop string). Without a tokenizer
             # there is never text: send the empty chunk anyway, as a sign of progress.
