@@ -35,6 +35,18 @@ def offline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
                         ("TRANSFORMERS_OFFLINE", "1"), ("HF_HOME", str(root / "hf")),
                         ("HF_DATASETS_CACHE", str(root / "datasets"))):
         mp.setenv(name, value)
+    # The libraries read those variables when first imported (transformers already is):
+    # set what they read from them too.
+    import datasets.config
+    import huggingface_hub.constants
+
+    for module, name, value in (
+        (datasets.config, "HF_DATASETS_OFFLINE", True),
+        (datasets.config, "HF_HUB_OFFLINE", True),
+        (datasets.config, "HF_DATASETS_CACHE", root / "datasets"),
+        (huggingface_hub.constants, "HF_HUB_OFFLINE", True),
+    ):
+        mp.setattr(module, name, value)
     yield root
     mp.undo()
 
