@@ -48,17 +48,19 @@ def test_a_higher_priority_request_overtakes_lower_ones_in_the_queue(
                                        extra_body={"priority": priority, "ignore_eos": True})
             finished.append(name)
 
-        busy = asyncio.ensure_future(one("busy", 0, 40))
+        # "busy" holds the only running slot for 10 s, long enough on any machine.
+        busy = asyncio.ensure_future(one("busy", 0, 2000))
         await asyncio.to_thread(wait_for, lambda: srv.metrics()["running"] == 1, 10, "busy")
         low = asyncio.ensure_future(one("low", 1, 2))
         await asyncio.to_thread(wait_for, lambda: srv.metrics()["waiting"] == 1, 10, "low")
         high = asyncio.ensure_future(one("high", -1, 2))
         await asyncio.to_thread(wait_for, lambda: srv.metrics()["waiting"] == 2, 10, "high")
-        await asyncio.gather(busy, low, high)
+        busy.cancel()  # the client leaves: its request is aborted and the slot frees
+        await asyncio.gather(low, high)
         return finished
 
-    # Arrival order busy, low, high; the queue admits high before low.
-    assert asyncio.run(run()) == ["busy", "high", "low"]
+    # Arrival order low, high; the queue admits high first.
+    assert asyncio.run(run()) == ["high", "low"]
     srv.wait_idle()
 
 
