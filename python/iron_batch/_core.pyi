@@ -238,3 +238,36 @@ def _gemv_bf16(
 ) -> None:
     """``out = x @ weight.T (+ bias)`` for 1-2 bf16 rows over raw CPU tensor addresses;
     call it through ``iron_batch.models.cpu_fused.linear``."""
+
+def _gemv_quant(
+    out: int,
+    x: int,
+    kind: str,
+    quants: int,
+    scale: int,
+    min: int,
+    bias: int,
+    *,
+    rows: int,
+    n: int,
+    k: int,
+    threads: int,
+    openmp: tuple[int, int, int] | None = None,
+) -> None:
+    """``out = x @ W.T (+ bias)`` for bf16 rows against a quantized matrix (``kind`` "q4" or
+    "q8") over raw CPU tensor addresses; call it through ``iron_batch.models.quant``."""
+
+def _dequantize_bf16(
+    out: int,
+    kind: str,
+    quants: int,
+    scale: int,
+    min: int,
+    *,
+    n: int,
+    k: int,
+    threads: int,
+    openmp: tuple[int, int, int] | None = None,
+) -> None:
+    """The quantized matrix as bf16 into ``out``; call it through
+    ``iron_batch.models.quant``."""

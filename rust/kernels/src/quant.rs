@@ -1,0 +1,539 @@
+//! Weight-only quantized matrix-vector products: `y = W x (+ b)` for a few bf16 activation
+//! rows against a matrix kept in 4-bit or 8-bit blocks of 32 weights, read as they are.
+//!
+//! At batch 1 a decoder is bound by the weight bytes it reads per token; 4-bit blocks are a
+//! quarter of bf16's. The activations stay bf16 and every sum is f32: the result is the dot
+//! product with the dequantized weights, up to the order of the additions.
+//!
+//! Layouts (a row of `k` weights is `k / 32` blocks; `n` rows, row-major):
+//! - **Q4** (GGUF Q4_0 and Q4_1, and `int4` with a scale and a zero point per group of 32):
+//!   weight `j` of block `b` is `scale[b] * q + min[b]` with `q` in `0..16`. `scale` and
+//!   `min` are `[n, k / 32]` f32; `packed` is `[n, k / 2]` bytes, where each 32-byte group
+//!   holds the nibbles of two neighbouring blocks: byte `j` is block `2p`'s `q_j` in its low
+//!   nibble and block `2p + 1`'s `q_j` in its high one (so `k` must be a multiple of 64).
+//! - **Q8** (GGUF Q8_0): weight `j` of block `b` is `scale[b] * q_j`, `q` an `i8`; `quants`
+//!   is `[n, k]` i8 and `scale` `[n, k / 32]` f32.
+//!
+//! The AVX-512 Q4 path widens each nibble to the bf16 number `128 + q` by an OR with the
+//! bit pattern of 128.0 and takes 32 products a block in one `vdpbf16ps`; the extra
+//! `128 * sum(x)` of each block is subtracted once per row from precomputed block sums of
+//! `x`. Products of two bf16 numbers are exact in f32, so nothing is rounded but the sums.
+
+use crate::attention::{KernelError, Parallel};
+use crate::element::{Bf16, Element};
+
+/// Weights per quantization block.
+pub const QBLOCK: usize = 32;
+/// Most activation rows one pass over the weights serves.
+pub const MAX_ROWS: usize = 4;
+/// Output rows per part below which a call is not split.
+const MIN_ROWS_PER_PART: usize = 64;
+
+/// A Q4 matrix: see the module docs.
+#[derive(Clone, Copy)]
+pub struct Q4<'a> {
+    pub packed: &'a [u8],
+    pub scale: &'a [f32],
+    pub min: &'a [f32],
+}
+
+/// A Q8 matrix: see the module docs.
+#[derive(Clone, Copy)]
+pub struct Q8<'a> {
+    pub quants: &'a [i8],
+    pub scale: &'a [f32],
+}
+
+/// Either quantized layout.
+#[derive(Clone, Copy)]
+pub enum QMatrix<'a> {
+    Q4(Q4<'a>),
+    Q8(Q8<'a>),
+}
+
+impl QMatrix<'_> {
+    fn check(&self, n: usize, k: usize) -> Result<(), KernelError> {
+        let blocks = n * (k / QBLOCK);
+        let ok = match self {
+            QMatrix::Q4(m) => {
+                k.is_multiple_of(2 * QBLOCK)
+                    && m.packed.len() == n * k / 2
+                    && m.scale.len() == blocks
+                    && m.min.len() == blocks
+            }
+            QMatrix::Q8(m) => {
+                k.is_multiple_of(QBLOCK) && m.quants.len() == n * k && m.scale.len() == blocks
+            }
+        };
+        if ok && k > 0 {
+            Ok(())
+        } else {
+            Err(KernelError(format!(
+                "quantized matrix does not hold {n} x {k} weights (k a multiple of 64 for Q4, \
+                 of 32 for Q8)"
+            )))
+        }
+    }
+
+    /// Weight `j` of row `row`, dequantized (the reference the kernels agree with).
+    pub fn weight(&self, row: usize, j: usize, k: usize) -> f32 {
+        let b = row * (k / QBLOCK) + j / QBLOCK;
+        match self {
+            QMatrix::Q4(m) => {
+                let within = j % (2 * QBLOCK);
+                let byte = m.packed[row * k / 2 + j / (2 * QBLOCK) * QBLOCK + within % QBLOCK];
+                let q = if within < QBLOCK {
+                    byte & 15
+                } else {
+                    byte >> 4
+                };
+                m.scale[b] * f32::from(q) + m.min[b]
+            }
+            QMatrix::Q8(m) => m.scale[b] * f32::from(m.quants[row * k + j]),
+        }
+    }
+}
+
+/// `out[r][i] = sum_j x[r][j] * W[i][j] (+ bias[i])` for `r` in `0..rows` (any number:
+/// every [`MAX_ROWS`] rows take one pass over the weights). `x` is `[rows, k]` bf16,
+/// `out` `[rows, n]` bf16, rounded once from the f32 sum.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_quant(
+    out: &mut [Bf16],
+    x: &[Bf16],
+    weight: QMatrix<'_>,
+    bias: Option<&[Bf16]>,
+    rows: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
+    weight.check(n, k)?;
+    if rows == 0
+        || x.len() != rows * k
+        || out.len() != rows * n
+        || bias.is_some_and(|b| b.len() != n)
+    {
+        return Err(KernelError(format!(
+            "gemv_quant: x {} / out {} elements for {rows} rows of {k} by {n}",
+            x.len(),
+            out.len()
+        )));
+    }
+    let simd = simd_available(&weight);
+    let blocks = k / QBLOCK;
+    // Per activation row: f32 copy (Q8 and the portable path) and per-block sums (Q4).
+    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let block_sums: Vec<f32> = xf.chunks_exact(QBLOCK).map(|c| c.iter().sum()).collect();
+    let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
+    let out_addr = out.as_mut_ptr() as usize;
+    let task = |part: usize| {
+        let (lo, hi) = (n * part / parts, n * (part + 1) / parts);
+        let mut first = 0;
+        while first < rows {
+            let take = (rows - first).min(MAX_ROWS);
+            let xs = Rows {
+                bf16: &x[first * k..(first + take) * k],
+                f32: &xf[first * k..(first + take) * k],
+                block_sums: &block_sums[first * blocks..(first + take) * blocks],
+                count: take,
+            };
+            for row in lo..hi {
+                let mut dots = [0f32; MAX_ROWS];
+                dot_row(&weight, row, k, &xs, simd, &mut dots);
+                let b = bias.map_or(0.0, |b| b[row].to_f32());
+                for (r, dot) in dots.iter().enumerate().take(take) {
+                    // SAFETY: parts own disjoint column ranges [lo, hi) of each output row,
+                    // and `out` (rows * n elements) outlives the call.
+                    unsafe {
+                        *(out_addr as *mut Bf16).add((first + r) * n + row) =
+                            Bf16::from_f32(dot + b);
+                    }
+                }
+            }
+            first += take;
+        }
+    };
+    if parts == 1 {
+        task(0);
+    } else {
+        parallel.run(parts, &task);
+    }
+    Ok(())
+}
+
+/// The whole matrix as bf16 `[n, k]` (for batches large enough that a dense GEMM wins).
+pub fn dequantize_bf16(
+    out: &mut [Bf16],
+    weight: QMatrix<'_>,
+    n: usize,
+    k: usize,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
+    weight.check(n, k)?;
+    if out.len() != n * k {
+        return Err(KernelError(format!(
+            "dequantize: out has {} of {n} x {k}",
+            out.len()
+        )));
+    }
+    let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
+    let out_addr = out.as_mut_ptr() as usize;
+    let blocks = k / QBLOCK;
+    let simd = simd_dequantize_available();
+    let task = |part: usize| {
+        let (lo, hi) = (n * part / parts, n * (part + 1) / parts);
+        for row in lo..hi {
+            // SAFETY: parts own disjoint row ranges of `out`, which outlives the call.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut((out_addr as *mut Bf16).add(row * k), k) };
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: `simd` means AVX-512 F/BW/BF16 were detected; shapes checked.
+                unsafe { avx512::dequantize_row(&weight, row, k, dst) };
+                continue;
+            }
+            match weight {
+                QMatrix::Q4(m) => {
+                    let packed = &m.packed[row * k / 2..(row + 1) * k / 2];
+                    for (p, group) in packed.chunks_exact(QBLOCK).enumerate() {
+                        let (b0, b1) = (row * blocks + 2 * p, row * blocks + 2 * p + 1);
+                        for (j, &byte) in group.iter().enumerate() {
+                            let lo_q = f32::from(byte & 15);
+                            let hi_q = f32::from(byte >> 4);
+                            dst[2 * p * QBLOCK + j] =
+                                Bf16::from_f32(m.scale[b0] * lo_q + m.min[b0]);
+                            dst[(2 * p + 1) * QBLOCK + j] =
+                                Bf16::from_f32(m.scale[b1] * hi_q + m.min[b1]);
+                        }
+                    }
+                }
+                QMatrix::Q8(m) => {
+                    let quants = &m.quants[row * k..(row + 1) * k];
+                    for (j, (d, &q)) in dst.iter_mut().zip(quants).enumerate() {
+                        *d = Bf16::from_f32(m.scale[row * blocks + j / QBLOCK] * f32::from(q));
+                    }
+                }
+            }
+        }
+    };
+    if parts == 1 {
+        task(0);
+    } else {
+        parallel.run(parts, &task);
+    }
+    Ok(())
+}
+
+/// Up to [`MAX_ROWS`] activation rows in the forms the paths read.
+struct Rows<'a> {
+    bf16: &'a [Bf16],
+    f32: &'a [f32],
+    block_sums: &'a [f32],
+    count: usize,
+}
+
+fn simd_available(weight: &QMatrix<'_>) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let base = std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw");
+        match weight {
+            QMatrix::Q4(_) => base && std::arch::is_x86_feature_detected!("avx512bf16"),
+            QMatrix::Q8(_) => base,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = weight;
+        false
+    }
+}
+
+fn simd_dequantize_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+fn dot_row(
+    weight: &QMatrix<'_>,
+    row: usize,
+    k: usize,
+    xs: &Rows<'_>,
+    simd: bool,
+    dots: &mut [f32; MAX_ROWS],
+) {
+    let blocks = k / QBLOCK;
+    let scales = row * blocks..(row + 1) * blocks;
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` means the features each path needs were detected; shapes were
+        // checked by `QMatrix::check` and `gemv_quant`.
+        unsafe {
+            match weight {
+                QMatrix::Q4(m) => avx512::dot_q4(
+                    &m.packed[row * k / 2..(row + 1) * k / 2],
+                    &m.scale[scales.clone()],
+                    &m.min[scales],
+                    xs,
+                    k,
+                    dots,
+                ),
+                QMatrix::Q8(m) => avx512::dot_q8(
+                    &m.quants[row * k..(row + 1) * k],
+                    &m.scale[scales],
+                    xs,
+                    k,
+                    dots,
+                ),
+            }
+        }
+        return;
+    }
+    let _ = simd;
+    for (r, dot) in dots.iter_mut().enumerate().take(xs.count) {
+        let x = &xs.f32[r * k..(r + 1) * k];
+        let mut total = 0f32;
+        for b in 0..blocks {
+            let mut lanes = [0f32; QBLOCK];
+            for (j, lane) in lanes.iter_mut().enumerate() {
+                *lane = x[b * QBLOCK + j] * weight.weight(row, b * QBLOCK + j, k);
+            }
+            total += lanes.iter().sum::<f32>();
+        }
+        *dot = total;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{QMatrix, Rows, MAX_ROWS, QBLOCK};
+    use crate::element::Bf16;
+
+    /// `scale * q + min` (a multiply and an add, rounded as the portable path rounds)
+    /// for 16 values, stored as bf16 (round to nearest even).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn store16(dst: *mut Bf16, q: __m512i, d: __m512, m: __m512) {
+        let w = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), d), m);
+        _mm256_storeu_si256(
+            dst as *mut __m256i,
+            std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(w)),
+        );
+    }
+
+    /// One row of the matrix as bf16 into `dst` (`k` elements).
+    ///
+    /// SAFETY: AVX-512 F/BW/BF16; `row < n` of a matrix checked for `k`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn dequantize_row(
+        weight: &QMatrix<'_>,
+        row: usize,
+        k: usize,
+        dst: &mut [Bf16],
+    ) {
+        let blocks = k / QBLOCK;
+        let out = dst.as_mut_ptr();
+        match weight {
+            QMatrix::Q4(m) => {
+                let packed = m.packed.as_ptr().add(row * k / 2);
+                let low = _mm_set1_epi8(15);
+                for b in 0..blocks {
+                    let d = _mm512_set1_ps(*m.scale.get_unchecked(row * blocks + b));
+                    let mn = _mm512_set1_ps(*m.min.get_unchecked(row * blocks + b));
+                    let src = packed.add(b / 2 * QBLOCK);
+                    for half in 0..2 {
+                        let bytes = _mm_loadu_si128(src.add(16 * half) as *const __m128i);
+                        let q = if b % 2 == 0 {
+                            _mm_and_si128(bytes, low)
+                        } else {
+                            _mm_and_si128(_mm_srli_epi16::<4>(bytes), low)
+                        };
+                        store16(
+                            out.add(b * QBLOCK + 16 * half),
+                            _mm512_cvtepu8_epi32(q),
+                            d,
+                            mn,
+                        );
+                    }
+                }
+            }
+            QMatrix::Q8(m) => {
+                let quants = m.quants.as_ptr().add(row * k);
+                let zero = _mm512_setzero_ps();
+                for b in 0..blocks {
+                    let d = _mm512_set1_ps(*m.scale.get_unchecked(row * blocks + b));
+                    for half in 0..2 {
+                        let at = b * QBLOCK + 16 * half;
+                        let q =
+                            _mm512_cvtepi8_epi32(_mm_loadu_si128(quants.add(at) as *const __m128i));
+                        store16(out.add(at), q, d, zero);
+                    }
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::needless_range_loop)] // `r` indexes `acc`, `dots` and the rows of `xs`
+    /// SAFETY: AVX-512 F/BW/BF16; `packed` is one row (`k / 2` bytes, `k % 64 == 0`),
+    /// `scale`/`min` its `k / 32` blocks; `xs` holds `count` rows of `k`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn dot_q4(
+        packed: &[u8],
+        scale: &[f32],
+        min: &[f32],
+        xs: &Rows<'_>,
+        k: usize,
+        dots: &mut [f32; MAX_ROWS],
+    ) {
+        let rows = xs.count;
+        let low = _mm256_set1_epi8(15);
+        // bf16 bit pattern of 128.0: OR-ing q (0..16) into its mantissa gives 128 + q.
+        let bias = _mm512_set1_epi16(0x4300);
+        let xp = xs.bf16.as_ptr() as *const u16;
+        let mut acc = [[_mm512_setzero_ps(); 2]; MAX_ROWS];
+        let pairs = k / (2 * QBLOCK);
+        for p in 0..pairs {
+            let bytes = _mm256_loadu_si256(packed.as_ptr().add(p * QBLOCK) as *const __m256i);
+            let q0 = _mm256_and_si256(bytes, low);
+            let q1 = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low);
+            let w0: __m512bh = std::mem::transmute(_mm512_or_si512(_mm512_cvtepu8_epi16(q0), bias));
+            let w1: __m512bh = std::mem::transmute(_mm512_or_si512(_mm512_cvtepu8_epi16(q1), bias));
+            let d0 = _mm512_set1_ps(*scale.get_unchecked(2 * p));
+            let d1 = _mm512_set1_ps(*scale.get_unchecked(2 * p + 1));
+            for r in 0..rows {
+                let base = xp.add(r * k + 2 * p * QBLOCK);
+                let x0: __m512bh = std::mem::transmute(_mm512_loadu_si512(base as *const __m512i));
+                let x1: __m512bh =
+                    std::mem::transmute(_mm512_loadu_si512(base.add(QBLOCK) as *const __m512i));
+                let s0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, x0);
+                let s1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), w1, x1);
+                acc[r][0] = _mm512_fmadd_ps(s0, d0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(s1, d1, acc[r][1]);
+            }
+        }
+        // Each block's weights are scale * (128 + q) + (min - 128 * scale): add
+        // sum_b (min_b - 128 scale_b) * sum(x in b), sixteen blocks a vector.
+        let blocks = k / QBLOCK;
+        let minus_128 = _mm512_set1_ps(-128.0);
+        for r in 0..rows {
+            let sums = xs.block_sums.as_ptr().add(r * blocks);
+            let mut correction = acc[r][0];
+            let mut b = 0;
+            while b < blocks {
+                let mask: __mmask16 = if blocks - b >= 16 {
+                    0xffff
+                } else {
+                    (1u16 << (blocks - b)) - 1
+                };
+                let d = _mm512_maskz_loadu_ps(mask, scale.as_ptr().add(b));
+                let m = _mm512_maskz_loadu_ps(mask, min.as_ptr().add(b));
+                let shift = _mm512_fmadd_ps(d, minus_128, m);
+                correction =
+                    _mm512_fmadd_ps(shift, _mm512_maskz_loadu_ps(mask, sums.add(b)), correction);
+                b += 16;
+            }
+            dots[r] = _mm512_reduce_add_ps(_mm512_add_ps(correction, acc[r][1]));
+        }
+    }
+
+    #[allow(clippy::needless_range_loop)] // `r` indexes `acc`, `dots` and the rows of `xs`
+    /// SAFETY: AVX-512 F/BW; `quants` is one row of `k` (`k % 32 == 0`), `scale` its
+    /// `k / 32` blocks; `xs` holds `count` rows of `k`.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn dot_q8(
+        quants: &[i8],
+        scale: &[f32],
+        xs: &Rows<'_>,
+        k: usize,
+        dots: &mut [f32; MAX_ROWS],
+    ) {
+        let rows = xs.count;
+        let xp = xs.f32.as_ptr();
+        let mut acc = [[_mm512_setzero_ps(); 2]; MAX_ROWS];
+        for b in 0..k / QBLOCK {
+            let qp = quants.as_ptr().add(b * QBLOCK);
+            let w0 =
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp as *const __m128i)));
+            let w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                qp.add(16) as *const __m128i
+            )));
+            let d = _mm512_set1_ps(*scale.get_unchecked(b));
+            for r in 0..rows {
+                let base = xp.add(r * k + b * QBLOCK);
+                let s = _mm512_fmadd_ps(
+                    w1,
+                    _mm512_loadu_ps(base.add(16)),
+                    _mm512_mul_ps(w0, _mm512_loadu_ps(base)),
+                );
+                acc[r][b & 1] = _mm512_fmadd_ps(s, d, acc[r][b & 1]);
+            }
+        }
+        for r in 0..rows {
+            dots[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The portable path and the SIMD one (where this CPU has it) agree on every row.
+    #[test]
+    fn portable_and_simd_dots_agree() {
+        let (n, k) = (3, 128);
+        let blocks = k / QBLOCK;
+        let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 37 % 251) as u8).collect();
+        let scale: Vec<f32> = (0..n * blocks).map(|i| 0.01 + i as f32 * 1e-3).collect();
+        let min: Vec<f32> = (0..n * blocks).map(|i| -0.05 + i as f32 * 7e-3).collect();
+        let quants: Vec<i8> = (0..n * k).map(|i| (i * 29 % 255) as i8).collect();
+        let x: Vec<Bf16> = (0..2 * k)
+            .map(|i| Bf16::from_f32((i as f32 * 0.37).sin()))
+            .collect();
+        let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+        let sums: Vec<f32> = xf.chunks_exact(QBLOCK).map(|c| c.iter().sum()).collect();
+        let xs = Rows {
+            bf16: &x,
+            f32: &xf,
+            block_sums: &sums,
+            count: 2,
+        };
+        for weight in [
+            QMatrix::Q4(Q4 {
+                packed: &packed,
+                scale: &scale,
+                min: &min,
+            }),
+            QMatrix::Q8(Q8 {
+                quants: &quants,
+                scale: &scale,
+            }),
+        ] {
+            for row in 0..n {
+                let (mut portable, mut simd) = ([0f32; MAX_ROWS], [0f32; MAX_ROWS]);
+                dot_row(&weight, row, k, &xs, false, &mut portable);
+                dot_row(&weight, row, k, &xs, simd_available(&weight), &mut simd);
+                for r in 0..2 {
+                    let tol = 1e-4 * (1.0 + portable[r].abs());
+                    assert!(
+                        (portable[r] - simd[r]).abs() <= tol,
+                        "{portable:?} vs {simd:?}"
+                    );
+                }
+            }
+        }
+    }
+}
