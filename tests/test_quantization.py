@@ -60,8 +60,8 @@ def test_quantized_linear_is_the_product_with_the_dequantized_weights(mode: str,
     want = (_reference_product(x, w) + bias.double()).float()
     # The output is one bf16 rounding of an f32 sum (2^-8 relative at most). Above
     # GEMV_MAX_ROWS the weights are first rounded to bf16 for a dense GEMM: 2^-8 of each
-    # term, bounded by the sum of |terms|. int8 is torch's kernel, which rounds its output before the
-    # bias is added: a second rounding at the scale of the output before the bias.
+    # term, bounded by the sum of |terms|. int8 is torch's kernel, which rounds its output
+    # before the bias is added: a second rounding at the scale of the output.
     exact = w.rows(torch.arange(n), torch.float32).double()
     terms = x.double().abs() @ exact.abs().T + bias.double().abs()
     per_term = 2**-8 if rows > quant.GEMV_MAX_ROWS else 1e-6
