@@ -72,8 +72,8 @@ class QuantWeight:
     """One ``[n, k]`` projection matrix in a quantized layout.
 
     ``kind`` "q4": ``quants`` uint8 ``[n, k / 2]`` (two neighbouring blocks' nibbles per
-    byte), ``scale`` and ``min`` float32 ``[n, k / 32]``. "q8": ``quants`` int8 ``[n, k]``,
-    ``scale`` float32 ``[n, k / 32]``. "int8": ``quants`` int8 ``[n, k]``, ``scale`` bf16
+    byte), ``scale`` and ``min`` float16 ``[n, k / 32]`` (GGUF's precision). "q8": ``quants``
+    int8 ``[n, k]``, ``scale`` float16 ``[n, k / 32]``. "int8": ``quants`` int8 ``[n, k]``, ``scale`` bf16
     ``[n]`` (per output channel). ``source`` names the format it came from (for humans).
     """
 
@@ -84,6 +84,13 @@ class QuantWeight:
     scale: torch.Tensor
     min: torch.Tensor | None
     source: str
+
+    def __post_init__(self) -> None:
+        # The kernel's raw arguments, taken once: a decode step makes ~120 of these calls.
+        self._addresses = (
+            self.quants.data_ptr(), self.scale.data_ptr(),
+            0 if self.min is None else self.min.data_ptr(),
+        )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -105,11 +112,13 @@ class QuantWeight:
             return out if bias is None else out + bias
         if rows > GEMV_MAX_ROWS or rows == 0:
             return F.linear(x, self.dequantize(scratch=True), bias)
-        x = x.contiguous()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (self.n,)):
+            raise ValueError(f"quantized linear: bias must be bf16 [{self.n}]")
         out = torch.empty(rows, self.n, dtype=torch.bfloat16)
         _GEMV(
-            out.data_ptr(), x.data_ptr(), self.kind, self.quants.data_ptr(),
-            self.scale.data_ptr(), 0 if self.min is None else self.min.data_ptr(),
+            out.data_ptr(), x.data_ptr(), self.kind, *self._addresses,
             0 if bias is None else bias.contiguous().data_ptr(),
             rows=rows, n=self.n, k=self.k, threads=torch.get_num_threads(),
             openmp=_openmp_entry_points(),
@@ -126,8 +135,7 @@ class QuantWeight:
             self.n, self.k, dtype=torch.bfloat16
         )
         _DEQUANT(
-            out.data_ptr(), self.kind, self.quants.data_ptr(), self.scale.data_ptr(),
-            0 if self.min is None else self.min.data_ptr(), n=self.n, k=self.k,
+            out.data_ptr(), self.kind, *self._addresses, n=self.n, k=self.k,
             threads=torch.get_num_threads(), openmp=_openmp_entry_points(),
         )
         return out
@@ -155,13 +163,13 @@ def _dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
     quants = w.quants[ids]
     if w.kind == "int8":
         return quants.float() * w.scale[ids].float()[:, None]
-    scale = w.scale[ids].repeat_interleave(QBLOCK, dim=1)
+    scale = w.scale[ids].float().repeat_interleave(QBLOCK, dim=1)
     if w.kind == "q8":
         return quants.float() * scale
     assert w.min is not None
     groups = quants.view(len(ids), -1, QBLOCK)  # [rows, pairs, 32]
     q = torch.stack([groups & 15, groups >> 4], dim=2).reshape(len(ids), w.k)
-    return q.float() * scale + w.min[ids].repeat_interleave(QBLOCK, dim=1)
+    return q.float() * scale + w.min[ids].float().repeat_interleave(QBLOCK, dim=1)
 
 
 def concat(parts: list[QuantWeight]) -> QuantWeight | None:
@@ -195,16 +203,16 @@ def _pair_nibbles(q: np.ndarray) -> np.ndarray:
 
 def q4_from_values(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray,
                    source: str) -> QuantWeight:
-    """A Q4 matrix from values ``q`` ``[n, k]`` in 0..15 and per-block ``scale``/``minimum``
-    ``[n, k / 32]`` (weight = scale * q + min)."""
+    """A Q4 matrix from values ``q`` ``[n, k]`` in 0..15 and per-block float16 ``scale`` and
+    ``minimum`` ``[n, k / 32]`` (weight = scale * q + min)."""
     n, k = q.shape
     if k % (2 * QBLOCK):
         raise QuantizationError(f"4-bit layout needs rows of a multiple of 64, not {k}")
     packed = _pair_nibbles(q.reshape(n, k // QBLOCK, QBLOCK).astype(np.uint8))
     return QuantWeight(
         kind="q4", n=n, k=k, quants=torch.from_numpy(packed),
-        scale=torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)),
-        min=torch.from_numpy(np.ascontiguousarray(minimum, dtype=np.float32)), source=source,
+        scale=torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float16)),
+        min=torch.from_numpy(np.ascontiguousarray(minimum, dtype=np.float16)), source=source,
     )
 
 
@@ -221,16 +229,16 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, n: int, k: int) -> QuantWe
     if type_name != "Q8_0" and k % (2 * QBLOCK):
         return None
     blocks = np.ascontiguousarray(raw).reshape(n, k // QBLOCK, per_block)
-    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    scale = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
     if type_name == "Q8_0":
         quants = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
         return QuantWeight(kind="q8", n=n, k=k, quants=torch.from_numpy(quants.copy()),
-                           scale=torch.from_numpy(scale), min=None, source=type_name)
+                           scale=torch.from_numpy(scale.copy()), min=None, source=type_name)
     if type_name == "Q4_1":
-        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        minimum = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
         nibbles = blocks[..., 4:]
-    else:  # Q4_0: weight = d * (q - 8)
-        minimum = -8.0 * scale
+    else:  # Q4_0: weight = d * (q - 8); -8 d is exact in f16
+        minimum = (-8 * scale.astype(np.float32)).astype(np.float16)
         nibbles = blocks[..., 2:]
     # GGUF's 16 bytes hold values 0..15 in low nibbles and 16..31 in high nibbles.
     q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(n, k)
@@ -238,14 +246,15 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, n: int, k: int) -> QuantWe
 
 
 def quantize_int4(weight: torch.Tensor) -> QuantWeight:
-    """``weight`` [n, k] to 4 bits per group of 32: scale = (max - min) / 15, zero point at
-    min, values rounded to nearest."""
+    """``weight`` [n, k] to 4 bits per group of 32 (GGUF's Q4_1): scale = (max - min) / 15
+    and the zero point at min, both float16, then each value rounded to the nearest level
+    of the rounded scale and min."""
     n, k = weight.shape
     w = weight.detach().float().reshape(n, k // QBLOCK, QBLOCK)
-    lo, hi = w.amin(-1), w.amax(-1)
-    scale = (hi - lo) / 15
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.clamp(torch.round((w - lo[..., None]) / safe[..., None]), 0, 15)
+    lo = w.amin(-1).half()
+    scale = ((w.amax(-1) - lo.float()) / 15).half()
+    safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale.float()))
+    q = torch.clamp(torch.round((w - lo.float()[..., None]) / safe[..., None]), 0, 15)
     return q4_from_values(q.to(torch.uint8).reshape(n, k).numpy(), scale.numpy(),
                           lo.numpy(), "int4")
 

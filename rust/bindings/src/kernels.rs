@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use iron_batch_kernels::{
     add_rms_norm, dequantize_bf16, gemv_bf16, gemv_quant, paged_decode_attention, rope_store_kv,
-    Bf16, DecodeShape, Element, KernelError, Parallel, QMatrix, ScopedThreads, Q4, Q8, QBLOCK,
+    Bf16, DecodeShape, Element, KernelError, Parallel, QMatrix, ScopedThreads, F16, Q4, Q8, QBLOCK,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -352,12 +352,12 @@ unsafe fn qmatrix<'a>(
     match kind {
         "q4" => Ok(QMatrix::Q4(Q4 {
             packed: slice::<u8>(quants, n * k / 2),
-            scale: slice::<f32>(scale, blocks),
-            min: slice::<f32>(min, blocks),
+            scale: slice::<F16>(scale, blocks),
+            min: slice::<F16>(min, blocks),
         })),
         "q8" => Ok(QMatrix::Q8(Q8 {
             quants: slice::<i8>(quants, n * k),
-            scale: slice::<f32>(scale, blocks),
+            scale: slice::<F16>(scale, blocks),
         })),
         other => Err(KernelError(format!("unknown quantized layout {other:?}"))),
     }

@@ -8,11 +8,11 @@
 //! Layouts (a row of `k` weights is `k / 32` blocks; `n` rows, row-major):
 //! - **Q4** (GGUF Q4_0 and Q4_1, and `int4` with a scale and a zero point per group of 32):
 //!   weight `j` of block `b` is `scale[b] * q + min[b]` with `q` in `0..16`. `scale` and
-//!   `min` are `[n, k / 32]` f32; `packed` is `[n, k / 2]` bytes, where each 32-byte group
+//!   `min` are `[n, k / 32]` f16 (GGUF's own precision); `packed` is `[n, k / 2]` bytes, where each 32-byte group
 //!   holds the nibbles of two neighbouring blocks: byte `j` is block `2p`'s `q_j` in its low
 //!   nibble and block `2p + 1`'s `q_j` in its high one (so `k` must be a multiple of 64).
 //! - **Q8** (GGUF Q8_0): weight `j` of block `b` is `scale[b] * q_j`, `q` an `i8`; `quants`
-//!   is `[n, k]` i8 and `scale` `[n, k / 32]` f32.
+//!   is `[n, k]` i8 and `scale` `[n, k / 32]` f16.
 //!
 //! The AVX-512 Q4 path widens each nibble to the bf16 number `128 + q` by an OR with the
 //! bit pattern of 128.0 and takes 32 products a block in one `vdpbf16ps`; the extra
@@ -20,7 +20,7 @@
 //! `x`. Products of two bf16 numbers are exact in f32, so nothing is rounded but the sums.
 
 use crate::attention::{KernelError, Parallel};
-use crate::element::{Bf16, Element};
+use crate::element::{Bf16, Element, F16};
 
 /// Weights per quantization block.
 pub const QBLOCK: usize = 32;
@@ -33,15 +33,15 @@ const MIN_ROWS_PER_PART: usize = 64;
 #[derive(Clone, Copy)]
 pub struct Q4<'a> {
     pub packed: &'a [u8],
-    pub scale: &'a [f32],
-    pub min: &'a [f32],
+    pub scale: &'a [F16],
+    pub min: &'a [F16],
 }
 
 /// A Q8 matrix: see the module docs.
 #[derive(Clone, Copy)]
 pub struct Q8<'a> {
     pub quants: &'a [i8],
-    pub scale: &'a [f32],
+    pub scale: &'a [F16],
 }
 
 /// Either quantized layout.
@@ -87,9 +87,9 @@ impl QMatrix<'_> {
                 } else {
                     byte >> 4
                 };
-                m.scale[b] * f32::from(q) + m.min[b]
+                m.scale[b].to_f32() * f32::from(q) + m.min[b].to_f32()
             }
-            QMatrix::Q8(m) => m.scale[b] * f32::from(m.quants[row * k + j]),
+            QMatrix::Q8(m) => m.scale[b].to_f32() * f32::from(m.quants[row * k + j]),
         }
     }
 }
@@ -130,6 +130,7 @@ pub fn gemv_quant(
     let out_addr = out.as_mut_ptr() as usize;
     let task = |part: usize| {
         let (lo, hi) = (n * part / parts, n * (part + 1) / parts);
+        let mut scales = RowScales::new(blocks);
         let mut first = 0;
         while first < rows {
             let take = (rows - first).min(MAX_ROWS);
@@ -141,7 +142,8 @@ pub fn gemv_quant(
             };
             for row in lo..hi {
                 let mut dots = [0f32; MAX_ROWS];
-                dot_row(&weight, row, k, &xs, simd, &mut dots);
+                scales.load(&weight, row, simd);
+                dot_row(&weight, row, k, &xs, &scales, simd, &mut dots);
                 let b = bias.map_or(0.0, |b| b[row].to_f32());
                 for (r, dot) in dots.iter().enumerate().take(take) {
                     // SAFETY: parts own disjoint column ranges [lo, hi) of each output row,
@@ -185,35 +187,37 @@ pub fn dequantize_bf16(
     let simd = simd_dequantize_available();
     let task = |part: usize| {
         let (lo, hi) = (n * part / parts, n * (part + 1) / parts);
+        let mut scales = RowScales::new(blocks);
         for row in lo..hi {
+            scales.load(&weight, row, simd);
+            let (scale, min) = (&scales.scale, &scales.min);
             // SAFETY: parts own disjoint row ranges of `out`, which outlives the call.
             let dst =
                 unsafe { std::slice::from_raw_parts_mut((out_addr as *mut Bf16).add(row * k), k) };
             #[cfg(target_arch = "x86_64")]
             if simd {
                 // SAFETY: `simd` means AVX-512 F/BW/BF16 were detected; shapes checked.
-                unsafe { avx512::dequantize_row(&weight, row, k, dst) };
+                unsafe { avx512::dequantize_row(&weight, row, k, scale, min, dst) };
                 continue;
             }
             match weight {
                 QMatrix::Q4(m) => {
                     let packed = &m.packed[row * k / 2..(row + 1) * k / 2];
                     for (p, group) in packed.chunks_exact(QBLOCK).enumerate() {
-                        let (b0, b1) = (row * blocks + 2 * p, row * blocks + 2 * p + 1);
+                        let (b0, b1) = (2 * p, 2 * p + 1);
                         for (j, &byte) in group.iter().enumerate() {
                             let lo_q = f32::from(byte & 15);
                             let hi_q = f32::from(byte >> 4);
-                            dst[2 * p * QBLOCK + j] =
-                                Bf16::from_f32(m.scale[b0] * lo_q + m.min[b0]);
+                            dst[2 * p * QBLOCK + j] = Bf16::from_f32(scale[b0] * lo_q + min[b0]);
                             dst[(2 * p + 1) * QBLOCK + j] =
-                                Bf16::from_f32(m.scale[b1] * hi_q + m.min[b1]);
+                                Bf16::from_f32(scale[b1] * hi_q + min[b1]);
                         }
                     }
                 }
                 QMatrix::Q8(m) => {
                     let quants = &m.quants[row * k..(row + 1) * k];
                     for (j, (d, &q)) in dst.iter_mut().zip(quants).enumerate() {
-                        *d = Bf16::from_f32(m.scale[row * blocks + j / QBLOCK] * f32::from(q));
+                        *d = Bf16::from_f32(scale[j / QBLOCK] * f32::from(q));
                     }
                 }
             }
@@ -265,16 +269,59 @@ fn simd_dequantize_available() -> bool {
     }
 }
 
+/// One row's block scales (and mins) widened to f32, in buffers reused row after row.
+struct RowScales {
+    scale: Vec<f32>,
+    min: Vec<f32>,
+}
+
+impl RowScales {
+    fn new(blocks: usize) -> Self {
+        RowScales {
+            scale: vec![0.0; blocks],
+            min: vec![0.0; blocks],
+        }
+    }
+
+    fn load(&mut self, weight: &QMatrix<'_>, row: usize, simd: bool) {
+        let blocks = self.scale.len();
+        let range = row * blocks..(row + 1) * blocks;
+        let (scale, min) = match weight {
+            QMatrix::Q4(m) => (&m.scale[range.clone()], Some(&m.min[range])),
+            QMatrix::Q8(m) => (&m.scale[range], None),
+        };
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            // SAFETY: `simd` implies AVX-512 F; lengths match.
+            unsafe {
+                avx512::widen_f16(scale, &mut self.scale);
+                if let Some(min) = min {
+                    avx512::widen_f16(min, &mut self.min);
+                }
+            }
+            return;
+        }
+        let _ = simd;
+        for (d, s) in self.scale.iter_mut().zip(scale) {
+            *d = s.to_f32();
+        }
+        for (d, s) in self.min.iter_mut().zip(min.unwrap_or(&[])) {
+            *d = s.to_f32();
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn dot_row(
     weight: &QMatrix<'_>,
     row: usize,
     k: usize,
     xs: &Rows<'_>,
+    scales: &RowScales,
     simd: bool,
     dots: &mut [f32; MAX_ROWS],
 ) {
     let blocks = k / QBLOCK;
-    let scales = row * blocks..(row + 1) * blocks;
     #[cfg(target_arch = "x86_64")]
     if simd {
         // SAFETY: `simd` means the features each path needs were detected; shapes were
@@ -283,15 +330,15 @@ fn dot_row(
             match weight {
                 QMatrix::Q4(m) => avx512::dot_q4(
                     &m.packed[row * k / 2..(row + 1) * k / 2],
-                    &m.scale[scales.clone()],
-                    &m.min[scales],
+                    &scales.scale,
+                    &scales.min,
                     xs,
                     k,
                     dots,
                 ),
                 QMatrix::Q8(m) => avx512::dot_q8(
                     &m.quants[row * k..(row + 1) * k],
-                    &m.scale[scales],
+                    &scales.scale,
                     xs,
                     k,
                     dots,
@@ -320,7 +367,24 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use super::{QMatrix, Rows, MAX_ROWS, QBLOCK};
-    use crate::element::Bf16;
+    use crate::element::{Bf16, F16};
+
+    /// f16 values to f32, sixteen a conversion. SAFETY: AVX-512 F; equal lengths.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn widen_f16(src: &[F16], dst: &mut [f32]) {
+        let mut i = 0;
+        while i < src.len() {
+            let left = src.len() - i;
+            let mask: __mmask16 = if left >= 16 {
+                0xffff
+            } else {
+                (1u16 << left) - 1
+            };
+            let h = _mm256_maskz_loadu_epi16(mask, src.as_ptr().add(i) as *const i16);
+            _mm512_mask_storeu_ps(dst.as_mut_ptr().add(i), mask, _mm512_cvtph_ps(h));
+            i += 16;
+        }
+    }
 
     /// `scale * q + min` (a multiply and an add, rounded as the portable path rounds)
     /// for 16 values, stored as bf16 (round to nearest even).
@@ -342,6 +406,8 @@ mod avx512 {
         weight: &QMatrix<'_>,
         row: usize,
         k: usize,
+        scale: &[f32],
+        min: &[f32],
         dst: &mut [Bf16],
     ) {
         let blocks = k / QBLOCK;
@@ -351,8 +417,8 @@ mod avx512 {
                 let packed = m.packed.as_ptr().add(row * k / 2);
                 let low = _mm_set1_epi8(15);
                 for b in 0..blocks {
-                    let d = _mm512_set1_ps(*m.scale.get_unchecked(row * blocks + b));
-                    let mn = _mm512_set1_ps(*m.min.get_unchecked(row * blocks + b));
+                    let d = _mm512_set1_ps(*scale.get_unchecked(b));
+                    let mn = _mm512_set1_ps(*min.get_unchecked(b));
                     let src = packed.add(b / 2 * QBLOCK);
                     for half in 0..2 {
                         let bytes = _mm_loadu_si128(src.add(16 * half) as *const __m128i);
@@ -374,7 +440,7 @@ mod avx512 {
                 let quants = m.quants.as_ptr().add(row * k);
                 let zero = _mm512_setzero_ps();
                 for b in 0..blocks {
-                    let d = _mm512_set1_ps(*m.scale.get_unchecked(row * blocks + b));
+                    let d = _mm512_set1_ps(*scale.get_unchecked(b));
                     for half in 0..2 {
                         let at = b * QBLOCK + 16 * half;
                         let q =
@@ -497,8 +563,12 @@ mod tests {
         let (n, k) = (3, 128);
         let blocks = k / QBLOCK;
         let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 37 % 251) as u8).collect();
-        let scale: Vec<f32> = (0..n * blocks).map(|i| 0.01 + i as f32 * 1e-3).collect();
-        let min: Vec<f32> = (0..n * blocks).map(|i| -0.05 + i as f32 * 7e-3).collect();
+        let scale: Vec<F16> = (0..n * blocks)
+            .map(|i| F16::from_f32(0.01 + i as f32 * 1e-3))
+            .collect();
+        let min: Vec<F16> = (0..n * blocks)
+            .map(|i| F16::from_f32(-0.05 + i as f32 * 7e-3))
+            .collect();
         let quants: Vec<i8> = (0..n * k).map(|i| (i * 29 % 255) as i8).collect();
         let x: Vec<Bf16> = (0..2 * k)
             .map(|i| Bf16::from_f32((i as f32 * 0.37).sin()))
@@ -524,8 +594,14 @@ mod tests {
         ] {
             for row in 0..n {
                 let (mut portable, mut simd) = ([0f32; MAX_ROWS], [0f32; MAX_ROWS]);
-                dot_row(&weight, row, k, &xs, false, &mut portable);
-                dot_row(&weight, row, k, &xs, simd_available(&weight), &mut simd);
+                let fast = simd_available(&weight);
+                let (mut plain, mut wide) = (RowScales::new(blocks), RowScales::new(blocks));
+                plain.load(&weight, row, false);
+                wide.load(&weight, row, fast);
+                assert_eq!(plain.scale, wide.scale);
+                assert_eq!(plain.min, wide.min);
+                dot_row(&weight, row, k, &xs, &plain, false, &mut portable);
+                dot_row(&weight, row, k, &xs, &wide, fast, &mut simd);
                 for r in 0..2 {
                     let tol = 1e-4 * (1.0 + portable[r].abs());
                     assert!(

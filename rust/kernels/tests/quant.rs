@@ -2,7 +2,7 @@
 //! layouts (nibble pairs of neighbouring blocks; per-block scale and min), in f64.
 
 use iron_batch_kernels::{
-    dequantize_bf16, gemv_quant, Bf16, Element, QMatrix, ScopedThreads, Q4, Q8, QBLOCK,
+    dequantize_bf16, gemv_quant, Bf16, Element, QMatrix, ScopedThreads, F16, Q4, Q8, QBLOCK,
 };
 
 struct Rng(u64);
@@ -21,8 +21,8 @@ impl Rng {
 
 struct Q4Data {
     packed: Vec<u8>,
-    scale: Vec<f32>,
-    min: Vec<f32>,
+    scale: Vec<F16>,
+    min: Vec<F16>,
     /// The dequantized weights, [n][k], from the q values drawn (not from the kernel crate).
     dense: Vec<f64>,
     /// The same in f32 (`scale * q + min`, one rounding each), as the kernels compute it.
@@ -31,10 +31,12 @@ struct Q4Data {
 
 fn q4(rng: &mut Rng, n: usize, k: usize) -> Q4Data {
     let blocks = k / QBLOCK;
-    let scale: Vec<f32> = (0..n * blocks)
-        .map(|_| rng.unit().abs() * 0.1 + 0.001)
+    let scale: Vec<F16> = (0..n * blocks)
+        .map(|_| F16::from_f32(rng.unit().abs() * 0.1 + 0.001))
         .collect();
-    let min: Vec<f32> = (0..n * blocks).map(|_| rng.unit() * 0.5).collect();
+    let min: Vec<F16> = (0..n * blocks)
+        .map(|_| F16::from_f32(rng.unit() * 0.5))
+        .collect();
     let mut packed = vec![0u8; n * k / 2];
     let mut dense = vec![0f64; n * k];
     let mut dense32 = vec![0f32; n * k];
@@ -45,8 +47,9 @@ fn q4(rng: &mut Rng, n: usize, k: usize) -> Q4Data {
             let byte = row * k / 2 + (b / 2) * QBLOCK + j % QBLOCK;
             packed[byte] |= if b.is_multiple_of(2) { q } else { q << 4 };
             let s = row * blocks + b;
-            dense[row * k + j] = f64::from(scale[s]) * f64::from(q) + f64::from(min[s]);
-            dense32[row * k + j] = scale[s] * f32::from(q) + min[s];
+            let (d, m) = (scale[s].to_f32(), min[s].to_f32());
+            dense[row * k + j] = f64::from(d) * f64::from(q) + f64::from(m);
+            dense32[row * k + j] = d * f32::from(q) + m;
         }
     }
     Q4Data {
@@ -132,11 +135,14 @@ fn q8_gemv_matches_dequantized_reference() {
     let (n, k) = (70, 96);
     let blocks = k / QBLOCK;
     let quants: Vec<i8> = (0..n * k).map(|_| (rng.next() % 255) as i8).collect();
-    let scale: Vec<f32> = (0..n * blocks)
-        .map(|_| rng.unit().abs() * 0.01 + 1e-4)
+    let scale: Vec<F16> = (0..n * blocks)
+        .map(|_| F16::from_f32(rng.unit().abs() * 0.01 + 1e-4))
         .collect();
     let dense: Vec<f64> = (0..n * k)
-        .map(|i| f64::from(scale[(i / k) * blocks + (i % k) / QBLOCK]) * f64::from(quants[i]))
+        .map(|i| {
+            let d = scale[(i / k) * blocks + (i % k) / QBLOCK].to_f32();
+            f64::from(d) * f64::from(quants[i])
+        })
         .collect();
     let weight = QMatrix::Q8(Q8 {
         quants: &quants,
@@ -172,7 +178,7 @@ fn dequantize_gives_every_weight_rounded_to_bf16() {
 #[test]
 fn shapes_that_do_not_fit_are_errors_not_reads_out_of_bounds() {
     let packed = vec![0u8; 4 * 32];
-    let scale = vec![0f32; 8];
+    let scale = vec![F16(0); 8];
     let weight = QMatrix::Q4(Q4 {
         packed: &packed,
         scale: &scale,
