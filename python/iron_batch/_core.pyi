@@ -271,3 +271,7 @@ def _dequantize_bf16(
 ) -> None:
     """The quantized matrix as bf16 into ``out``; call it through
     ``iron_batch.models.quant``."""
+
+def _q4_layout(k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each weight of a ``k``-wide Q4 row lives: (int64 byte index, bool high nibble)
+    arrays of ``k`` (the layout of ``rust/kernels/src/quant.rs``)."""

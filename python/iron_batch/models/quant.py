@@ -19,6 +19,7 @@ rows to amortise it.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -71,8 +72,8 @@ def check_mode(mode: str | None, device: torch.device, dtype: torch.dtype) -> No
 class QuantWeight:
     """One ``[n, k]`` projection matrix in a quantized layout.
 
-    ``kind`` "q4": ``quants`` uint8 ``[n, k / 2]`` (two neighbouring blocks' nibbles per
-    byte), ``scale`` and ``min`` float16 ``[n, k / 32]`` (GGUF's precision). "q8": ``quants``
+    ``kind`` "q4": ``quants`` uint8 ``[n, k / 2]`` (nibbles placed as the kernel reads
+    them, see :func:`_q4_layout`), ``scale`` and ``min`` float16 ``[n, k / 32]`` (GGUF's precision). "q8": ``quants``
     int8 ``[n, k]``, ``scale`` float16 ``[n, k / 32]``. "int8": ``quants`` int8 ``[n, k]``, ``scale`` bf16
     ``[n]`` (per output channel). ``source`` names the format it came from (for humans).
     """
@@ -167,8 +168,8 @@ def _dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
     if w.kind == "q8":
         return quants.float() * scale
     assert w.min is not None
-    groups = quants.view(len(ids), -1, QBLOCK)  # [rows, pairs, 32]
-    q = torch.stack([groups & 15, groups >> 4], dim=2).reshape(len(ids), w.k)
+    at, shift = _q4_layout(w.k)
+    q = (quants[:, at] >> shift) & 15
     return q.float() * scale + w.min[ids].float().repeat_interleave(QBLOCK, dim=1)
 
 
@@ -193,12 +194,23 @@ def concat(parts: list[QuantWeight]) -> QuantWeight | None:
 # ------------------------------------------------------------------ building the layouts
 
 
-def _pair_nibbles(q: np.ndarray) -> np.ndarray:
-    """``q`` uint8 ``[n, blocks, 32]`` values 0..15 (blocks even) to the kernel's bytes
-    ``[n, blocks * 16]``: block 2p's value j in the low nibble, block 2p + 1's in the high."""
-    n, blocks, _ = q.shape
-    pairs = q.reshape(n, blocks // 2, 2, QBLOCK)
-    return np.ascontiguousarray(pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, -1)
+@functools.cache
+def _q4_layout(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each weight of a ``k``-wide Q4 row: its byte in the row, and the shift (0 or 4)
+    of its nibble. The layout is the Rust kernels' (``q4_nibble``), asked, not restated."""
+    at, high = _core._q4_layout(k)
+    return torch.from_numpy(at), torch.from_numpy(high.astype(np.uint8) * 4)
+
+
+def _pack_q4(q: np.ndarray) -> np.ndarray:
+    """Values ``q`` uint8 ``[n, k]`` in 0..15 to the kernel's bytes ``[n, k / 2]``."""
+    n, k = q.shape
+    at, shift = (t.numpy() for t in _q4_layout(k))
+    packed = np.zeros((n, k // 2), dtype=np.uint8)
+    low, high = shift == 0, shift == 4
+    packed[:, at[low]] = q[:, low]
+    packed[:, at[high]] |= q[:, high] << 4
+    return packed
 
 
 def q4_from_values(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray,
@@ -208,7 +220,7 @@ def q4_from_values(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray,
     n, k = q.shape
     if k % (2 * QBLOCK):
         raise QuantizationError(f"4-bit layout needs rows of a multiple of 64, not {k}")
-    packed = _pair_nibbles(q.reshape(n, k // QBLOCK, QBLOCK).astype(np.uint8))
+    packed = _pack_q4(q.astype(np.uint8))
     return QuantWeight(
         kind="q4", n=n, k=k, quants=torch.from_numpy(packed),
         scale=torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float16)),

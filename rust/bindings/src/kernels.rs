@@ -7,10 +7,11 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use iron_batch_kernels::{
-    add_rms_norm, dequantize_bf16, gemv_bf16, gemv_quant, paged_decode_attention, rope_store_kv,
-    Bf16, DecodeShape, Element, KernelError, Parallel, QMatrix, ScopedThreads, F16, Q4, Q8, QBLOCK,
+    add_rms_norm, dequantize_bf16, gemv_bf16, gemv_quant, paged_decode_attention, q4_nibble,
+    rope_store_kv, Bf16, DecodeShape, Element, KernelError, Parallel, QMatrix, ScopedThreads, F16,
+    Q4, Q8, QBLOCK,
 };
-use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -431,4 +432,22 @@ pub fn _dequantize_bf16(
         };
         dequantize_bf16(out, weight, n, k, threads, parallel)
     })
+}
+
+/// Where each weight of a `k`-wide Q4 row lives: (byte index, high nibble?) arrays of `k`.
+#[pyfunction]
+pub fn _q4_layout<'py>(
+    py: Python<'py>,
+    k: usize,
+) -> PyResult<(Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<bool>>)> {
+    if k == 0 || !k.is_multiple_of(2 * QBLOCK) {
+        return Err(PyValueError::new_err("k must be a positive multiple of 64"));
+    }
+    let (bytes, high): (Vec<i64>, Vec<bool>) = (0..k)
+        .map(|j| {
+            let (at, high) = q4_nibble(j, k);
+            (at as i64, high)
+        })
+        .unzip();
+    Ok((bytes.into_pyarray(py), high.into_pyarray(py)))
 }

@@ -8,9 +8,9 @@
 //! Layouts (a row of `k` weights is `k / 32` blocks; `n` rows, row-major):
 //! - **Q4** (GGUF Q4_0 and Q4_1, and `int4` with a scale and a zero point per group of 32):
 //!   weight `j` of block `b` is `scale[b] * q + min[b]` with `q` in `0..16`. `scale` and
-//!   `min` are `[n, k / 32]` f16 (GGUF's own precision); `packed` is `[n, k / 2]` bytes, where each 32-byte group
-//!   holds the nibbles of two neighbouring blocks: byte `j` is block `2p`'s `q_j` in its low
-//!   nibble and block `2p + 1`'s `q_j` in its high one (so `k` must be a multiple of 64).
+//!   `min` are `[n, k / 32]` f16 (GGUF's own precision); `packed` is `[n, k / 2]` bytes,
+//!   where each 32-byte group holds the nibbles of two neighbouring blocks (see
+//!   [`q4_nibble`]; `k` must be a multiple of 64).
 //! - **Q8** (GGUF Q8_0): weight `j` of block `b` is `scale[b] * q_j`, `q` an `i8`; `quants`
 //!   is `[n, k]` i8 and `scale` `[n, k / 32]` f16.
 //!
@@ -80,18 +80,26 @@ impl QMatrix<'_> {
         let b = row * (k / QBLOCK) + j / QBLOCK;
         match self {
             QMatrix::Q4(m) => {
-                let within = j % (2 * QBLOCK);
-                let byte = m.packed[row * k / 2 + j / (2 * QBLOCK) * QBLOCK + within % QBLOCK];
-                let q = if within < QBLOCK {
-                    byte & 15
-                } else {
-                    byte >> 4
-                };
+                let (at, high) = q4_nibble(j, k);
+                let byte = m.packed[row * k / 2 + at];
+                let q = if high { byte >> 4 } else { byte & 15 };
                 m.scale[b].to_f32() * f32::from(q) + m.min[b].to_f32()
             }
             QMatrix::Q8(m) => m.scale[b].to_f32() * f32::from(m.quants[row * k + j]),
         }
     }
+}
+
+/// Where weight `j` (of `k`) of a Q4 row lives: (byte within the row, high nibble?).
+///
+/// Blocks go by pairs into 32 bytes: element `e` of either block at byte `e` of the pair,
+/// the first block in the low nibble, the second in the high one. (A layout that lets
+/// byte interleaves unpack four blocks at once measured the same: per-row work and memory,
+/// not unpacking, bound the kernel.)
+pub fn q4_nibble(j: usize, k: usize) -> (usize, bool) {
+    let _ = k;
+    let block = j / QBLOCK;
+    ((block / 2) * QBLOCK + j % QBLOCK, block % 2 == 1)
 }
 
 /// `out[r][i] = sum_j x[r][j] * W[i][j] (+ bias[i])` for `r` in `0..rows` (any number:
@@ -203,15 +211,15 @@ pub fn dequantize_bf16(
             match weight {
                 QMatrix::Q4(m) => {
                     let packed = &m.packed[row * k / 2..(row + 1) * k / 2];
-                    for (p, group) in packed.chunks_exact(QBLOCK).enumerate() {
-                        let (b0, b1) = (2 * p, 2 * p + 1);
-                        for (j, &byte) in group.iter().enumerate() {
-                            let lo_q = f32::from(byte & 15);
-                            let hi_q = f32::from(byte >> 4);
-                            dst[2 * p * QBLOCK + j] = Bf16::from_f32(scale[b0] * lo_q + min[b0]);
-                            dst[(2 * p + 1) * QBLOCK + j] =
-                                Bf16::from_f32(scale[b1] * hi_q + min[b1]);
-                        }
+                    for (j, d) in dst.iter_mut().enumerate() {
+                        let (at, high) = q4_nibble(j, k);
+                        let q = f32::from(if high {
+                            packed[at] >> 4
+                        } else {
+                            packed[at] & 15
+                        });
+                        let b = j / QBLOCK;
+                        *d = Bf16::from_f32(scale[b] * q + min[b]);
                     }
                 }
                 QMatrix::Q8(m) => {
@@ -490,9 +498,9 @@ mod avx512 {
                 acc[r][1] = _mm512_fmadd_ps(s1, d1, acc[r][1]);
             }
         }
+        let blocks = k / QBLOCK;
         // Each block's weights are scale * (128 + q) + (min - 128 * scale): add
         // sum_b (min_b - 128 scale_b) * sum(x in b), sixteen blocks a vector.
-        let blocks = k / QBLOCK;
         let minus_128 = _mm512_set1_ps(-128.0);
         for r in 0..rows {
             let sums = xs.block_sums.as_ptr().add(r * blocks);

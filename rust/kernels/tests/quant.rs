@@ -2,7 +2,8 @@
 //! layouts (nibble pairs of neighbouring blocks; per-block scale and min), in f64.
 
 use iron_batch_kernels::{
-    dequantize_bf16, gemv_quant, Bf16, Element, QMatrix, ScopedThreads, F16, Q4, Q8, QBLOCK,
+    dequantize_bf16, gemv_quant, q4_nibble, Bf16, Element, QMatrix, ScopedThreads, F16, Q4, Q8,
+    QBLOCK,
 };
 
 struct Rng(u64);
@@ -44,8 +45,8 @@ fn q4(rng: &mut Rng, n: usize, k: usize) -> Q4Data {
         for j in 0..k {
             let q = (rng.next() % 16) as u8;
             let b = j / QBLOCK;
-            let byte = row * k / 2 + (b / 2) * QBLOCK + j % QBLOCK;
-            packed[byte] |= if b.is_multiple_of(2) { q } else { q << 4 };
+            let (at, high) = q4_nibble(j, k);
+            packed[row * k / 2 + at] |= if high { q << 4 } else { q };
             let s = row * blocks + b;
             let (d, m) = (scale[s].to_f32(), min[s].to_f32());
             dense[row * k + j] = f64::from(d) * f64::from(q) + f64::from(m);
@@ -96,19 +97,40 @@ fn assert_close(got: &[Bf16], want: &[f64], scale: f64) {
 }
 
 #[test]
+fn q4_layout_gives_every_weight_its_own_nibble() {
+    // Rows of 2, 4, 6 and 18 blocks: only pairs, whole fours, and fours plus a pair.
+    for k in [64, 128, 192, 576] {
+        let mut seen = vec![[false; 2]; k / 2];
+        for j in 0..k {
+            let (at, high) = q4_nibble(j, k);
+            assert!(
+                !seen[at][usize::from(high)],
+                "k {k}: weight {j} shares a nibble"
+            );
+            seen[at][usize::from(high)] = true;
+        }
+    }
+}
+
+#[test]
 fn q4_gemv_matches_dequantized_reference_for_any_row_count() {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    let (n, k) = (130, 192);
-    let data = q4(&mut rng, n, k);
+    for k in [192, 256] {
+        q4_gemv_case(&mut rng, 130, k);
+    }
+}
+
+fn q4_gemv_case(rng: &mut Rng, n: usize, k: usize) {
+    let data = q4(rng, n, k);
     let weight = QMatrix::Q4(Q4 {
         packed: &data.packed,
         scale: &data.scale,
         min: &data.min,
     });
-    let bias: Vec<Bf16> = activations(&mut rng, n);
+    let bias: Vec<Bf16> = activations(rng, n);
     for rows in [1, 2, 3, 4, 5, 9] {
         for threads in [1, 3] {
-            let x = activations(&mut rng, rows * k);
+            let x = activations(rng, rows * k);
             let mut out = vec![Bf16(0); rows * n];
             gemv_quant(
                 &mut out,
