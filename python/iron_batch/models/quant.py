@@ -73,9 +73,10 @@ class QuantWeight:
     """One ``[n, k]`` projection matrix in a quantized layout.
 
     ``kind`` "q4": ``quants`` uint8 ``[n, k / 2]`` (nibbles placed as the kernel reads
-    them, see :func:`_q4_layout`), ``scale`` and ``min`` float16 ``[n, k / 32]`` (GGUF's precision). "q8": ``quants``
-    int8 ``[n, k]``, ``scale`` float16 ``[n, k / 32]``. "int8": ``quants`` int8 ``[n, k]``, ``scale`` bf16
-    ``[n]`` (per output channel). ``source`` names the format it came from (for humans).
+    them, see :func:`_q4_layout`), ``scale`` and ``min`` float16 ``[n, k / 32]`` (GGUF's
+    precision). "q8": ``quants`` int8 ``[n, k]``, ``scale`` float16 ``[n, k / 32]``.
+    "int8": ``quants`` int8 ``[n, k]``, ``scale`` bf16 ``[n]`` (per output channel).
+    ``source`` names the format it came from (for humans).
     """
 
     kind: str

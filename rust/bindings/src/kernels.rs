@@ -434,12 +434,12 @@ pub fn _dequantize_bf16(
     })
 }
 
+/// (byte index, high nibble?) arrays, one entry per weight of a row.
+type Q4Layout<'py> = (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<bool>>);
+
 /// Where each weight of a `k`-wide Q4 row lives: (byte index, high nibble?) arrays of `k`.
 #[pyfunction]
-pub fn _q4_layout<'py>(
-    py: Python<'py>,
-    k: usize,
-) -> PyResult<(Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<bool>>)> {
+pub fn _q4_layout(py: Python<'_>, k: usize) -> PyResult<Q4Layout<'_>> {
     if k == 0 || !k.is_multiple_of(2 * QBLOCK) {
         return Err(PyValueError::new_err("k must be a positive multiple of 64"));
     }

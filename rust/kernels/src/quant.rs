@@ -139,30 +139,35 @@ pub fn gemv_quant(
     let task = |part: usize| {
         let (lo, hi) = (n * part / parts, n * (part + 1) / parts);
         let mut scales = RowScales::new(blocks);
-        let mut first = 0;
-        while first < rows {
-            let take = (rows - first).min(MAX_ROWS);
-            let xs = Rows {
-                bf16: &x[first * k..(first + take) * k],
-                f32: &xf[first * k..(first + take) * k],
-                block_sums: &block_sums[first * blocks..(first + take) * blocks],
-                count: take,
-            };
-            for row in lo..hi {
-                let mut dots = [0f32; MAX_ROWS];
-                scales.load(&weight, row, simd);
-                dot_row(&weight, row, k, &xs, &scales, simd, &mut dots);
-                let b = bias.map_or(0.0, |b| b[row].to_f32());
-                for (r, dot) in dots.iter().enumerate().take(take) {
-                    // SAFETY: parts own disjoint column ranges [lo, hi) of each output row,
-                    // and `out` (rows * n elements) outlives the call.
-                    unsafe {
-                        *(out_addr as *mut Bf16).add((first + r) * n + row) =
-                            Bf16::from_f32(dot + b);
+        let mut results = Vec::with_capacity(CHUNK_ROWS);
+        // Chunks of rows: their scales widened in one go, their weights still in cache for
+        // the next pass when there are more activation rows than one pass serves.
+        for chunk in (lo..hi).step_by(CHUNK_ROWS) {
+            let end = (chunk + CHUNK_ROWS).min(hi);
+            scales.load(&weight, chunk..end, simd);
+            let mut first = 0;
+            while first < rows {
+                let take = (rows - first).min(MAX_ROWS);
+                let xs = Rows {
+                    bf16: &x[first * k..(first + take) * k],
+                    f32: &xf[first * k..(first + take) * k],
+                    block_sums: &block_sums[first * blocks..(first + take) * blocks],
+                    count: take,
+                };
+                dot_chunk(&weight, chunk..end, k, &xs, &scales, simd, &mut results);
+                for (row, dots) in (chunk..end).zip(&results) {
+                    let b = bias.map_or(0.0, |b| b[row].to_f32());
+                    for (r, dot) in dots.iter().enumerate().take(take) {
+                        // SAFETY: parts own disjoint column ranges [lo, hi) of each output
+                        // row, and `out` (rows * n elements) outlives the call.
+                        unsafe {
+                            *(out_addr as *mut Bf16).add((first + r) * n + row) =
+                                Bf16::from_f32(dot + b);
+                        }
                     }
                 }
+                first += take;
             }
-            first += take;
         }
     };
     if parts == 1 {
@@ -197,8 +202,8 @@ pub fn dequantize_bf16(
         let (lo, hi) = (n * part / parts, n * (part + 1) / parts);
         let mut scales = RowScales::new(blocks);
         for row in lo..hi {
-            scales.load(&weight, row, simd);
-            let (scale, min) = (&scales.scale, &scales.min);
+            scales.load(&weight, row..row + 1, simd);
+            let (scale, min) = scales.row(0);
             // SAFETY: parts own disjoint row ranges of `out`, which outlives the call.
             let dst =
                 unsafe { std::slice::from_raw_parts_mut((out_addr as *mut Bf16).add(row * k), k) };
@@ -277,8 +282,12 @@ fn simd_dequantize_available() -> bool {
     }
 }
 
-/// One row's block scales (and mins) widened to f32, in buffers reused row after row.
+/// Rows per chunk of [`RowScales`] (a chunk's widened scales stay in L1/L2).
+const CHUNK_ROWS: usize = 128;
+
+/// Some rows' block scales (and mins) widened to f32, in buffers reused chunk after chunk.
 struct RowScales {
+    blocks: usize,
     scale: Vec<f32>,
     min: Vec<f32>,
 }
@@ -286,14 +295,29 @@ struct RowScales {
 impl RowScales {
     fn new(blocks: usize) -> Self {
         RowScales {
-            scale: vec![0.0; blocks],
-            min: vec![0.0; blocks],
+            blocks,
+            scale: Vec::new(),
+            min: Vec::new(),
         }
     }
 
-    fn load(&mut self, weight: &QMatrix<'_>, row: usize, simd: bool) {
-        let blocks = self.scale.len();
-        let range = row * blocks..(row + 1) * blocks;
+    /// Scales and mins of row `i` of the rows loaded last.
+    fn row(&self, i: usize) -> (&[f32], &[f32]) {
+        let range = i * self.blocks..(i + 1) * self.blocks;
+        let min = if self.min.is_empty() {
+            &[][..]
+        } else {
+            &self.min[range.clone()]
+        };
+        (&self.scale[range], min)
+    }
+
+    fn load(&mut self, weight: &QMatrix<'_>, rows: std::ops::Range<usize>, simd: bool) {
+        let range = rows.start * self.blocks..rows.end * self.blocks;
+        self.scale.resize(range.len(), 0.0);
+        if matches!(weight, QMatrix::Q4(_)) {
+            self.min.resize(range.len(), 0.0);
+        }
         let (scale, min) = match weight {
             QMatrix::Q4(m) => (&m.scale[range.clone()], Some(&m.min[range])),
             QMatrix::Q8(m) => (&m.scale[range], None),
@@ -319,13 +343,44 @@ impl RowScales {
     }
 }
 
+/// `results[i]` = the activation rows' dots with weight row `rows.start + i`.
+fn dot_chunk(
+    weight: &QMatrix<'_>,
+    rows: std::ops::Range<usize>,
+    k: usize,
+    xs: &Rows<'_>,
+    scales: &RowScales,
+    simd: bool,
+    results: &mut Vec<[f32; MAX_ROWS]>,
+) {
+    results.clear();
+    results.resize(rows.len(), [0.0; MAX_ROWS]);
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` means the features each path needs were detected; shapes were
+        // checked by `QMatrix::check` and `gemv_quant`.
+        unsafe {
+            match weight {
+                QMatrix::Q4(m) => avx512::dot_q4_rows(m.packed, rows, k, xs, scales, results),
+                QMatrix::Q8(m) => avx512::dot_q8_rows(m.quants, rows, k, xs, scales, results),
+            }
+        }
+        return;
+    }
+    for (i, row) in rows.enumerate() {
+        let (scale, min) = scales.row(i);
+        dot_row(weight, row, k, xs, scale, min, simd, &mut results[i]);
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn dot_row(
     weight: &QMatrix<'_>,
     row: usize,
     k: usize,
     xs: &Rows<'_>,
-    scales: &RowScales,
+    scale: &[f32],
+    min: &[f32],
     simd: bool,
     dots: &mut [f32; MAX_ROWS],
 ) {
@@ -336,21 +391,24 @@ fn dot_row(
         // checked by `QMatrix::check` and `gemv_quant`.
         unsafe {
             match weight {
-                QMatrix::Q4(m) => avx512::dot_q4(
-                    &m.packed[row * k / 2..(row + 1) * k / 2],
-                    &scales.scale,
-                    &scales.min,
-                    xs,
-                    k,
-                    dots,
-                ),
-                QMatrix::Q8(m) => avx512::dot_q8(
-                    &m.quants[row * k..(row + 1) * k],
-                    &scales.scale,
-                    xs,
-                    k,
-                    dots,
-                ),
+                QMatrix::Q4(m) => {
+                    let w = &m.packed[row * k / 2..(row + 1) * k / 2];
+                    match xs.count {
+                        1 => avx512::dot_q4::<1>(w, scale, min, xs, k, dots),
+                        2 => avx512::dot_q4::<2>(w, scale, min, xs, k, dots),
+                        3 => avx512::dot_q4::<3>(w, scale, min, xs, k, dots),
+                        _ => avx512::dot_q4::<4>(w, scale, min, xs, k, dots),
+                    }
+                }
+                QMatrix::Q8(m) => {
+                    let w = &m.quants[row * k..(row + 1) * k];
+                    match xs.count {
+                        1 => avx512::dot_q8::<1>(w, scale, xs, k, dots),
+                        2 => avx512::dot_q8::<2>(w, scale, xs, k, dots),
+                        3 => avx512::dot_q8::<3>(w, scale, xs, k, dots),
+                        _ => avx512::dot_q8::<4>(w, scale, xs, k, dots),
+                    }
+                }
             }
         }
         return;
@@ -374,7 +432,63 @@ fn dot_row(
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{QMatrix, Rows, MAX_ROWS, QBLOCK};
+    use super::{QMatrix, RowScales, Rows, MAX_ROWS, QBLOCK};
+
+    /// [`dot_q4`] for each row of `rows` (one call, so the loop runs with the features on).
+    ///
+    /// SAFETY: as for `dot_q4`, for every row; `scales` holds these rows.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn dot_q4_rows(
+        packed: &[u8],
+        rows: std::ops::Range<usize>,
+        k: usize,
+        xs: &Rows<'_>,
+        scales: &RowScales,
+        results: &mut [[f32; MAX_ROWS]],
+    ) {
+        // One copy of the loop per activation row count, its accumulators in registers.
+        macro_rules! each_row {
+            ($r:literal) => {
+                for (i, row) in rows.enumerate() {
+                    let (scale, min) = scales.row(i);
+                    let w = packed.get_unchecked(row * k / 2..(row + 1) * k / 2);
+                    dot_q4::<$r>(w, scale, min, xs, k, results.get_unchecked_mut(i));
+                }
+            };
+        }
+        match xs.count {
+            1 => each_row!(1),
+            2 => each_row!(2),
+            3 => each_row!(3),
+            _ => each_row!(4),
+        }
+    }
+
+    /// [`dot_q8`] for each row of `rows`. SAFETY: as for `dot_q8`, for every row.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn dot_q8_rows(
+        quants: &[i8],
+        rows: std::ops::Range<usize>,
+        k: usize,
+        xs: &Rows<'_>,
+        scales: &RowScales,
+        results: &mut [[f32; MAX_ROWS]],
+    ) {
+        macro_rules! each_row {
+            ($r:literal) => {
+                for (i, row) in rows.enumerate() {
+                    let w = quants.get_unchecked(row * k..(row + 1) * k);
+                    dot_q8::<$r>(w, scales.row(i).0, xs, k, results.get_unchecked_mut(i));
+                }
+            };
+        }
+        match xs.count {
+            1 => each_row!(1),
+            2 => each_row!(2),
+            3 => each_row!(3),
+            _ => each_row!(4),
+        }
+    }
     use crate::element::{Bf16, F16};
 
     /// f16 values to f32, sixteen a conversion. SAFETY: AVX-512 F; equal lengths.
@@ -463,8 +577,9 @@ mod avx512 {
     #[allow(clippy::needless_range_loop)] // `r` indexes `acc`, `dots` and the rows of `xs`
     /// SAFETY: AVX-512 F/BW/BF16; `packed` is one row (`k / 2` bytes, `k % 64 == 0`),
     /// `scale`/`min` its `k / 32` blocks; `xs` holds `count` rows of `k`.
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn dot_q4(
+    pub(super) unsafe fn dot_q4<const ROWS: usize>(
         packed: &[u8],
         scale: &[f32],
         min: &[f32],
@@ -472,12 +587,12 @@ mod avx512 {
         k: usize,
         dots: &mut [f32; MAX_ROWS],
     ) {
-        let rows = xs.count;
+        let rows = ROWS;
         let low = _mm256_set1_epi8(15);
         // bf16 bit pattern of 128.0: OR-ing q (0..16) into its mantissa gives 128 + q.
         let bias = _mm512_set1_epi16(0x4300);
         let xp = xs.bf16.as_ptr() as *const u16;
-        let mut acc = [[_mm512_setzero_ps(); 2]; MAX_ROWS];
+        let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
         let pairs = k / (2 * QBLOCK);
         for p in 0..pairs {
             let bytes = _mm256_loadu_si256(packed.as_ptr().add(p * QBLOCK) as *const __m256i);
@@ -526,17 +641,18 @@ mod avx512 {
     #[allow(clippy::needless_range_loop)] // `r` indexes `acc`, `dots` and the rows of `xs`
     /// SAFETY: AVX-512 F/BW; `quants` is one row of `k` (`k % 32 == 0`), `scale` its
     /// `k / 32` blocks; `xs` holds `count` rows of `k`.
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn dot_q8(
+    pub(super) unsafe fn dot_q8<const ROWS: usize>(
         quants: &[i8],
         scale: &[f32],
         xs: &Rows<'_>,
         k: usize,
         dots: &mut [f32; MAX_ROWS],
     ) {
-        let rows = xs.count;
+        let rows = ROWS;
         let xp = xs.f32.as_ptr();
-        let mut acc = [[_mm512_setzero_ps(); 2]; MAX_ROWS];
+        let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
         for b in 0..k / QBLOCK {
             let qp = quants.as_ptr().add(b * QBLOCK);
             let w0 =
@@ -604,12 +720,12 @@ mod tests {
                 let (mut portable, mut simd) = ([0f32; MAX_ROWS], [0f32; MAX_ROWS]);
                 let fast = simd_available(&weight);
                 let (mut plain, mut wide) = (RowScales::new(blocks), RowScales::new(blocks));
-                plain.load(&weight, row, false);
-                wide.load(&weight, row, fast);
-                assert_eq!(plain.scale, wide.scale);
-                assert_eq!(plain.min, wide.min);
-                dot_row(&weight, row, k, &xs, &plain, false, &mut portable);
-                dot_row(&weight, row, k, &xs, &wide, fast, &mut simd);
+                plain.load(&weight, row..row + 1, false);
+                wide.load(&weight, row..row + 1, fast);
+                assert_eq!(plain.row(0), wide.row(0));
+                let (scale, min) = plain.row(0);
+                dot_row(&weight, row, k, &xs, scale, min, false, &mut portable);
+                dot_row(&weight, row, k, &xs, scale, min, fast, &mut simd);
                 for r in 0..2 {
                     let tol = 1e-4 * (1.0 + portable[r].abs());
                     assert!(
