@@ -6,7 +6,9 @@ Three modes, all with bf16 activations and a bf16 KV cache:
   regrouped once at load, nothing rounded); other tensor types in the file are dequantized
   to bf16 as before, with a message naming them.
 - ``int8``: any checkpoint, weight-only int8 with one scale per output channel; the LM head
-  too. Runs on torch's own ``_weight_int8pack_mm``.
+  too. Stored as Q8 blocks that all carry their row's scale, so it runs on the Q8_0 kernels.
+  (torch's ``_weight_int8pack_mm`` was measured: as fast at batch 1, but its cost grows
+  with every row, 3x the dense path at 64.)
 - ``int4``: any checkpoint, 4-bit weights in groups of 32 with a scale and a zero point
   each (the Q4_1 layout); the LM head goes to int8 (per channel) as llama.cpp keeps its
   output matrix at 8 bits.
@@ -60,10 +62,7 @@ def check_mode(mode: str | None, device: torch.device, dtype: torch.dtype) -> No
             f"--quantization {mode} computes with bf16 activations; use --dtype bfloat16 "
             f"(or auto), not {str(dtype).removeprefix('torch.')}"
         )
-    if mode == "int8" and not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-        raise QuantizationError("--quantization int8 needs torch's _weight_int8pack_mm "
-                                "(torch >= 2.3)")
-    if mode in ("gguf", "int4") and (_GEMV is None or _DEQUANT is None):
+    if _GEMV is None or _DEQUANT is None:
         raise QuantizationError(f"--quantization {mode}: this build of iron_batch._core has "
                                 "no quantized kernels")
 
@@ -75,7 +74,6 @@ class QuantWeight:
     ``kind`` "q4": ``quants`` uint8 ``[n, k / 2]`` (nibbles placed as the kernel reads
     them, see :func:`_q4_layout`), ``scale`` and ``min`` float16 ``[n, k / 32]`` (GGUF's
     precision). "q8": ``quants`` int8 ``[n, k]``, ``scale`` float16 ``[n, k / 32]``.
-    "int8": ``quants`` int8 ``[n, k]``, ``scale`` bf16 ``[n]`` (per output channel).
     ``source`` names the format it came from (for humans).
     """
 
@@ -109,9 +107,6 @@ class QuantWeight:
             raise ValueError(f"quantized linear: x {tuple(x.shape)} {x.dtype} does not fit "
                              f"[rows, {self.k}] bf16")
         rows = x.shape[0]
-        if self.kind == "int8":
-            out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.quants, self.scale)
-            return out if bias is None else out + bias
         if rows > GEMV_MAX_ROWS or rows == 0:
             return F.linear(x, self.dequantize(scratch=True), bias)
         if not x.is_contiguous():
@@ -131,8 +126,6 @@ class QuantWeight:
         """The whole matrix as bf16 ``[n, k]``. ``scratch``: into this thread's reusable
         buffer, valid until its next use (a fresh tensor of an LM head's size costs more in
         page faults than the dequantization itself)."""
-        if self.kind == "int8":
-            return (self.quants.float() * self.scale.float()[:, None]).to(torch.bfloat16)
         out = _scratch(self.n * self.k).view(self.n, self.k) if scratch else torch.empty(
             self.n, self.k, dtype=torch.bfloat16
         )
@@ -163,8 +156,6 @@ def _scratch(elements: int) -> torch.Tensor:
 def _dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
     """Float32 rows of ``w`` by torch ops (a handful of rows: no kernel needed)."""
     quants = w.quants[ids]
-    if w.kind == "int8":
-        return quants.float() * w.scale[ids].float()[:, None]
     scale = w.scale[ids].float().repeat_interleave(QBLOCK, dim=1)
     if w.kind == "q8":
         return quants.float() * scale
@@ -273,12 +264,15 @@ def quantize_int4(weight: torch.Tensor) -> QuantWeight:
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantWeight:
-    """``weight`` [n, k] to int8 with one symmetric scale per output row (absmax / 127)."""
+    """``weight`` [n, k] to int8 with one symmetric scale per output row (absmax / 127, as
+    float16), in the Q8 layout: each block of the row carries the row's scale, so int8 runs
+    on the same kernels as GGUF's Q8_0."""
     w = weight.detach().float()
-    scale = w.abs().amax(1) / 127
-    # The kernel takes bf16 scales: round first, and quantize against the rounded scale.
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(torch.bfloat16)
-    q = torch.clamp(torch.round(w / scale.float()[:, None]), -127, 127).to(torch.int8)
     n, k = w.shape
-    return QuantWeight(kind="int8", n=n, k=k, quants=q.contiguous(), scale=scale, min=None,
+    scale = w.abs().amax(1) / 127
+    # Round the scale first and quantize against the rounded one.
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).half()
+    q = torch.clamp(torch.round(w / scale.float()[:, None]), -127, 127).to(torch.int8)
+    blocks = scale[:, None].expand(n, k // QBLOCK).contiguous()
+    return QuantWeight(kind="q8", n=n, k=k, quants=q.contiguous(), scale=blocks, min=None,
                        source="int8")
