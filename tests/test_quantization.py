@@ -297,3 +297,32 @@ def test_llm_api_takes_quantization() -> None:
     out = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
     assert llm.backend.describe().dtype == "bfloat16"
+
+
+def test_a_quantized_worker_streams_what_the_in_process_backend_does() -> None:
+    """--quantization on the worker: the remote backend gives the tokens of the same
+    quantized model run in process, under the same schedule (with preemption)."""
+    from iron_batch import Engine
+    from iron_batch.backends.remote import RemoteBackend
+    from test_remote_backend import WorkerProcess, _config, _drive
+
+    ckpt = str(checkpoint("qwen2"))
+    worker = WorkerProcess("--model", ckpt, "--device", "cpu", "--quantization", "int4",
+                           "--total-kv-blocks", "18", "--kv-block-size", "4")
+    try:
+        worker.start()
+        remote = RemoteBackend(worker.url)
+        local = TorchBackend.from_model(ckpt, device="cpu", quantization="int4",
+                                        total_kv_blocks=18, kv_block_size=4)
+        reqs = list(zip(random_prompts(41, [9, 14, 6, 11, 17]), [12, 10, 14, 9, 11],
+                        strict=True))
+        runs = []
+        for be in (remote, local):
+            engine = Engine(be, _config(remote))
+            tokens, ends = _drive(engine, reqs)
+            assert all(e.error is None for e in ends)
+            assert engine.scheduler.stats()["free_blocks"] == 18
+            runs.append((tokens, engine.scheduler.stats()["preemptions"]))
+        assert runs[0] == runs[1] and runs[0][1] > 0
+    finally:
+        worker.kill()
