@@ -183,15 +183,17 @@ def ours_engine_thread_ms(llm: LLM, prompt: np.ndarray, new: int) -> float:
     return (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) * 1e3
 
 
-def server_run(model: str, dtype: str, vocab: int, args: argparse.Namespace) -> dict[str, float]:
-    """Output tok/s of W and batch-1 ms/token through ``python -m iron_batch.server``."""
+def server_run(model: str, dtype: str, vocab: int, args: argparse.Namespace,
+               extra: list[str] | None = None) -> dict[str, float]:
+    """Output tok/s of W and batch-1 ms/token through ``python -m iron_batch.server``
+    (``extra``: more server arguments)."""
     import httpx
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "iron_batch.server", "--backend", "torch", "--model", model,
            "--dtype", dtype, "--device", "cpu", "--addr", f"127.0.0.1:{port}",
-           "--max-batch-tokens", str(args.max_batch_tokens)]
+           "--max-batch-tokens", str(args.max_batch_tokens), *(extra or [])]
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 

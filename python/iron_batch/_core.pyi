@@ -247,3 +247,40 @@ def _gemv_bf16(
 ) -> None:
     """``out = x @ weight.T (+ bias)`` for 1-2 bf16 rows over raw CPU tensor addresses;
     call it through ``iron_batch.models.cpu_fused.linear``."""
+
+def _gemv_quant(
+    out: int,
+    x: int,
+    kind: str,
+    quants: int,
+    scale: int,
+    min: int,
+    bias: int,
+    *,
+    rows: int,
+    n: int,
+    k: int,
+    threads: int,
+    openmp: tuple[int, int, int] | None = None,
+) -> None:
+    """``out = x @ W.T (+ bias)`` for bf16 rows against a quantized matrix (``kind`` "q4" or
+    "q8") over raw CPU tensor addresses; call it through ``iron_batch.models.quant``."""
+
+def _dequantize_bf16(
+    out: int,
+    kind: str,
+    quants: int,
+    scale: int,
+    min: int,
+    *,
+    n: int,
+    k: int,
+    threads: int,
+    openmp: tuple[int, int, int] | None = None,
+) -> None:
+    """The quantized matrix as bf16 into ``out``; call it through
+    ``iron_batch.models.quant``."""
+
+def _q4_layout(k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each weight of a ``k``-wide Q4 row lives: (int64 byte index, bool high nibble)
+    arrays of ``k`` (the layout of ``rust/kernels/src/quant.rs``)."""

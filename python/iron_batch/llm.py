@@ -37,7 +37,8 @@ class LLM:
     """Generate for a list of prompts with continuous batching.
 
     ``model`` is a checkpoint directory, GGUF file or short name for the torch backend
-    (``device``, ``dtype``, ``total_kv_blocks`` and ``kv_cache_memory_gb`` go to it); or
+    (``device``, ``dtype``, ``total_kv_blocks``, ``kv_cache_memory_gb`` and
+    ``quantization`` go to it); or
     pass any ``backend`` (e.g. ``MockBackend()``).
     Scheduler options (``total_kv_blocks``, ``kv_block_size``, ``max_batch_tokens``,
     ``max_running_seqs``, ``enable_prefix_caching``) are keyword arguments.
@@ -53,6 +54,7 @@ class LLM:
         device: str | None = None,
         dtype: str | None = None,
         kv_cache_memory_gb: float | None = None,
+        quantization: str | None = None,
         **scheduler_kwargs: Any,
     ) -> None:
         unknown = set(scheduler_kwargs) - set(_SCHEDULER_KEYS)
@@ -73,6 +75,7 @@ class LLM:
                 total_kv_blocks=total_kv_blocks,
                 kv_block_size=kv_block_size,
                 kv_cache_memory_gb=kv_cache_memory_gb,
+                quantization=quantization,
             )
         elif model is not None:
             raise ValueError("pass model= or backend=, not both")

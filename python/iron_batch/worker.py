@@ -272,6 +272,7 @@ def build_backend(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         total_kv_blocks=args.total_kv_blocks,
         kv_block_size=args.kv_block_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
+        quantization=args.quantization,
         mock_token_latency_us=args.mock_token_latency_us,
         mock_prefill_token_latency_us=args.mock_prefill_token_latency_us,
     )
@@ -293,7 +294,7 @@ def build_backend(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from iron_batch.backends.build import DEFAULTS
+    from iron_batch.backends.build import DEFAULTS, QUANTIZATION_MODES
     from iron_batch.cli_args import non_negative_float, parse_addr, positive_int
 
     p = argparse.ArgumentParser(
@@ -308,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="torch: checkpoint folder, .gguf or short name")
     p.add_argument("--device", default=None, help="torch: cpu, cuda, cuda:1 (default auto)")
     p.add_argument("--dtype", default=None, help="torch: float32, bfloat16, float16 (auto)")
+    p.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None,
+                   help="torch, CPU: gguf, int8 or int4 weight-only quantization (see the "
+                   "server's --help)")
     p.add_argument("--kv-cache-memory-gb", type=non_negative_float, default=None,
                    help="torch: KV pool memory budget when --total-kv-blocks is not given")
     p.add_argument("--total-kv-blocks", type=positive_int, default=None,

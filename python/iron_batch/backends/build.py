@@ -14,7 +14,11 @@ from iron_batch.backends.base import Backend
 #: Backend kinds; ``real`` is the old name of ``remote``.
 BACKEND_KINDS = ("mock", "torch", "remote")
 ALIASES = {"real": "remote"}
-_TORCH_ONLY = ("model", "device", "dtype", "kv_cache_memory_gb")
+_TORCH_ONLY = ("model", "device", "dtype", "kv_cache_memory_gb", "quantization")
+
+#: ``--quantization`` modes of the torch backend (``iron_batch.models.quant``), named here
+#: so that argument parsing does not import torch.
+QUANTIZATION_MODES = ("gguf", "int8", "int4")
 
 #: The Rust core's scheduler defaults.
 DEFAULTS = SchedulerConfig()
@@ -34,6 +38,7 @@ def build_backend(
     total_kv_blocks: int | None = None,
     kv_block_size: int | None = None,
     kv_cache_memory_gb: float | None = None,
+    quantization: str | None = None,
     mock_token_latency_us: float = 200.0,
     mock_prefill_token_latency_us: float = 1.0,
     url: str | None = None,
@@ -45,7 +50,7 @@ def build_backend(
     kind = ALIASES.get(kind, kind)
     if kind != "torch":
         given = {"model": model, "device": device, "dtype": dtype,
-                 "kv_cache_memory_gb": kv_cache_memory_gb}
+                 "kv_cache_memory_gb": kv_cache_memory_gb, "quantization": quantization}
         for name in _TORCH_ONLY:
             if given[name]:
                 raise BackendConfigError(f"--{name.replace('_', '-')} only applies to "
@@ -71,6 +76,7 @@ def build_backend(
                 total_kv_blocks=total_kv_blocks,
                 kv_block_size=kv_block_size or DEFAULTS.kv_block_size,
                 kv_cache_memory_gb=kv_cache_memory_gb or None,
+                quantization=quantization or None,
             )
         except (OSError, ValueError) as exc:
             raise BackendConfigError(f"cannot load --model {model!r}: {exc}") from exc

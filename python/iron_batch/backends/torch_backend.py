@@ -37,11 +37,12 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def pick_dtype(dtype: str, device: torch.device, quantization: str | None = None) -> torch.dtype:
     if dtype == "auto":
-        # CPU: float32 (bf16 GEMMs are only fast on some CPUs and lose exactness vs. HF).
+        # CPU: float32 (bf16 GEMMs are only fast on some CPUs and lose exactness vs. HF),
+        # but quantized weights compute with bf16 activations.
         if device.type != "cuda":
-            return torch.float32
+            return torch.bfloat16 if quantization else torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (auto, {', '.join(_DTYPES)})")
@@ -90,10 +91,12 @@ class TorchBackend(BackendBase):
         total_kv_blocks: int | None = None,
         kv_block_size: int = 16,
         kv_cache_memory_gb: float | None = None,
+        quantization: str | None = None,
     ) -> TorchBackend:
         source = resolve(model)
         dev = pick_device(device)
-        net = load_model(source, device=dev, dtype=pick_dtype(dtype, dev))
+        net = load_model(source, device=dev, dtype=pick_dtype(dtype, dev, quantization),
+                         quantization=quantization)
         if total_kv_blocks is None:
             total_kv_blocks = _kv_blocks_for_memory(net, kv_block_size, kv_cache_memory_gb)
         return cls(

@@ -140,6 +140,21 @@ class GGUFTensors:
         return torch.from_numpy(arr)
 
 
+    def raw(self, name: str) -> tuple[str, np.ndarray, int, int] | None:
+        """A tensor's type name, its bytes ``[rows, row bytes]`` in HF row order, and its
+        ``[n, k]`` shape, without dequantizing (None when the file has no such tensor)."""
+        t = self._by_hf_name.get(name)
+        if t is None or len(t.shape) != 2:
+            return None
+        k, n = (int(d) for d in t.shape)
+        data = np.asarray(t.data).view(np.uint8).reshape(n, -1)
+        if self._permuted and name.endswith("q_proj.weight"):
+            data = unpermute_rope_rows(data, self._heads)
+        elif self._permuted and name.endswith("k_proj.weight"):
+            data = unpermute_rope_rows(data, self._kv_heads)
+        return t.tensor_type.name, data, n, k
+
+
 def _hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]

@@ -14,25 +14,29 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from iron_batch.models import cpu_attention, cpu_fused
+from iron_batch.models import cpu_attention, cpu_fused, quant
 from iron_batch.models.config import ModelConfig
 from iron_batch.models.paged_attention import AttentionPlan, paged_attention, write_kv
+from iron_batch.models.quant import QuantWeight
 from iron_batch.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+#: A projection matrix: dense, or quantized (``--quantization``, see ``models/quant.py``).
+Weight = torch.Tensor | QuantWeight
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv: Weight  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: Weight  # [2 * intermediate, hidden]
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: Weight
     down_bias: torch.Tensor | None
     # oneDNN-packed copies of qkv, o, gate_up, down (CPU bf16; see cpu_fused.prepack).
     packed: dict[str, torch.Tensor] | None = None
@@ -42,6 +46,9 @@ _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 #: Returns the named checkpoint tensor (HF names), or None when absent.
 TensorSource = Callable[[str], "torch.Tensor | None"]
+#: Returns the named tensor still quantized as the checkpoint stores it (GGUF blocks), or
+#: None when it is absent or not in a layout the kernels read.
+QuantSource = Callable[[str], "QuantWeight | None"]
 
 
 class LlamaModel:
@@ -52,10 +59,18 @@ class LlamaModel:
         *,
         device: torch.device,
         dtype: torch.dtype,
+        quantization: str | None = None,
+        get_quantized: QuantSource | None = None,
     ) -> None:
+        quant.check_mode(quantization, device, dtype)
+        if quantization == "gguf" and get_quantized is None:
+            raise quant.QuantizationError("--quantization gguf needs a .gguf checkpoint")
         self.config = config
         self.device = device
         self.dtype = dtype
+        self.quantization = quantization
+        #: Checkpoint tensors that --quantization gguf had to dequantize (unsupported types).
+        self.dequantized: list[str] = []
         c = config
 
         def need(name: str) -> torch.Tensor:
@@ -67,12 +82,35 @@ class LlamaModel:
         def opt(name: str, wanted: bool) -> torch.Tensor | None:
             return need(name) if wanted else None
 
-        self.embed = need("model.embed_tokens.weight")
+        def proj(names: list[str], head: bool = False) -> Weight:
+            """The row-wise concatenation of these matrices, quantized as asked."""
+            if quantization == "gguf":
+                assert get_quantized is not None
+                parts = [get_quantized(n) for n in names]
+                if all(p is not None for p in parts):
+                    joined = quant.concat(parts)  # type: ignore[arg-type]
+                    if joined is not None:
+                        return joined
+                self.dequantized.extend(n for n, p in zip(names, parts, strict=True) if p is None)
+            if quantization in ("int8", "int4"):
+                dense = torch.cat([_require(get, n) for n in names])
+                if quantization == "int4" and not head and dense.shape[1] % 64 == 0:
+                    return quant.quantize_int4(dense)
+                return quant.quantize_int8(dense)
+            return torch.cat([need(n) for n in names]) if len(names) > 1 else need(names[0])
+
         self.norm = need("model.norm.weight")
-        head = None if c.tie_word_embeddings else get("lm_head.weight")
-        if head is None and not c.tie_word_embeddings:
-            raise ValueError("checkpoint is missing tensor 'lm_head.weight'")
-        self.lm_head = self.embed if head is None else head.to(device=device, dtype=dtype)
+        head_name = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        self.lm_head: Weight = proj([head_name], head=True)
+        # The embedding lookup reads the GGUF blocks when the tied head kept them; else a
+        # dense table (--quantization int8/int4 quantize only the projections and the head).
+        self.embed: Weight
+        if c.tie_word_embeddings and quantization in (None, "gguf"):
+            self.embed = self.lm_head
+        elif quantization == "gguf":
+            self.embed = proj(["model.embed_tokens.weight"])
+        else:
+            self.embed = need("model.embed_tokens.weight")
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -87,16 +125,16 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=need(p + "input_layernorm.weight"),
-                    qkv=torch.cat([need(a + f"{n}_proj.weight") for n in "qkv"]),
+                    qkv=proj([a + f"{n}_proj.weight" for n in "qkv"]),
                     qkv_bias=qkv_bias,
                     q_norm=opt(a + "q_norm.weight", c.qk_norm),
                     k_norm=opt(a + "k_norm.weight", c.qk_norm),
-                    o=need(a + "o_proj.weight"),
+                    o=proj([a + "o_proj.weight"]),
                     o_bias=opt(a + "o_proj.bias", c.o_bias),
                     post_norm=need(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([need(m + "gate_proj.weight"), need(m + "up_proj.weight")]),
+                    gate_up=proj([m + "gate_proj.weight", m + "up_proj.weight"]),
                     gate_up_bias=gate_up_bias,
-                    down=need(m + "down_proj.weight"),
+                    down=proj([m + "down_proj.weight"]),
                     down_bias=opt(m + "down_proj.bias", c.mlp_bias),
                 )
             )
@@ -106,11 +144,12 @@ class LlamaModel:
         self.cpu_fused = cpu_fused.fused_enabled(device, dtype)
         self.cpu_gemv = cpu_fused.gemv_enabled(device, dtype, 1)
         self.lm_head_packed: torch.Tensor | None = None
-        if cpu_fused.prepack_enabled(device, dtype):
+        if cpu_fused.prepack_enabled(device, dtype) and quantization is None:
             for layer in self.layers:
                 packed = {n: cpu_fused.prepack(getattr(layer, n)) for n in _PROJECTIONS}
                 if all(p is not None for p in packed.values()):
                     layer.packed = packed  # type: ignore[assignment]
+            assert isinstance(self.lm_head, torch.Tensor)
             self.lm_head_packed = cpu_fused.prepack(self.lm_head)
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(device)
         self.scale = c.head_dim**-0.5
@@ -208,13 +247,18 @@ class LlamaModel:
 
         def lin(x: torch.Tensor, layer: LayerWeights, name: str) -> torch.Tensor:
             weight, bias = getattr(layer, name), getattr(layer, name + "_bias")
+            if isinstance(weight, QuantWeight):
+                return weight.linear(x, bias)
             if gemv:
                 return cpu_fused.linear(x, weight, bias)
             if layer.packed is not None:
                 return cpu_fused.packed_linear(x, layer.packed[name], bias)
             return F.linear(x, weight, bias)
 
-        h = F.embedding(ids, self.embed)
+        if isinstance(self.embed, QuantWeight):
+            h = self.embed.rows(ids)
+        else:
+            h = F.embedding(ids, self.embed)
         layers = self.layers
         x = cpu_fused.add_rms_norm_(h, None, layers[0].input_norm, eps) if fused else None
         for i, (layer, cache) in enumerate(zip(layers, self.kv_caches, strict=True)):
@@ -260,11 +304,21 @@ class LlamaModel:
         last = _rms_norm(h[rows], self.norm, eps)
         # The LM head goes to oneDNN's packed layout even for one row: on a matrix this
         # large (vocab x hidden) it streams faster than the GEMV (0.66 vs 1.17 ms, SmolLM2).
+        if isinstance(self.lm_head, QuantWeight):
+            return self.lm_head.linear(last).float()
         if self.lm_head_packed is not None:
             return cpu_fused.packed_linear(last, self.lm_head_packed, None).float()
         if self.cpu_gemv and last.shape[0] <= 2:
             return cpu_fused.linear(last, self.lm_head, None).float()
         return F.linear(last, self.lm_head).float()
+
+
+def _require(get: TensorSource, name: str) -> torch.Tensor:
+    """A checkpoint tensor as float32 (the source precision for quantizing it)."""
+    t = get(name)
+    if t is None:
+        raise ValueError(f"checkpoint is missing tensor {name!r}")
+    return t.float()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,9 @@ from typing import Any
 import torch
 
 from iron_batch.models.config import ModelConfig
-from iron_batch.models.llama import LlamaModel, TensorSource
+from iron_batch.models.llama import LlamaModel, QuantSource, TensorSource
+
+logger = logging.getLogger(__name__)
 
 #: Short model names -> (installed package holding the file, file name inside it).
 SHORT_NAMES = {
@@ -59,12 +62,39 @@ def resolve(model: str) -> ModelSource:
     raise FileNotFoundError(f"model {model!r} is not a known short name, folder or .gguf file")
 
 
-def load_model(source: ModelSource, *, device: torch.device, dtype: torch.dtype) -> LlamaModel:
+def load_model(
+    source: ModelSource,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str | None = None,
+) -> LlamaModel:
+    """The model, with its projections quantized as ``quantization`` says (None: as the
+    checkpoint's floats in ``dtype``; see ``models/quant.py`` for the modes)."""
+    quantized: QuantSource | None = None
     if source.gguf is not None:
         config, tensors = _gguf_source(source.gguf)
+        quantized = _gguf_blocks(tensors)
     else:
         config, tensors = _hf_source(source.folder)
-    return LlamaModel(config, tensors, device=device, dtype=dtype)
+    model = LlamaModel(config, tensors, device=device, dtype=dtype,
+                       quantization=quantization, get_quantized=quantized)
+    if model.dequantized:
+        logger.warning("--quantization gguf: %d tensors are in GGUF types without a kernel "
+                       "(supported: Q8_0, Q4_0, Q4_1) and run as bf16: %s",
+                       len(model.dequantized), ", ".join(model.dequantized[:4]) + (
+                           ", ..." if len(model.dequantized) > 4 else ""))
+    return model
+
+
+def _gguf_blocks(tensors: Any) -> QuantSource:
+    from iron_batch.models.quant import from_gguf_blocks
+
+    def get(name: str) -> Any:
+        found = tensors.raw(name)
+        return None if found is None else from_gguf_blocks(*found)
+
+    return get
 
 
 def read_gguf_fields(path: Path) -> dict[str, Any]:

@@ -41,7 +41,7 @@ Prompt tokens add --mock-prefill-token-latency-us each to the step that processe
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from iron_batch.backends.build import ALIASES, BACKEND_KINDS, DEFAULTS
+    from iron_batch.backends.build import ALIASES, BACKEND_KINDS, DEFAULTS, QUANTIZATION_MODES
     from iron_batch.engine import DEFAULT_MAX_STREAM_BUFFER_EVENTS
     from iron_batch.server.admission import DEFAULT_MAX_WAITING_REQUESTS
     from iron_batch.server.fields import MAX_BODY_BYTES
@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None,
                    help="torch: float32, bfloat16 or float16 (default auto: bf16/fp16 on CUDA, "
                    "float32 on CPU)")
+    p.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None,
+                   help="torch, CPU: weight-only quantized projections: gguf (keep a GGUF "
+                   "file's Q8_0/Q4_0/Q4_1 blocks), int8 (per channel) or int4 (groups of 32) "
+                   "from any checkpoint; activations and KV cache stay bf16 (default: the "
+                   "checkpoint's weights, dequantized)")
     p.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                    "(default: $IRON_BATCH_API_KEY; none when unset). Repeat it (or use "
@@ -191,6 +196,7 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
             total_kv_blocks=args.total_kv_blocks,
             kv_block_size=args.kv_block_size,
             kv_cache_memory_gb=args.kv_cache_memory_gb,
+            quantization=args.quantization,
             mock_token_latency_us=args.mock_token_latency_us,
             mock_prefill_token_latency_us=args.mock_prefill_token_latency_us,
             url=args.backend_url,

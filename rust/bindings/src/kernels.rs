@@ -7,10 +7,11 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use iron_batch_kernels::{
-    add_rms_norm, gemv_bf16, paged_decode_attention, rope_store_kv, Bf16, DecodeShape, Element,
-    KernelError, Parallel, ScopedThreads,
+    add_rms_norm, dequantize_bf16, gemv_bf16, gemv_quant, paged_decode_attention, q4_nibble,
+    rope_store_kv, Bf16, DecodeShape, Element, KernelError, Parallel, QMatrix, ScopedThreads, F16,
+    Q4, Q8, QBLOCK,
 };
-use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -334,4 +335,119 @@ pub fn _gemv_bf16(
         };
         gemv_bf16(out, x, weight, bias, rows, n, k, threads, parallel)
     })
+}
+
+/// The quantized matrix at these addresses: `kind` "q4" (packed nibbles, scale, min) or
+/// "q8" (i8 quants, scale; `min` unused).
+///
+/// SAFETY: as for `slice`, with the element counts of an `n` x `k` matrix of that kind.
+unsafe fn qmatrix<'a>(
+    kind: &str,
+    quants: usize,
+    scale: usize,
+    min: usize,
+    n: usize,
+    k: usize,
+) -> Result<QMatrix<'a>, KernelError> {
+    let blocks = n * (k / QBLOCK);
+    match kind {
+        "q4" => Ok(QMatrix::Q4(Q4 {
+            packed: slice::<u8>(quants, n * k / 2),
+            scale: slice::<F16>(scale, blocks),
+            min: slice::<F16>(min, blocks),
+        })),
+        "q8" => Ok(QMatrix::Q8(Q8 {
+            quants: slice::<i8>(quants, n * k),
+            scale: slice::<F16>(scale, blocks),
+        })),
+        other => Err(KernelError(format!("unknown quantized layout {other:?}"))),
+    }
+}
+
+/// `out = x @ W.T (+ bias)` for bf16 rows against a quantized `n` x `k` matrix (bias 0:
+/// none); see `iron_batch.models.quant`.
+#[pyfunction]
+#[pyo3(signature = (out, x, kind, quants, scale, min, bias, *, rows, n, k, threads, openmp=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn _gemv_quant(
+    py: Python<'_>,
+    out: usize,
+    x: usize,
+    kind: &str,
+    quants: usize,
+    scale: usize,
+    min: usize,
+    bias: usize,
+    rows: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+    openmp: Option<(usize, usize, usize)>,
+) -> PyResult<()> {
+    if !k.is_multiple_of(QBLOCK) {
+        return Err(PyValueError::new_err("k must be a multiple of 32"));
+    }
+    let kind = kind.to_owned();
+    run_kernel(py, openmp, move |parallel| {
+        // SAFETY: see `slice` and `qmatrix`.
+        let (out, x, bias, weight) = unsafe {
+            (
+                slice_mut::<Bf16>(out, rows * n),
+                slice::<Bf16>(x, rows * k),
+                (bias != 0).then(|| slice::<Bf16>(bias, n)),
+                qmatrix(&kind, quants, scale, min, n, k)?,
+            )
+        };
+        gemv_quant(out, x, weight, bias, rows, n, k, threads, parallel)
+    })
+}
+
+/// The quantized `n` x `k` matrix as bf16 into `out`.
+#[pyfunction]
+#[pyo3(signature = (out, kind, quants, scale, min, *, n, k, threads, openmp=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn _dequantize_bf16(
+    py: Python<'_>,
+    out: usize,
+    kind: &str,
+    quants: usize,
+    scale: usize,
+    min: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+    openmp: Option<(usize, usize, usize)>,
+) -> PyResult<()> {
+    if !k.is_multiple_of(QBLOCK) {
+        return Err(PyValueError::new_err("k must be a multiple of 32"));
+    }
+    let kind = kind.to_owned();
+    run_kernel(py, openmp, move |parallel| {
+        // SAFETY: see `slice` and `qmatrix`.
+        let (out, weight) = unsafe {
+            (
+                slice_mut::<Bf16>(out, n * k),
+                qmatrix(&kind, quants, scale, min, n, k)?,
+            )
+        };
+        dequantize_bf16(out, weight, n, k, threads, parallel)
+    })
+}
+
+/// (byte index, high nibble?) arrays, one entry per weight of a row.
+type Q4Layout<'py> = (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<bool>>);
+
+/// Where each weight of a `k`-wide Q4 row lives: (byte index, high nibble?) arrays of `k`.
+#[pyfunction]
+pub fn _q4_layout(py: Python<'_>, k: usize) -> PyResult<Q4Layout<'_>> {
+    if k == 0 || !k.is_multiple_of(2 * QBLOCK) {
+        return Err(PyValueError::new_err("k must be a positive multiple of 64"));
+    }
+    let (bytes, high): (Vec<i64>, Vec<bool>) = (0..k)
+        .map(|j| {
+            let (at, high) = q4_nibble(j, k);
+            (at as i64, high)
+        })
+        .unzip();
+    Ok((bytes.into_pyarray(py), high.into_pyarray(py)))
 }

@@ -21,5 +21,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::_add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_rope_store_kv, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_gemv_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::_gemv_quant, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::_dequantize_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::_q4_layout, m)?)?;
     Ok(())
 }

@@ -270,6 +270,8 @@ mod avx512 {
 
     /// Rows up to 16 vectors (head_dim 256).
     pub(super) const MAX_CHUNKS: usize = 16;
+    /// How many positions ahead the score pass prefetches K and V rows.
+    const PREFETCH_ROWS: usize = 8;
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
@@ -297,32 +299,44 @@ mod avx512 {
         let mut row = [_mm512_setzero_ps(); MAX_CHUNKS];
         let mut scores: Vec<f32> = Vec::new();
         let mut result = vec![0f32; group * hd];
+        let mut offsets: Vec<usize> = Vec::new();
         let (kp, vp) = (job.k_cache.as_ptr(), job.v_cache.as_ptr());
         for (k, item_out) in out.chunks_exact_mut(group * hd).enumerate() {
             let item = first + k;
             let (seq, head) = (item / s.num_kv_heads, item % s.num_kv_heads);
             let (n, runs) = job.runs(seq, head);
+            // Every attended row's offset, so that rows a few positions ahead (across block
+            // boundaries too) can be prefetched: one kv head's rows are strided, and at
+            // batch 1 they come from DRAM after the layer's weights went through the caches.
+            offsets.clear();
+            for (at, count) in runs.clone() {
+                offsets.extend((0..count).map(|i| at + i * stride));
+            }
             let qp = job.q.as_ptr().add((seq * s.num_heads + head * group) * hd);
             for (i, q) in query.iter_mut().enumerate() {
                 *q = _mm512_mul_ps(load16(qp.add(i * 16)), scale);
             }
             scores.clear();
             scores.resize(group * n, 0.0);
-            let mut j = 0;
-            for (at, count) in runs.clone() {
-                for i in 0..count {
-                    let p = kp.add(at + i * stride);
-                    for (c, r) in row[..chunks].iter_mut().enumerate() {
-                        *r = load16(p.add(c * 16));
+            let row_bytes = hd * std::mem::size_of::<T>();
+            for (j, &off) in offsets.iter().enumerate() {
+                if let Some(&ahead) = offsets.get(j + PREFETCH_ROWS) {
+                    // The V rows too: the value pass reads them right after this one.
+                    for line in (0..row_bytes).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>((kp.add(ahead) as *const i8).add(line));
+                        _mm_prefetch::<_MM_HINT_T0>((vp.add(ahead) as *const i8).add(line));
                     }
-                    for (g, q) in query.chunks_exact(chunks).enumerate() {
-                        let mut sum = _mm512_mul_ps(q[0], row[0]);
-                        for c in 1..chunks {
-                            sum = _mm512_fmadd_ps(q[c], row[c], sum);
-                        }
-                        *scores.get_unchecked_mut(g * n + j) = _mm512_reduce_add_ps(sum);
+                }
+                let p = kp.add(off);
+                for (c, r) in row[..chunks].iter_mut().enumerate() {
+                    *r = load16(p.add(c * 16));
+                }
+                for (g, q) in query.chunks_exact(chunks).enumerate() {
+                    let mut sum = _mm512_mul_ps(q[0], row[0]);
+                    for c in 1..chunks {
+                        sum = _mm512_fmadd_ps(q[c], row[c], sum);
                     }
-                    j += 1;
+                    *scores.get_unchecked_mut(g * n + j) = _mm512_reduce_add_ps(sum);
                 }
             }
             let mut inv_sum = [0f32; 64];
@@ -334,20 +348,16 @@ mod avx512 {
                 inv_sum[g % 64] = 1.0 / sc.iter().sum::<f32>();
             }
             acc.fill(_mm512_setzero_ps());
-            let mut j = 0;
-            for (at, count) in runs {
-                for i in 0..count {
-                    let p = vp.add(at + i * stride);
-                    for (c, r) in row[..chunks].iter_mut().enumerate() {
-                        *r = load16(p.add(c * 16));
+            for (j, &off) in offsets.iter().enumerate() {
+                let p = vp.add(off);
+                for (c, r) in row[..chunks].iter_mut().enumerate() {
+                    *r = load16(p.add(c * 16));
+                }
+                for (g, a) in acc.chunks_exact_mut(chunks).enumerate() {
+                    let w = _mm512_set1_ps(*scores.get_unchecked(g * n + j));
+                    for c in 0..chunks {
+                        a[c] = _mm512_fmadd_ps(w, row[c], a[c]);
                     }
-                    for (g, a) in acc.chunks_exact_mut(chunks).enumerate() {
-                        let w = _mm512_set1_ps(*scores.get_unchecked(g * n + j));
-                        for c in 0..chunks {
-                            a[c] = _mm512_fmadd_ps(w, row[c], a[c]);
-                        }
-                    }
-                    j += 1;
                 }
             }
             for (g, a) in acc.chunks_exact(chunks).enumerate() {

@@ -5,8 +5,10 @@ mod attention;
 mod element;
 mod elementwise;
 mod gemv;
+mod quant;
 
 pub use attention::{paged_decode_attention, DecodeShape, KernelError, Parallel, ScopedThreads};
-pub use element::{Bf16, Element};
+pub use element::{Bf16, Element, F16};
 pub use elementwise::{add_rms_norm, rope_store_kv};
 pub use gemv::gemv_bf16;
+pub use quant::{dequantize_bf16, gemv_quant, q4_nibble, QMatrix, MAX_ROWS, Q4, Q8, QBLOCK};

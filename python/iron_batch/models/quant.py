@@ -1,0 +1,278 @@
+"""Weight-only quantized projections on CPU (``--quantization``).
+
+Three modes, all with bf16 activations and a bf16 KV cache:
+
+- ``gguf``: a GGUF file's Q8_0, Q4_0 and Q4_1 tensors are kept as they are (their blocks
+  regrouped once at load, nothing rounded); other tensor types in the file are dequantized
+  to bf16 as before, with a message naming them.
+- ``int8``: any checkpoint, weight-only int8 with one scale per output channel; the LM head
+  too. Stored as Q8 blocks that all carry their row's scale, so it runs on the Q8_0 kernels.
+  (torch's ``_weight_int8pack_mm`` was measured: as fast at batch 1, but its cost grows
+  with every row, 3x the dense path at 64.)
+- ``int4``: any checkpoint, 4-bit weights in groups of 32 with a scale and a zero point
+  each (the Q4_1 layout); the LM head goes to int8 (per channel) as llama.cpp keeps its
+  output matrix at 8 bits.
+
+Q4 and Q8_0 matrices run on the Rust kernels (``rust/kernels/src/quant.rs``): a GEMV that
+reads the blocks for up to :data:`GEMV_MAX_ROWS` activation rows, and above that a bf16
+dequantization of the matrix followed by a dense GEMM, which wins once there are enough
+rows to amortise it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from iron_batch import _core
+from iron_batch.backends.build import QUANTIZATION_MODES as MODES
+from iron_batch.models.cpu_attention import _openmp_entry_points
+
+QBLOCK = 32
+
+#: Activation rows up to which the quantized GEMV runs; above it, dequantize + dense GEMM.
+#: Measured on SmolLM2's projections (BENCHMARKS.md, "Quantized weights"): the GEMV reads
+#: the weights once per 4 rows, the dense path pays one dequantization per call.
+GEMV_MAX_ROWS = int(os.environ.get("IRON_BATCH_QUANT_GEMV_ROWS", "8"))
+
+_GEMV = getattr(_core, "_gemv_quant", None)
+_DEQUANT = getattr(_core, "_dequantize_bf16", None)
+
+
+class QuantizationError(ValueError):
+    """A quantization mode that cannot run here (device, dtype, checkpoint)."""
+
+
+def check_mode(mode: str | None, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, with one line saying why, a mode this device, dtype or build cannot run."""
+    if mode is None:
+        return
+    if mode not in MODES:
+        raise QuantizationError(f"unknown quantization {mode!r} (one of {', '.join(MODES)})")
+    if device.type != "cpu":
+        raise QuantizationError(f"--quantization {mode} runs on CPU only (device {device})")
+    if dtype != torch.bfloat16:
+        raise QuantizationError(
+            f"--quantization {mode} computes with bf16 activations; use --dtype bfloat16 "
+            f"(or auto), not {str(dtype).removeprefix('torch.')}"
+        )
+    if _GEMV is None or _DEQUANT is None:
+        raise QuantizationError(f"--quantization {mode}: this build of iron_batch._core has "
+                                "no quantized kernels")
+
+
+@dataclass
+class QuantWeight:
+    """One ``[n, k]`` projection matrix in a quantized layout.
+
+    ``kind`` "q4": ``quants`` uint8 ``[n, k / 2]`` (nibbles placed as the kernel reads
+    them, see :func:`_q4_layout`), ``scale`` and ``min`` float16 ``[n, k / 32]`` (GGUF's
+    precision). "q8": ``quants`` int8 ``[n, k]``, ``scale`` float16 ``[n, k / 32]``.
+    ``source`` names the format it came from (for humans).
+    """
+
+    kind: str
+    n: int
+    k: int
+    quants: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor | None
+    source: str
+
+    def __post_init__(self) -> None:
+        # The kernel's raw arguments, taken once: a decode step makes ~120 of these calls.
+        self._addresses = (
+            self.quants.data_ptr(), self.scale.data_ptr(),
+            0 if self.min is None else self.min.data_ptr(),
+        )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.quants, self.scale] + ([self.min] if self.min is not None else [])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` for bf16 ``x`` ``[rows, k]``: bf16 ``[rows, n]``."""
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k:
+            raise ValueError(f"quantized linear: x {tuple(x.shape)} {x.dtype} does not fit "
+                             f"[rows, {self.k}] bf16")
+        rows = x.shape[0]
+        if rows > GEMV_MAX_ROWS or rows == 0:
+            return F.linear(x, self.dequantize(scratch=True), bias)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (self.n,)):
+            raise ValueError(f"quantized linear: bias must be bf16 [{self.n}]")
+        out = torch.empty(rows, self.n, dtype=torch.bfloat16)
+        _GEMV(
+            out.data_ptr(), x.data_ptr(), self.kind, *self._addresses,
+            0 if bias is None else bias.contiguous().data_ptr(),
+            rows=rows, n=self.n, k=self.k, threads=torch.get_num_threads(),
+            openmp=_openmp_entry_points(),
+        )
+        return out
+
+    def dequantize(self, scratch: bool = False) -> torch.Tensor:
+        """The whole matrix as bf16 ``[n, k]``. ``scratch``: into this thread's reusable
+        buffer, valid until its next use (a fresh tensor of an LM head's size costs more in
+        page faults than the dequantization itself)."""
+        out = _scratch(self.n * self.k).view(self.n, self.k) if scratch else torch.empty(
+            self.n, self.k, dtype=torch.bfloat16
+        )
+        _DEQUANT(
+            out.data_ptr(), self.kind, *self._addresses, n=self.n, k=self.k,
+            threads=torch.get_num_threads(), openmp=_openmp_entry_points(),
+        )
+        return out
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Rows ``ids`` dequantized ``[len(ids), k]`` (an embedding lookup); float32 gives
+        the exact values the kernels multiply by."""
+        return _dequantize_rows(self, ids).to(dtype)
+
+
+_local = threading.local()
+
+
+def _scratch(elements: int) -> torch.Tensor:
+    """This thread's bf16 buffer of at least ``elements`` (grown, never shrunk)."""
+    buf: torch.Tensor | None = getattr(_local, "buffer", None)
+    if buf is None or buf.numel() < elements:
+        buf = torch.empty(elements, dtype=torch.bfloat16)
+        _local.buffer = buf
+    return buf[:elements]
+
+
+def _dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Float32 rows of ``w`` by torch ops (a handful of rows: no kernel needed)."""
+    quants = w.quants[ids]
+    scale = w.scale[ids].float().repeat_interleave(QBLOCK, dim=1)
+    if w.kind == "q8":
+        return quants.float() * scale
+    assert w.min is not None
+    at, shift = _q4_layout(w.k)
+    q = (quants[:, at] >> shift) & 15
+    return q.float() * scale + w.min[ids].float().repeat_interleave(QBLOCK, dim=1)
+
+
+def concat(parts: list[QuantWeight]) -> QuantWeight | None:
+    """The row-wise concatenation (fused q/k/v or gate/up), or None when the parts do not
+    share one layout (the caller then falls back to dense)."""
+    first = parts[0]
+    if any(p.kind != first.kind or p.k != first.k for p in parts):
+        return None
+    mins = [p.min for p in parts]
+    return QuantWeight(
+        kind=first.kind,
+        n=sum(p.n for p in parts),
+        k=first.k,
+        quants=torch.cat([p.quants for p in parts]),
+        scale=torch.cat([p.scale for p in parts]),
+        min=None if first.min is None else torch.cat([m for m in mins if m is not None]),
+        source="+".join(sorted({p.source for p in parts})),
+    )
+
+
+# ------------------------------------------------------------------ building the layouts
+
+
+@functools.cache
+def _q4_layout(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each weight of a ``k``-wide Q4 row: its byte in the row, and the shift (0 or 4)
+    of its nibble. The layout is the Rust kernels' (``q4_nibble``), asked, not restated."""
+    at, high = _core._q4_layout(k)
+    return torch.from_numpy(at), torch.from_numpy(high.astype(np.uint8) * 4)
+
+
+def _pack_q4(q: np.ndarray) -> np.ndarray:
+    """Values ``q`` uint8 ``[n, k]`` in 0..15 to the kernel's bytes ``[n, k / 2]``."""
+    n, k = q.shape
+    at, shift = (t.numpy() for t in _q4_layout(k))
+    packed = np.zeros((n, k // 2), dtype=np.uint8)
+    low, high = shift == 0, shift == 4
+    packed[:, at[low]] = q[:, low]
+    packed[:, at[high]] |= q[:, high] << 4
+    return packed
+
+
+def q4_from_values(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray,
+                   source: str) -> QuantWeight:
+    """A Q4 matrix from values ``q`` ``[n, k]`` in 0..15 and per-block float16 ``scale`` and
+    ``minimum`` ``[n, k / 32]`` (weight = scale * q + min)."""
+    n, k = q.shape
+    if k % (2 * QBLOCK):
+        raise QuantizationError(f"4-bit layout needs rows of a multiple of 64, not {k}")
+    packed = _pack_q4(q.astype(np.uint8))
+    return QuantWeight(
+        kind="q4", n=n, k=k, quants=torch.from_numpy(packed),
+        scale=torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float16)),
+        min=torch.from_numpy(np.ascontiguousarray(minimum, dtype=np.float16)), source=source,
+    )
+
+
+#: GGUF block formats kept as they are: name -> bytes per block of 32.
+GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+def from_gguf_blocks(type_name: str, raw: np.ndarray, n: int, k: int) -> QuantWeight | None:
+    """A GGUF tensor's raw bytes ``[n, row bytes]`` (rows in HF order) as a QuantWeight, or
+    None for a type not kept quantized (see :data:`GGUF_BLOCK_BYTES`)."""
+    per_block = GGUF_BLOCK_BYTES.get(type_name)
+    if per_block is None or k % QBLOCK:
+        return None
+    if type_name != "Q8_0" and k % (2 * QBLOCK):
+        return None
+    blocks = np.ascontiguousarray(raw).reshape(n, k // QBLOCK, per_block)
+    scale = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    if type_name == "Q8_0":
+        quants = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
+        return QuantWeight(kind="q8", n=n, k=k, quants=torch.from_numpy(quants.copy()),
+                           scale=torch.from_numpy(scale.copy()), min=None, source=type_name)
+    if type_name == "Q4_1":
+        minimum = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
+        nibbles = blocks[..., 4:]
+    else:  # Q4_0: weight = d * (q - 8); -8 d is exact in f16
+        minimum = (-8 * scale.astype(np.float32)).astype(np.float16)
+        nibbles = blocks[..., 2:]
+    # GGUF's 16 bytes hold values 0..15 in low nibbles and 16..31 in high nibbles.
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(n, k)
+    return q4_from_values(q, scale, minimum, type_name)
+
+
+def quantize_int4(weight: torch.Tensor) -> QuantWeight:
+    """``weight`` [n, k] to 4 bits per group of 32 (GGUF's Q4_1): scale = (max - min) / 15
+    and the zero point at min, both float16, then each value rounded to the nearest level
+    of the rounded scale and min."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // QBLOCK, QBLOCK)
+    lo = w.amin(-1).half()
+    scale = ((w.amax(-1) - lo.float()) / 15).half()
+    safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale.float()))
+    q = torch.clamp(torch.round((w - lo.float()[..., None]) / safe[..., None]), 0, 15)
+    return q4_from_values(q.to(torch.uint8).reshape(n, k).numpy(), scale.numpy(),
+                          lo.numpy(), "int4")
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantWeight:
+    """``weight`` [n, k] to int8 with one symmetric scale per output row (absmax / 127, as
+    float16), in the Q8 layout: each block of the row carries the row's scale, so int8 runs
+    on the same kernels as GGUF's Q8_0."""
+    w = weight.detach().float()
+    n, k = w.shape
+    scale = w.abs().amax(1) / 127
+    # Round the scale first and quantize against the rounded one.
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).half()
+    q = torch.clamp(torch.round(w / scale.float()[:, None]), -127, 127).to(torch.int8)
+    blocks = scale[:, None].expand(n, k // QBLOCK).contiguous()
+    return QuantWeight(kind="q8", n=n, k=k, quants=q.contiguous(), scale=blocks, min=None,
+                       source="int8")

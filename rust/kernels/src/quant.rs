@@ -1,0 +1,739 @@
+//! Weight-only quantized matrix-vector products: `y = W x (+ b)` for a few bf16 activation
+//! rows against a matrix kept in 4-bit or 8-bit blocks of 32 weights, read as they are.
+//!
+//! At batch 1 a decoder is bound by the weight bytes it reads per token; 4-bit blocks are a
+//! quarter of bf16's. The activations stay bf16 and every sum is f32: the result is the dot
+//! product with the dequantized weights, up to the order of the additions.
+//!
+//! Layouts (a row of `k` weights is `k / 32` blocks; `n` rows, row-major):
+//! - **Q4** (GGUF Q4_0 and Q4_1, and `int4` with a scale and a zero point per group of 32):
+//!   weight `j` of block `b` is `scale[b] * q + min[b]` with `q` in `0..16`. `scale` and
+//!   `min` are `[n, k / 32]` f16 (GGUF's own precision); `packed` is `[n, k / 2]` bytes,
+//!   where each 32-byte group holds the nibbles of two neighbouring blocks (see
+//!   [`q4_nibble`]; `k` must be a multiple of 64).
+//! - **Q8** (GGUF Q8_0): weight `j` of block `b` is `scale[b] * q_j`, `q` an `i8`; `quants`
+//!   is `[n, k]` i8 and `scale` `[n, k / 32]` f16.
+//!
+//! The AVX-512 Q4 path widens each nibble to the bf16 number `128 + q` by an OR with the
+//! bit pattern of 128.0 and takes 32 products a block in one `vdpbf16ps`; the extra
+//! `128 * sum(x)` of each block is subtracted once per row from precomputed block sums of
+//! `x`. Products of two bf16 numbers are exact in f32, so nothing is rounded but the sums.
+
+use crate::attention::{KernelError, Parallel};
+use crate::element::{Bf16, Element, F16};
+
+/// Weights per quantization block.
+pub const QBLOCK: usize = 32;
+/// Most activation rows one pass over the weights serves.
+pub const MAX_ROWS: usize = 4;
+/// Output rows per part below which a call is not split.
+const MIN_ROWS_PER_PART: usize = 64;
+
+/// A Q4 matrix: see the module docs.
+#[derive(Clone, Copy)]
+pub struct Q4<'a> {
+    pub packed: &'a [u8],
+    pub scale: &'a [F16],
+    pub min: &'a [F16],
+}
+
+/// A Q8 matrix: see the module docs.
+#[derive(Clone, Copy)]
+pub struct Q8<'a> {
+    pub quants: &'a [i8],
+    pub scale: &'a [F16],
+}
+
+/// Either quantized layout.
+#[derive(Clone, Copy)]
+pub enum QMatrix<'a> {
+    Q4(Q4<'a>),
+    Q8(Q8<'a>),
+}
+
+impl QMatrix<'_> {
+    fn check(&self, n: usize, k: usize) -> Result<(), KernelError> {
+        let blocks = n * (k / QBLOCK);
+        let ok = match self {
+            QMatrix::Q4(m) => {
+                k.is_multiple_of(2 * QBLOCK)
+                    && m.packed.len() == n * k / 2
+                    && m.scale.len() == blocks
+                    && m.min.len() == blocks
+            }
+            QMatrix::Q8(m) => {
+                k.is_multiple_of(QBLOCK) && m.quants.len() == n * k && m.scale.len() == blocks
+            }
+        };
+        if ok && k > 0 {
+            Ok(())
+        } else {
+            Err(KernelError(format!(
+                "quantized matrix does not hold {n} x {k} weights (k a multiple of 64 for Q4, \
+                 of 32 for Q8)"
+            )))
+        }
+    }
+
+    /// Weight `j` of row `row`, dequantized (the reference the kernels agree with).
+    pub fn weight(&self, row: usize, j: usize, k: usize) -> f32 {
+        let b = row * (k / QBLOCK) + j / QBLOCK;
+        match self {
+            QMatrix::Q4(m) => {
+                let (at, high) = q4_nibble(j, k);
+                let byte = m.packed[row * k / 2 + at];
+                let q = if high { byte >> 4 } else { byte & 15 };
+                m.scale[b].to_f32() * f32::from(q) + m.min[b].to_f32()
+            }
+            QMatrix::Q8(m) => m.scale[b].to_f32() * f32::from(m.quants[row * k + j]),
+        }
+    }
+}
+
+/// Where weight `j` (of `k`) of a Q4 row lives: (byte within the row, high nibble?).
+///
+/// Blocks go by pairs into 32 bytes: element `e` of either block at byte `e` of the pair,
+/// the first block in the low nibble, the second in the high one. (A layout that lets
+/// byte interleaves unpack four blocks at once measured the same: per-row work and memory,
+/// not unpacking, bound the kernel.)
+pub fn q4_nibble(j: usize, k: usize) -> (usize, bool) {
+    let _ = k;
+    let block = j / QBLOCK;
+    ((block / 2) * QBLOCK + j % QBLOCK, block % 2 == 1)
+}
+
+/// `out[r][i] = sum_j x[r][j] * W[i][j] (+ bias[i])` for `r` in `0..rows` (any number:
+/// every [`MAX_ROWS`] rows take one pass over the weights). `x` is `[rows, k]` bf16,
+/// `out` `[rows, n]` bf16, rounded once from the f32 sum.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_quant(
+    out: &mut [Bf16],
+    x: &[Bf16],
+    weight: QMatrix<'_>,
+    bias: Option<&[Bf16]>,
+    rows: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
+    weight.check(n, k)?;
+    if rows == 0
+        || x.len() != rows * k
+        || out.len() != rows * n
+        || bias.is_some_and(|b| b.len() != n)
+    {
+        return Err(KernelError(format!(
+            "gemv_quant: x {} / out {} elements for {rows} rows of {k} by {n}",
+            x.len(),
+            out.len()
+        )));
+    }
+    let simd = simd_available(&weight);
+    let blocks = k / QBLOCK;
+    // Per activation row: f32 copy (Q8 and the portable path) and per-block sums (Q4).
+    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let block_sums: Vec<f32> = xf.chunks_exact(QBLOCK).map(|c| c.iter().sum()).collect();
+    let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
+    let out_addr = out.as_mut_ptr() as usize;
+    let task = |part: usize| {
+        let (lo, hi) = (n * part / parts, n * (part + 1) / parts);
+        let mut scales = RowScales::new(blocks);
+        let mut results = Vec::with_capacity(CHUNK_ROWS);
+        // Chunks of rows: their scales widened in one go, their weights still in cache for
+        // the next pass when there are more activation rows than one pass serves.
+        for chunk in (lo..hi).step_by(CHUNK_ROWS) {
+            let end = (chunk + CHUNK_ROWS).min(hi);
+            scales.load(&weight, chunk..end, simd);
+            let mut first = 0;
+            while first < rows {
+                let take = (rows - first).min(MAX_ROWS);
+                let xs = Rows {
+                    bf16: &x[first * k..(first + take) * k],
+                    f32: &xf[first * k..(first + take) * k],
+                    block_sums: &block_sums[first * blocks..(first + take) * blocks],
+                    count: take,
+                };
+                dot_chunk(&weight, chunk..end, k, &xs, &scales, simd, &mut results);
+                for (row, dots) in (chunk..end).zip(&results) {
+                    let b = bias.map_or(0.0, |b| b[row].to_f32());
+                    for (r, dot) in dots.iter().enumerate().take(take) {
+                        // SAFETY: parts own disjoint column ranges [lo, hi) of each output
+                        // row, and `out` (rows * n elements) outlives the call.
+                        unsafe {
+                            *(out_addr as *mut Bf16).add((first + r) * n + row) =
+                                Bf16::from_f32(dot + b);
+                        }
+                    }
+                }
+                first += take;
+            }
+        }
+    };
+    if parts == 1 {
+        task(0);
+    } else {
+        parallel.run(parts, &task);
+    }
+    Ok(())
+}
+
+/// The whole matrix as bf16 `[n, k]` (for batches large enough that a dense GEMM wins).
+pub fn dequantize_bf16(
+    out: &mut [Bf16],
+    weight: QMatrix<'_>,
+    n: usize,
+    k: usize,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
+    weight.check(n, k)?;
+    if out.len() != n * k {
+        return Err(KernelError(format!(
+            "dequantize: out has {} of {n} x {k}",
+            out.len()
+        )));
+    }
+    let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
+    let out_addr = out.as_mut_ptr() as usize;
+    let blocks = k / QBLOCK;
+    let simd = simd_dequantize_available();
+    let task = |part: usize| {
+        let (lo, hi) = (n * part / parts, n * (part + 1) / parts);
+        let mut scales = RowScales::new(blocks);
+        for row in lo..hi {
+            scales.load(&weight, row..row + 1, simd);
+            let (scale, min) = scales.row(0);
+            // SAFETY: parts own disjoint row ranges of `out`, which outlives the call.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut((out_addr as *mut Bf16).add(row * k), k) };
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: `simd` means AVX-512 F/BW/BF16 were detected; shapes checked.
+                unsafe { avx512::dequantize_row(&weight, row, k, scale, min, dst) };
+                continue;
+            }
+            match weight {
+                QMatrix::Q4(m) => {
+                    let packed = &m.packed[row * k / 2..(row + 1) * k / 2];
+                    for (j, d) in dst.iter_mut().enumerate() {
+                        let (at, high) = q4_nibble(j, k);
+                        let q = f32::from(if high {
+                            packed[at] >> 4
+                        } else {
+                            packed[at] & 15
+                        });
+                        let b = j / QBLOCK;
+                        *d = Bf16::from_f32(scale[b] * q + min[b]);
+                    }
+                }
+                QMatrix::Q8(m) => {
+                    let quants = &m.quants[row * k..(row + 1) * k];
+                    for (j, (d, &q)) in dst.iter_mut().zip(quants).enumerate() {
+                        *d = Bf16::from_f32(scale[j / QBLOCK] * f32::from(q));
+                    }
+                }
+            }
+        }
+    };
+    if parts == 1 {
+        task(0);
+    } else {
+        parallel.run(parts, &task);
+    }
+    Ok(())
+}
+
+/// Up to [`MAX_ROWS`] activation rows in the forms the paths read.
+struct Rows<'a> {
+    bf16: &'a [Bf16],
+    f32: &'a [f32],
+    block_sums: &'a [f32],
+    count: usize,
+}
+
+fn simd_available(weight: &QMatrix<'_>) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let base = std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw");
+        match weight {
+            QMatrix::Q4(_) => base && std::arch::is_x86_feature_detected!("avx512bf16"),
+            QMatrix::Q8(_) => base,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = weight;
+        false
+    }
+}
+
+fn simd_dequantize_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Rows per chunk of [`RowScales`] (a chunk's widened scales stay in L1/L2).
+const CHUNK_ROWS: usize = 128;
+
+/// Some rows' block scales (and mins) widened to f32, in buffers reused chunk after chunk.
+struct RowScales {
+    blocks: usize,
+    scale: Vec<f32>,
+    min: Vec<f32>,
+}
+
+impl RowScales {
+    fn new(blocks: usize) -> Self {
+        RowScales {
+            blocks,
+            scale: Vec::new(),
+            min: Vec::new(),
+        }
+    }
+
+    /// Scales and mins of row `i` of the rows loaded last.
+    fn row(&self, i: usize) -> (&[f32], &[f32]) {
+        let range = i * self.blocks..(i + 1) * self.blocks;
+        let min = if self.min.is_empty() {
+            &[][..]
+        } else {
+            &self.min[range.clone()]
+        };
+        (&self.scale[range], min)
+    }
+
+    fn load(&mut self, weight: &QMatrix<'_>, rows: std::ops::Range<usize>, simd: bool) {
+        let range = rows.start * self.blocks..rows.end * self.blocks;
+        self.scale.resize(range.len(), 0.0);
+        if matches!(weight, QMatrix::Q4(_)) {
+            self.min.resize(range.len(), 0.0);
+        }
+        let (scale, min) = match weight {
+            QMatrix::Q4(m) => (&m.scale[range.clone()], Some(&m.min[range])),
+            QMatrix::Q8(m) => (&m.scale[range], None),
+        };
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            // SAFETY: `simd` implies AVX-512 F; lengths match.
+            unsafe {
+                avx512::widen_f16(scale, &mut self.scale);
+                if let Some(min) = min {
+                    avx512::widen_f16(min, &mut self.min);
+                }
+            }
+            return;
+        }
+        let _ = simd;
+        for (d, s) in self.scale.iter_mut().zip(scale) {
+            *d = s.to_f32();
+        }
+        for (d, s) in self.min.iter_mut().zip(min.unwrap_or(&[])) {
+            *d = s.to_f32();
+        }
+    }
+}
+
+/// `results[i]` = the activation rows' dots with weight row `rows.start + i`.
+fn dot_chunk(
+    weight: &QMatrix<'_>,
+    rows: std::ops::Range<usize>,
+    k: usize,
+    xs: &Rows<'_>,
+    scales: &RowScales,
+    simd: bool,
+    results: &mut Vec<[f32; MAX_ROWS]>,
+) {
+    results.clear();
+    results.resize(rows.len(), [0.0; MAX_ROWS]);
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` means the features each path needs were detected; shapes were
+        // checked by `QMatrix::check` and `gemv_quant`.
+        unsafe {
+            match weight {
+                QMatrix::Q4(m) => avx512::dot_q4_rows(m.packed, rows, k, xs, scales, results),
+                QMatrix::Q8(m) => avx512::dot_q8_rows(m.quants, rows, k, xs, scales, results),
+            }
+        }
+        return;
+    }
+    for (i, row) in rows.enumerate() {
+        let (scale, min) = scales.row(i);
+        dot_row(weight, row, k, xs, scale, min, simd, &mut results[i]);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dot_row(
+    weight: &QMatrix<'_>,
+    row: usize,
+    k: usize,
+    xs: &Rows<'_>,
+    scale: &[f32],
+    min: &[f32],
+    simd: bool,
+    dots: &mut [f32; MAX_ROWS],
+) {
+    let blocks = k / QBLOCK;
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` means the features each path needs were detected; shapes were
+        // checked by `QMatrix::check` and `gemv_quant`.
+        unsafe {
+            match weight {
+                QMatrix::Q4(m) => {
+                    let w = &m.packed[row * k / 2..(row + 1) * k / 2];
+                    match xs.count {
+                        1 => avx512::dot_q4::<1>(w, scale, min, xs, k, dots),
+                        2 => avx512::dot_q4::<2>(w, scale, min, xs, k, dots),
+                        3 => avx512::dot_q4::<3>(w, scale, min, xs, k, dots),
+                        _ => avx512::dot_q4::<4>(w, scale, min, xs, k, dots),
+                    }
+                }
+                QMatrix::Q8(m) => {
+                    let w = &m.quants[row * k..(row + 1) * k];
+                    match xs.count {
+                        1 => avx512::dot_q8::<1>(w, scale, xs, k, dots),
+                        2 => avx512::dot_q8::<2>(w, scale, xs, k, dots),
+                        3 => avx512::dot_q8::<3>(w, scale, xs, k, dots),
+                        _ => avx512::dot_q8::<4>(w, scale, xs, k, dots),
+                    }
+                }
+            }
+        }
+        return;
+    }
+    let _ = simd;
+    for (r, dot) in dots.iter_mut().enumerate().take(xs.count) {
+        let x = &xs.f32[r * k..(r + 1) * k];
+        let mut total = 0f32;
+        for b in 0..blocks {
+            let mut lanes = [0f32; QBLOCK];
+            for (j, lane) in lanes.iter_mut().enumerate() {
+                *lane = x[b * QBLOCK + j] * weight.weight(row, b * QBLOCK + j, k);
+            }
+            total += lanes.iter().sum::<f32>();
+        }
+        *dot = total;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{QMatrix, RowScales, Rows, MAX_ROWS, QBLOCK};
+
+    /// [`dot_q4`] for each row of `rows` (one call, so the loop runs with the features on).
+    ///
+    /// SAFETY: as for `dot_q4`, for every row; `scales` holds these rows.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn dot_q4_rows(
+        packed: &[u8],
+        rows: std::ops::Range<usize>,
+        k: usize,
+        xs: &Rows<'_>,
+        scales: &RowScales,
+        results: &mut [[f32; MAX_ROWS]],
+    ) {
+        // One copy of the loop per activation row count, its accumulators in registers.
+        macro_rules! each_row {
+            ($r:literal) => {
+                for (i, row) in rows.enumerate() {
+                    let (scale, min) = scales.row(i);
+                    let w = packed.get_unchecked(row * k / 2..(row + 1) * k / 2);
+                    dot_q4::<$r>(w, scale, min, xs, k, results.get_unchecked_mut(i));
+                }
+            };
+        }
+        match xs.count {
+            1 => each_row!(1),
+            2 => each_row!(2),
+            3 => each_row!(3),
+            _ => each_row!(4),
+        }
+    }
+
+    /// [`dot_q8`] for each row of `rows`. SAFETY: as for `dot_q8`, for every row.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn dot_q8_rows(
+        quants: &[i8],
+        rows: std::ops::Range<usize>,
+        k: usize,
+        xs: &Rows<'_>,
+        scales: &RowScales,
+        results: &mut [[f32; MAX_ROWS]],
+    ) {
+        macro_rules! each_row {
+            ($r:literal) => {
+                for (i, row) in rows.enumerate() {
+                    let w = quants.get_unchecked(row * k..(row + 1) * k);
+                    dot_q8::<$r>(w, scales.row(i).0, xs, k, results.get_unchecked_mut(i));
+                }
+            };
+        }
+        match xs.count {
+            1 => each_row!(1),
+            2 => each_row!(2),
+            3 => each_row!(3),
+            _ => each_row!(4),
+        }
+    }
+    use crate::element::{Bf16, F16};
+
+    /// f16 values to f32, sixteen a conversion. SAFETY: AVX-512 F; equal lengths.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn widen_f16(src: &[F16], dst: &mut [f32]) {
+        let mut i = 0;
+        while i < src.len() {
+            let left = src.len() - i;
+            let mask: __mmask16 = if left >= 16 {
+                0xffff
+            } else {
+                (1u16 << left) - 1
+            };
+            let h = _mm256_maskz_loadu_epi16(mask, src.as_ptr().add(i) as *const i16);
+            _mm512_mask_storeu_ps(dst.as_mut_ptr().add(i), mask, _mm512_cvtph_ps(h));
+            i += 16;
+        }
+    }
+
+    /// `scale * q + min` (a multiply and an add, rounded as the portable path rounds)
+    /// for 16 values, stored as bf16 (round to nearest even).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn store16(dst: *mut Bf16, q: __m512i, d: __m512, m: __m512) {
+        let w = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), d), m);
+        _mm256_storeu_si256(
+            dst as *mut __m256i,
+            std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(w)),
+        );
+    }
+
+    /// One row of the matrix as bf16 into `dst` (`k` elements).
+    ///
+    /// SAFETY: AVX-512 F/BW/BF16; `row < n` of a matrix checked for `k`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn dequantize_row(
+        weight: &QMatrix<'_>,
+        row: usize,
+        k: usize,
+        scale: &[f32],
+        min: &[f32],
+        dst: &mut [Bf16],
+    ) {
+        let blocks = k / QBLOCK;
+        let out = dst.as_mut_ptr();
+        match weight {
+            QMatrix::Q4(m) => {
+                let packed = m.packed.as_ptr().add(row * k / 2);
+                let low = _mm_set1_epi8(15);
+                for b in 0..blocks {
+                    let d = _mm512_set1_ps(*scale.get_unchecked(b));
+                    let mn = _mm512_set1_ps(*min.get_unchecked(b));
+                    let src = packed.add(b / 2 * QBLOCK);
+                    for half in 0..2 {
+                        let bytes = _mm_loadu_si128(src.add(16 * half) as *const __m128i);
+                        let q = if b % 2 == 0 {
+                            _mm_and_si128(bytes, low)
+                        } else {
+                            _mm_and_si128(_mm_srli_epi16::<4>(bytes), low)
+                        };
+                        store16(
+                            out.add(b * QBLOCK + 16 * half),
+                            _mm512_cvtepu8_epi32(q),
+                            d,
+                            mn,
+                        );
+                    }
+                }
+            }
+            QMatrix::Q8(m) => {
+                let quants = m.quants.as_ptr().add(row * k);
+                let zero = _mm512_setzero_ps();
+                for b in 0..blocks {
+                    let d = _mm512_set1_ps(*scale.get_unchecked(b));
+                    for half in 0..2 {
+                        let at = b * QBLOCK + 16 * half;
+                        let q =
+                            _mm512_cvtepi8_epi32(_mm_loadu_si128(quants.add(at) as *const __m128i));
+                        store16(out.add(at), q, d, zero);
+                    }
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::needless_range_loop)] // `r` indexes `acc`, `dots` and the rows of `xs`
+    /// SAFETY: AVX-512 F/BW/BF16; `packed` is one row (`k / 2` bytes, `k % 64 == 0`),
+    /// `scale`/`min` its `k / 32` blocks; `xs` holds `count` rows of `k`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn dot_q4<const ROWS: usize>(
+        packed: &[u8],
+        scale: &[f32],
+        min: &[f32],
+        xs: &Rows<'_>,
+        k: usize,
+        dots: &mut [f32; MAX_ROWS],
+    ) {
+        let rows = ROWS;
+        let low = _mm256_set1_epi8(15);
+        // bf16 bit pattern of 128.0: OR-ing q (0..16) into its mantissa gives 128 + q.
+        let bias = _mm512_set1_epi16(0x4300);
+        let xp = xs.bf16.as_ptr() as *const u16;
+        let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
+        let pairs = k / (2 * QBLOCK);
+        for p in 0..pairs {
+            let bytes = _mm256_loadu_si256(packed.as_ptr().add(p * QBLOCK) as *const __m256i);
+            let q0 = _mm256_and_si256(bytes, low);
+            let q1 = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low);
+            let w0: __m512bh = std::mem::transmute(_mm512_or_si512(_mm512_cvtepu8_epi16(q0), bias));
+            let w1: __m512bh = std::mem::transmute(_mm512_or_si512(_mm512_cvtepu8_epi16(q1), bias));
+            let d0 = _mm512_set1_ps(*scale.get_unchecked(2 * p));
+            let d1 = _mm512_set1_ps(*scale.get_unchecked(2 * p + 1));
+            for r in 0..rows {
+                let base = xp.add(r * k + 2 * p * QBLOCK);
+                let x0: __m512bh = std::mem::transmute(_mm512_loadu_si512(base as *const __m512i));
+                let x1: __m512bh =
+                    std::mem::transmute(_mm512_loadu_si512(base.add(QBLOCK) as *const __m512i));
+                let s0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, x0);
+                let s1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), w1, x1);
+                acc[r][0] = _mm512_fmadd_ps(s0, d0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(s1, d1, acc[r][1]);
+            }
+        }
+        let blocks = k / QBLOCK;
+        // Each block's weights are scale * (128 + q) + (min - 128 * scale): add
+        // sum_b (min_b - 128 scale_b) * sum(x in b), sixteen blocks a vector.
+        let minus_128 = _mm512_set1_ps(-128.0);
+        for r in 0..rows {
+            let sums = xs.block_sums.as_ptr().add(r * blocks);
+            let mut correction = acc[r][0];
+            let mut b = 0;
+            while b < blocks {
+                let mask: __mmask16 = if blocks - b >= 16 {
+                    0xffff
+                } else {
+                    (1u16 << (blocks - b)) - 1
+                };
+                let d = _mm512_maskz_loadu_ps(mask, scale.as_ptr().add(b));
+                let m = _mm512_maskz_loadu_ps(mask, min.as_ptr().add(b));
+                let shift = _mm512_fmadd_ps(d, minus_128, m);
+                correction =
+                    _mm512_fmadd_ps(shift, _mm512_maskz_loadu_ps(mask, sums.add(b)), correction);
+                b += 16;
+            }
+            dots[r] = _mm512_reduce_add_ps(_mm512_add_ps(correction, acc[r][1]));
+        }
+    }
+
+    #[allow(clippy::needless_range_loop)] // `r` indexes `acc`, `dots` and the rows of `xs`
+    /// SAFETY: AVX-512 F/BW; `quants` is one row of `k` (`k % 32 == 0`), `scale` its
+    /// `k / 32` blocks; `xs` holds `count` rows of `k`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn dot_q8<const ROWS: usize>(
+        quants: &[i8],
+        scale: &[f32],
+        xs: &Rows<'_>,
+        k: usize,
+        dots: &mut [f32; MAX_ROWS],
+    ) {
+        let rows = ROWS;
+        let xp = xs.f32.as_ptr();
+        let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
+        for b in 0..k / QBLOCK {
+            let qp = quants.as_ptr().add(b * QBLOCK);
+            let w0 =
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp as *const __m128i)));
+            let w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                qp.add(16) as *const __m128i
+            )));
+            let d = _mm512_set1_ps(*scale.get_unchecked(b));
+            for r in 0..rows {
+                let base = xp.add(r * k + b * QBLOCK);
+                let s = _mm512_fmadd_ps(
+                    w1,
+                    _mm512_loadu_ps(base.add(16)),
+                    _mm512_mul_ps(w0, _mm512_loadu_ps(base)),
+                );
+                acc[r][b & 1] = _mm512_fmadd_ps(s, d, acc[r][b & 1]);
+            }
+        }
+        for r in 0..rows {
+            dots[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The portable path and the SIMD one (where this CPU has it) agree on every row.
+    #[test]
+    fn portable_and_simd_dots_agree() {
+        let (n, k) = (3, 128);
+        let blocks = k / QBLOCK;
+        let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 37 % 251) as u8).collect();
+        let scale: Vec<F16> = (0..n * blocks)
+            .map(|i| F16::from_f32(0.01 + i as f32 * 1e-3))
+            .collect();
+        let min: Vec<F16> = (0..n * blocks)
+            .map(|i| F16::from_f32(-0.05 + i as f32 * 7e-3))
+            .collect();
+        let quants: Vec<i8> = (0..n * k).map(|i| (i * 29 % 255) as i8).collect();
+        let x: Vec<Bf16> = (0..2 * k)
+            .map(|i| Bf16::from_f32((i as f32 * 0.37).sin()))
+            .collect();
+        let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+        let sums: Vec<f32> = xf.chunks_exact(QBLOCK).map(|c| c.iter().sum()).collect();
+        let xs = Rows {
+            bf16: &x,
+            f32: &xf,
+            block_sums: &sums,
+            count: 2,
+        };
+        for weight in [
+            QMatrix::Q4(Q4 {
+                packed: &packed,
+                scale: &scale,
+                min: &min,
+            }),
+            QMatrix::Q8(Q8 {
+                quants: &quants,
+                scale: &scale,
+            }),
+        ] {
+            for row in 0..n {
+                let (mut portable, mut simd) = ([0f32; MAX_ROWS], [0f32; MAX_ROWS]);
+                let fast = simd_available(&weight);
+                let (mut plain, mut wide) = (RowScales::new(blocks), RowScales::new(blocks));
+                plain.load(&weight, row..row + 1, false);
+                wide.load(&weight, row..row + 1, fast);
+                assert_eq!(plain.row(0), wide.row(0));
+                let (scale, min) = plain.row(0);
+                dot_row(&weight, row, k, &xs, scale, min, false, &mut portable);
+                dot_row(&weight, row, k, &xs, scale, min, fast, &mut simd);
+                for r in 0..2 {
+                    let tol = 1e-4 * (1.0 + portable[r].abs());
+                    assert!(
+                        (portable[r] - simd[r]).abs() <= tol,
+                        "{portable:?} vs {simd:?}"
+                    );
+                }
+            }
+        }
+    }
+}
