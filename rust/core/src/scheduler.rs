@@ -573,14 +573,11 @@ impl Scheduler {
         if self.running.len() > self.cfg.max_running_seqs {
             return bad("more running sequences than max_running_seqs".into());
         }
-        let sorted = |q: &mut dyn Iterator<Item = usize>| {
-            let keys: Vec<_> = q.map(|k| self.key(k)).collect();
-            keys.windows(2).all(|w| w[0] < w[1])
-        };
-        if !sorted(&mut self.running.iter().copied()) {
+        // Keys are unique (uids are), so sorted means strictly increasing.
+        if !self.running.iter().map(|&k| self.key(k)).is_sorted() {
             return bad("running sequences out of (priority, arrival) order".into());
         }
-        if !sorted(&mut self.waiting.iter().copied()) {
+        if !self.waiting.iter().map(|&k| self.key(k)).is_sorted() {
             return bad("waiting queue out of (priority, arrival) order".into());
         }
         self.alloc.check_invariants(Some(&refs))
