@@ -94,10 +94,10 @@ class TorchBackend(BackendBase):
         net = load_model(source, device=dev, dtype=pick_dtype(dtype, dev, quantization),
                          quantization=quantization)
         if total_kv_blocks is None:
-            total_kv_blocks = _kv_blocks_for_memory(net, kv_block_size, kv_cache_memory_gb)
+            total_kv_blocks = kv_blocks_for_memory(net, kv_block_size, kv_cache_memory_gb)
         return cls(
             net,
-            _load_tokenizer(source),
+            load_tokenizer(source),
             model_name=source.name,
             num_kv_blocks=total_kv_blocks,
             kv_block_size=kv_block_size,
@@ -124,13 +124,17 @@ class TorchBackend(BackendBase):
             return np.zeros(0, dtype=np.int64)
         if batch.block_tables.size and int(batch.block_tables.max()) >= self.num_kv_blocks:
             raise ValueError("batch uses a KV block id beyond this backend's num_kv_blocks")
-        logits = self.model.forward(**model_inputs(batch))
+        logits = self._logits(batch)
         states = [self._state(rid) for rid in batch.sample_request_ids]
         if not states:
             self._last_logprobs = None
             return np.zeros(0, dtype=np.int64)
         tokens, self._last_logprobs = self.sampler.sample(logits, states)
         return tokens.cpu().numpy().astype(np.int64, copy=False)
+
+    def _logits(self, batch: Batch) -> torch.Tensor:
+        """Float32 logits of the batch's sample rows (tensor parallelism overrides this)."""
+        return self.model.forward(**model_inputs(batch))
 
     def describe(self) -> BackendInfo:
         net = self.model
@@ -153,7 +157,7 @@ class TorchBackend(BackendBase):
         return state
 
 
-def _kv_blocks_for_memory(net: LlamaModel, block_size: int, memory_gb: float | None) -> int:
+def kv_blocks_for_memory(net: LlamaModel, block_size: int, memory_gb: float | None) -> int:
     per_block = net.kv_bytes_per_block(block_size)
     if memory_gb is None:
         if net.device.type == "cuda":
@@ -169,7 +173,7 @@ def _kv_blocks_for_memory(net: LlamaModel, block_size: int, memory_gb: float | N
     return blocks
 
 
-def _load_tokenizer(source: ModelSource) -> Tokenizer | None:
+def load_tokenizer(source: ModelSource) -> Tokenizer | None:
     if source.gguf is not None:
         return Tokenizer.from_gguf_fields(read_gguf_fields(source.gguf))
     if (source.folder / "tokenizer.json").is_file():

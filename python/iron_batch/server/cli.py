@@ -105,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "file's Q8_0/Q4_0/Q4_1 blocks), int8 (per channel) or int4 (groups of 32) "
                    "from any checkpoint; activations and KV cache stay bf16 (default: the "
                    "checkpoint's weights, dequantized)")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="torch: split the model over this many ranks (torch.distributed: gloo "
+                   "on CPU, NCCL on CUDA). Alone, the server spawns the other ranks itself; "
+                   "under torchrun (several hosts) it must equal the world size, rank 0 serves "
+                   "HTTP and the other ranks only run their shard (default 1)")
+    p.add_argument("--tp-timeout", type=non_negative_float, default=None,
+                   help="torch, tensor parallel: seconds a rank may keep the others waiting "
+                   "in one collective before the group counts as failed (default 120)")
     p.add_argument("--api-key", default=os.environ.get("IRON_BATCH_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                    "(default: $IRON_BATCH_API_KEY; none when unset)")
@@ -171,6 +179,8 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
             api_key=args.backend_api_key or args.api_key,
             timeout=args.backend_timeout,
             steps_per_call=args.steps_per_call,
+            tensor_parallel_size=args.tensor_parallel_size,
+            tp_timeout=args.tp_timeout,
         )
         config = scheduler_config(
             backend,
