@@ -89,6 +89,13 @@ class LLM:
         self.engine = Engine(backend, config)
         self._next_id = 0
 
+    def close(self) -> None:
+        """Release what the backend holds beyond this process's memory (the other ranks
+        of a tensor-parallel model); also done at interpreter exit."""
+        close = getattr(self.backend, "close", None)
+        if callable(close):
+            close()
+
     @property
     def tokenizer(self) -> Any:
         return self.backend.tokenizer

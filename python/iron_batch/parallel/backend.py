@@ -92,6 +92,9 @@ class TensorParallelTorchBackend(TorchBackend):
         source = resolve(model)
         config = read_config(source)
         plan_shards(config, world)  # refuse a world size the model cannot be split by
+        if torch.distributed.is_initialized():
+            raise TensorParallelError("this process already holds a tensor-parallel model "
+                                      "(close it first: LLM.close() / backend.close())")
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
         rendezvous = Rendezvous.from_torchrun_env()
