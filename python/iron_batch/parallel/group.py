@@ -65,6 +65,8 @@ class TensorParallelGroup:
         #: Seconds spent in the forward's collectives (all-reduce, logit gather) so far.
         self.comm_seconds = 0.0
         self.comm_calls = 0
+        #: Seconds spent broadcasting steps (header + payload) so far.
+        self.broadcast_seconds = 0.0
 
     def all_reduce(self, t: torch.Tensor) -> None:
         start = time.perf_counter()
@@ -89,7 +91,9 @@ class TensorParallelGroup:
 
     def broadcast_host(self, t: torch.Tensor) -> None:
         """Rank 0's host tensor ``t`` into every rank's ``t`` (same shape and dtype)."""
+        start = time.perf_counter()
         dist.broadcast(t, src=0, group=self.host_group)
+        self.broadcast_seconds += time.perf_counter() - start
 
     def destroy(self) -> None:
         if dist.is_initialized():
