@@ -36,7 +36,8 @@ class LLM:
     ``model`` is a checkpoint directory, GGUF file or short name for the torch backend
     (``device``, ``dtype``, ``total_kv_blocks``, ``kv_cache_memory_gb`` and
     ``quantization`` go to it; ``tensor_parallel_size`` > 1 splits the model over that
-    many local processes, or over torchrun's ranks; see ``iron_batch.parallel``); or
+    many local processes, or over torchrun's ranks, ``tp_timeout`` bounding each collective;
+    see ``iron_batch.parallel``); or
     pass any ``backend`` (e.g. ``MockBackend()``).
     Scheduler options (``total_kv_blocks``, ``kv_block_size``, ``max_batch_tokens``,
     ``max_running_seqs``, ``enable_prefix_caching``) are keyword arguments.
@@ -54,6 +55,7 @@ class LLM:
         kv_cache_memory_gb: float | None = None,
         quantization: str | None = None,
         tensor_parallel_size: int = 1,
+        tp_timeout: float | None = None,
         **scheduler_kwargs: Any,
     ) -> None:
         unknown = set(scheduler_kwargs) - set(_SCHEDULER_KEYS)
@@ -76,6 +78,7 @@ class LLM:
                 kv_cache_memory_gb=kv_cache_memory_gb,
                 quantization=quantization,
                 tensor_parallel_size=tensor_parallel_size,
+                tp_timeout=tp_timeout,
             )
         elif model is not None:
             raise ValueError("pass model= or backend=, not both")
