@@ -215,6 +215,17 @@ def test_server_tp2_on_smollm2_matches_tp1() -> None:
                  10, "rank 1 to exit")
 
 
+def test_a_rank_lost_while_idle_ends_the_server(paths: dict[str, str]) -> None:
+    args = (*TINY, "--model", paths["llama"], "--tensor-parallel-size", "2",
+            "--tp-timeout", "3")
+    with _server(*args) as (proc, _):
+        (rank1,) = _children(proc.pid)
+        os.kill(rank1, signal.SIGKILL)
+        assert proc.wait(30) == 1
+        assert proc.stdout is not None
+        assert "rank 1 exited with status -9" in proc.stdout.read()
+
+
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_a_lost_rank_fails_requests_and_the_server_exits(paths: dict[str, str],
                                                          how: str) -> None:

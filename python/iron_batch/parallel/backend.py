@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,6 +65,9 @@ class TensorParallelTorchBackend(TorchBackend):
         self._failure: str | None = None
         self._closed = threading.Event()
         self._last_message = time.monotonic()
+        #: Called (on the heartbeat thread) when the group is found lost while idle; the
+        #: server exits non-zero on it. A step that finds it raises FatalBackendError.
+        self.on_lost: Callable[[str], None] | None = None
         self._heartbeat = threading.Thread(target=self._beat, name="iron-batch-tp-heartbeat",
                                            daemon=True)
         self._heartbeat.start()
@@ -193,17 +197,19 @@ class TensorParallelTorchBackend(TorchBackend):
                 if self._closed.is_set() or self._failure is not None:
                     return
                 self._check_local_ranks()
-                if self._failure is not None:
-                    logger.critical("%s", self._failure)
-                    return
-                if time.monotonic() - self._last_message < interval:
-                    continue
-                try:
-                    step_broadcast.send(self.group, Message.HEARTBEAT)
-                except Exception as exc:
-                    self._fail(f"heartbeat: {exc}")
-                    return
-                self._last_message = time.monotonic()
+                if self._failure is None and time.monotonic() - self._last_message >= interval:
+                    try:
+                        step_broadcast.send(self.group, Message.HEARTBEAT)
+                        self._last_message = time.monotonic()
+                    except Exception as exc:
+                        self._fail(f"heartbeat: {exc}")
+                failure = self._failure
+            if failure is not None:
+                logger.critical("%s", failure)
+                _stop(self._local_ranks, 0)
+                if self.on_lost is not None:
+                    self.on_lost(failure)
+                return
 
 
 def _free_port() -> int:

@@ -297,6 +297,14 @@ def main(argv: list[str] | None = None) -> None:
         server.should_exit = True
 
     engine.on_fatal = on_fatal
+    lost: list[str] = []
+    if hasattr(engine.backend, "on_lost"):  # tensor parallel: a rank lost while idle
+
+        def on_lost(message: str) -> None:  # the backend's thread
+            lost.append(message)
+            server.should_exit = True
+
+        engine.backend.on_lost = on_lost
     # uvicorn re-raises the signal it caught once it has shut down; with Python's default
     # SIGTERM handler that would kill the process (status -15) after a clean drain.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
@@ -307,8 +315,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         pass
-    if engine.fatal_error is not None:
-        print(f"error: fatal engine fault: {engine.fatal_error}", file=sys.stderr)
+    if engine.fatal_error is not None or lost:
+        print(f"error: fatal engine fault: {engine.fatal_error or lost[0]}", file=sys.stderr)
         sys.exit(1)
     if not server.started:
         sys.exit(1)
