@@ -18,39 +18,16 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
-import transformers
 from conftest import free_port, wait_for
 from iron_batch.backends.build import BackendConfigError
 from iron_batch.llm import LLM
 from iron_batch.sampling_params import SamplingParams
-from tiny_models import FAMILIES, checkpoint, random_prompts
+from tiny_models import FAMILIES, checkpoint, random_prompts, uneven_checkpoint
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 SERVER = [sys.executable, "-m", "iron_batch.server"]
 TINY = ("--backend", "torch", "--device", "cpu", "--dtype", "float32",
         "--kv-block-size", "4", "--total-kv-blocks", "256", "--no-ui")
-
-
-def _uneven_checkpoint(folder: Path) -> Path:
-    """6 query / 3 KV heads (2 + 1 KV heads per rank), 129 MLP rows (65 + 64) and a
-    vocabulary of 321 (padded to 2 x 161): nothing splits evenly over 2 ranks."""
-    if (folder / "config.json").is_file():
-        return folder
-    config = transformers.Qwen2Config(
-        vocab_size=321, hidden_size=96, intermediate_size=129, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=512,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(7)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.5 if name.endswith("bias") else 0.15)
-    model.save_pretrained(folder)
-    return folder
 
 
 CHECKPOINTS = [*FAMILIES, "uneven"]
@@ -59,7 +36,7 @@ CHECKPOINTS = [*FAMILIES, "uneven"]
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     out = {name: str(checkpoint(name)) for name in FAMILIES}
-    out["uneven"] = str(_uneven_checkpoint(tmp_path_factory.mktemp("tp") / "uneven"))
+    out["uneven"] = str(uneven_checkpoint(tmp_path_factory.mktemp("tp") / "uneven"))
     return out
 
 
@@ -131,6 +108,8 @@ def test_a_world_size_the_heads_cannot_be_split_by_is_refused(paths: dict[str, s
     assert "\n" not in str(info.value)
     with pytest.raises(BackendConfigError, match="more ranks than query heads"):
         LLM(model=paths["llama"], tensor_parallel_size=8, device="cpu")
+    with pytest.raises(BackendConfigError, match="--quantization is not supported"):
+        LLM(model=paths["llama"], tensor_parallel_size=2, quantization="int8", device="cpu")
     result = subprocess.run([*SERVER, *TINY, "--model", paths["llama"],
                              "--tensor-parallel-size", "3"],
                             capture_output=True, text=True, timeout=60)
