@@ -341,10 +341,13 @@ class LlamaModel:
                 h = h + mlp
         rows = torch.from_numpy(np.ascontiguousarray(sample_indices, dtype=np.int64)).to(dev)
         last = _rms_norm(h[rows], self.norm, eps)
+        logits = self._lm_head(last)
         if shard is not None:
-            # This rank's vocabulary columns; rank 0 joins them and drops the padding.
-            local = F.linear(last, self.lm_head).float()  # type: ignore[arg-type]
-            return shard.gather_logits(local)[:, : c.vocab_size]
+            # This rank's vocabulary columns: rank 0 joins them and drops the padding.
+            return shard.gather_logits(logits)[:, : c.vocab_size]
+        return logits
+
+    def _lm_head(self, last: torch.Tensor) -> torch.Tensor:
         # The LM head goes to oneDNN's packed layout even for one row: on a matrix this
         # large (vocab x hidden) it streams faster than the GEMV (0.66 vs 1.17 ms, SmolLM2).
         if isinstance(self.lm_head, QuantWeight):
@@ -356,7 +359,9 @@ class LlamaModel:
         return F.linear(last, self.lm_head).float()
 
 
-def _vocab_parallel_embedding(ids: torch.Tensor, table: torch.Tensor, shard: Shard) -> torch.Tensor:
+def _vocab_parallel_embedding(
+    ids: torch.Tensor, table: torch.Tensor, shard: Shard
+) -> torch.Tensor:
     """Rows of this rank's vocabulary shard, zeros for ids outside it, summed over ranks."""
     local = ids - shard.vocab_start
     outside = (local < 0) | (local >= shard.vocab_rows)
