@@ -109,7 +109,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. A request the scheduler rejects (it can
-        never fit) raises ValueError before anything runs."""
+        never fit) raises ValueError before anything runs; a fatal backend fault (see
+        ``FatalBackendError``) raises RuntimeError."""
         items: list[str | Sequence[int]] = (
             [prompts] if isinstance(prompts, str) else list(prompts)
         )
@@ -156,6 +157,10 @@ class LLM:
             while engine.has_unfinished():
                 engine.step()
             raise
+        if engine.fatal_error is not None:
+            # The backend is gone for good (a lost tensor-parallel rank, a device lost):
+            # every request ended with an error, and no later call can do better.
+            raise RuntimeError(f"fatal engine fault: {engine.fatal_error}")
         return [outputs[r] for r in order]
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:

@@ -165,9 +165,10 @@ class TensorParallelTorchBackend(TorchBackend):
                 if self._failure is None:
                     try:
                         step_broadcast.send(self.group, Message.STOP)
-                        self.group.destroy()
                     except Exception:
                         logger.warning("tensor parallel: stopping the other ranks failed")
+                # Also after a failure, so that this process can build another model.
+                self.group.destroy()
             finally:
                 self._lock.release()
         _stop(self._local_ranks, 10.0)
