@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from iron_batch.backends.build import BackendConfigError
 from iron_batch.llm import LLM
 from iron_batch.sampling_params import SamplingParams
 from tiny_models import checkpoint, random_prompts, uneven_checkpoint
@@ -58,3 +61,13 @@ def test_a_rank_killed_under_llm_raises_instead_of_hanging() -> None:
         assert len(again.generate([[5, 6, 7]], params)[0].token_ids) == 4
     finally:
         again.close()
+
+
+def test_a_rank_that_dies_before_joining_fails_the_start_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # what rank 1 is spawned with
+    start = time.monotonic()
+    with pytest.raises(BackendConfigError, match="rank 1 exited with status 1 before joining"):
+        LLM(model=str(checkpoint("qwen2")), tensor_parallel_size=2, device="cpu",
+            dtype="float32", total_kv_blocks=64)
+    assert time.monotonic() - start < 30  # not the 120 s collective timeout

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import atexit
 import logging
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,7 +31,7 @@ from iron_batch.backends.torch_backend import TorchBackend, load_tokenizer, pick
 from iron_batch.batch import model_inputs
 from iron_batch.models.loader import read_config, resolve
 from iron_batch.parallel import step_broadcast
-from iron_batch.parallel.group import DEFAULT_TIMEOUT_S, Rendezvous
+from iron_batch.parallel.group import DEFAULT_TIMEOUT_S, Rendezvous, joined, serve_store
 from iron_batch.parallel.rank import LoadedRank, load_rank, rank_device, share_cores
 from iron_batch.parallel.shard_plan import TensorParallelError, plan_shards
 from iron_batch.parallel.step_broadcast import Message
@@ -103,25 +102,28 @@ class TensorParallelTorchBackend(TorchBackend):
         dt = pick_dtype(dtype, dev)
         rendezvous = Rendezvous.from_torchrun_env()
         local_ranks: list[subprocess.Popen[bytes]] = []
+        store = None
         if rendezvous is not None:
             if rendezvous.world != world:
                 raise TensorParallelError(f"--tensor-parallel-size {world} differs from "
                                           f"torchrun's world size {rendezvous.world}")
         else:
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
-            rendezvous = Rendezvous(0, world, world, 0, init_method)
+            rendezvous = Rendezvous(0, world, world, 0)
+            store = serve_store(world, timeout_s)
             local_ranks = _spawn_local_ranks(
-                world, init_method, model=model, device=dev.type,
+                world, f"127.0.0.1:{store.port}", model=model, device=dev.type,
                 dtype=str(dt).removeprefix("torch."), kv_block_size=kv_block_size,
                 total_kv_blocks=total_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
                 timeout_s=timeout_s)
         dev = rank_device(dev, rendezvous)
         threads_before = share_cores(rendezvous.local_world)
         try:
+            if store is not None:
+                _wait_until_joined(store, world, local_ranks, timeout_s)
             loaded = load_rank(
                 source, config, rendezvous, device=dev, dtype=dt, timeout_s=timeout_s,
                 total_kv_blocks=total_kv_blocks, kv_block_size=kv_block_size,
-                kv_cache_memory_gb=kv_cache_memory_gb)
+                kv_cache_memory_gb=kv_cache_memory_gb, store=store)
         except BaseException:
             _stop(local_ranks, 0)
             torch.set_num_threads(threads_before)
@@ -213,20 +215,28 @@ class TensorParallelTorchBackend(TorchBackend):
                 return
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _wait_until_joined(store: Any, world: int, procs: list[subprocess.Popen[bytes]],
+                       timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not joined(store, world):
+        for rank, proc in enumerate(procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with status {code} "
+                                   "before joining")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel ranks did not join within {timeout_s:g}s")
+        time.sleep(0.02)
 
 
 def _spawn_local_ranks(
-    world: int, init_method: str, *, model: str, device: str, dtype: str, kv_block_size: int,
+    world: int, store: str, *, model: str, device: str, dtype: str, kv_block_size: int,
     total_kv_blocks: int | None, kv_cache_memory_gb: float | None, timeout_s: float,
 ) -> list[subprocess.Popen[bytes]]:
     procs = []
     for rank in range(1, world):
         cmd = [sys.executable, "-m", "iron_batch.parallel.worker", "--rank", str(rank),
-               "--world-size", str(world), "--init-method", init_method, "--model", model,
+               "--world-size", str(world), "--store", store, "--model", model,
                "--device", device, "--dtype", dtype, "--kv-block-size", str(kv_block_size),
                "--timeout", str(timeout_s)]
         if total_kv_blocks is not None:

@@ -23,15 +23,16 @@ DEFAULT_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """Where the ranks meet: ``tcp://addr:port`` given explicitly (locally spawned ranks),
-    or ``env://`` (torchrun sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
+    """Where the ranks meet: a store rank 0 serves (locally spawned ranks, see
+    :func:`serve_store`), or ``env://`` (torchrun sets MASTER_ADDR, MASTER_PORT, RANK,
+    WORLD_SIZE)."""
 
     rank: int
     world: int
     #: Ranks on this host (they share its cores) and this rank's index among them.
     local_world: int
     local_rank: int
-    init_method: str
+    init_method: str = "env://"
 
     @classmethod
     def from_torchrun_env(cls) -> Rendezvous | None:
@@ -48,16 +49,45 @@ class Rendezvous:
         )
 
 
+_JOINED = "iron_batch/joined/"
+
+
+def serve_store(world: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free loopback port (``.port``), for spawned ranks."""
+    return dist.TCPStore("127.0.0.1", 0, world, True, timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def join_store(address: str, rank: int, world: int, timeout_s: float) -> dist.TCPStore:
+    """A spawned rank's connection to rank 0's store, announcing that it has joined."""
+    host, port = address.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), world, False, timedelta(seconds=timeout_s))
+    store.set(f"{_JOINED}{rank}", "1")
+    return store
+
+
+def joined(store: dist.TCPStore, world: int) -> bool:
+    """Whether every spawned rank has reached the store (rank 0 polls this, watching the
+    processes meanwhile, instead of blocking in the group's set-up for the whole timeout
+    when a rank died on its way)."""
+    return bool(store.check([f"{_JOINED}{r}" for r in range(1, world)]))
+
+
 class TensorParallelGroup:
-    def __init__(self, rendezvous: Rendezvous, device: torch.device, timeout_s: float) -> None:
+    def __init__(self, rendezvous: Rendezvous, device: torch.device, timeout_s: float,
+                 store: dist.Store | None = None) -> None:
         self.rank = rendezvous.rank
         self.world = rendezvous.world
         self.device = device
         self.timeout_s = timeout_s
         timeout = timedelta(seconds=timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=rendezvous.init_method,
-                                rank=self.rank, world_size=self.world, timeout=timeout)
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=self.rank,
+                                    world_size=self.world, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=rendezvous.init_method,
+                                    rank=self.rank, world_size=self.world, timeout=timeout)
         #: Host-side group for the step broadcast (the default one on CPU).
         self.host_group = (
             dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None

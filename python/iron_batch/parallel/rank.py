@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -88,6 +89,7 @@ def load_rank(
     total_kv_blocks: int | None,
     kv_block_size: int,
     kv_cache_memory_gb: float | None,
+    store: Any = None,
 ) -> LoadedRank:
     """Join the group, load this rank's shard, and agree on the KV pool: each rank sizes it
     from its own memory and KV heads, the pool is the smallest of them (block ids are the
@@ -95,7 +97,7 @@ def load_rank(
     from iron_batch.backends.torch_backend import kv_blocks_for_memory
 
     plan = plan_shards(config, rendezvous.world)[rendezvous.rank]
-    group = TensorParallelGroup(rendezvous, device, timeout_s)
+    group = TensorParallelGroup(rendezvous, device, timeout_s, store)
     try:
         model = load_model(source, device=device, dtype=dtype, shard=RankShard(plan, group))
         blocks = total_kv_blocks or kv_blocks_for_memory(model, kv_block_size, kv_cache_memory_gb)

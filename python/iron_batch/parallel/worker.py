@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m iron_batch.parallel.worker")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--init-method", required=True, help="tcp://HOST:PORT of rank 0's store")
+    p.add_argument("--store", required=True, help="HOST:PORT of rank 0's rendezvous store")
     p.add_argument("--model", required=True)
     p.add_argument("--device", required=True)
     p.add_argument("--dtype", required=True)
@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from iron_batch.backends.torch_backend import pick_dtype
     from iron_batch.models.loader import read_config, resolve
-    from iron_batch.parallel.group import Rendezvous
+    from iron_batch.parallel.group import Rendezvous, join_store
     from iron_batch.parallel.rank import load_rank, rank_device, share_cores
 
-    rendezvous = Rendezvous(args.rank, args.world_size, args.world_size, args.rank,
-                            args.init_method)
+    rendezvous = Rendezvous(args.rank, args.world_size, args.world_size, args.rank)
+    store = join_store(args.store, args.rank, args.world_size, args.timeout)
     source = resolve(args.model)
     share_cores(rendezvous.local_world)
     device = rank_device(torch.device(args.device), rendezvous)
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         source, read_config(source), rendezvous,
         device=device, dtype=pick_dtype(args.dtype, device), timeout_s=args.timeout,
         total_kv_blocks=args.total_kv_blocks, kv_block_size=args.kv_block_size,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        kv_cache_memory_gb=args.kv_cache_memory_gb, store=store,
     )
     sys.exit(serve(loaded, args.kv_block_size))
 
