@@ -160,4 +160,11 @@ def _hf_source(folder: Path) -> tuple[ModelConfig, TensorSource]:
         f = weight_map.get(name)
         return None if f is None else handles[f].get_tensor(name)
 
+    def get_slice(name: str) -> Any:
+        """A lazily read view (index it to read part of the tensor), or None."""
+        f = weight_map.get(name)
+        return None if f is None else handles[f].get_slice(name)
+
+    # Tensor-parallel ranks read only their slices through this (parallel/shard_plan.py).
+    get.get_slice = get_slice  # type: ignore[attr-defined]
     return config, get

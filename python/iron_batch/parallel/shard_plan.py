@@ -104,31 +104,46 @@ def shard_source(get: TensorSource, config: ModelConfig, plan: ShardPlan) -> Ten
     inter = slice(plan.intermediate.start, plan.intermediate.stop)
     vocab = slice(plan.vocab_start, plan.vocab_start + plan.vocab_rows)
 
-    def sharded(name: str) -> torch.Tensor | None:
+    # A source that can read part of a tensor (safetensors) gives each rank only its bytes;
+    # the others (GGUF, dequantized whole) are read whole and sliced.
+    lazy = getattr(get, "get_slice", None)
+
+    def rows(name: str, part: slice) -> torch.Tensor | None:
+        if lazy is not None:
+            view = lazy(name)
+            return None if view is None else view[part]
         t = get(name)
-        if t is None:
-            return None
-        leaf = name.rsplit(".", 2)
-        kind = ".".join(leaf[-2:])  # e.g. "q_proj.weight"
+        return None if t is None else t[part].contiguous()
+
+    def columns(name: str, part: slice) -> torch.Tensor | None:
+        if lazy is not None:
+            view = lazy(name)
+            return None if view is None else view[:, part]
+        t = get(name)
+        return None if t is None else t[:, part].contiguous()
+
+    def sharded(name: str) -> torch.Tensor | None:
+        kind = ".".join(name.rsplit(".", 2)[-2:])  # e.g. "q_proj.weight"
         if kind in ("q_proj.weight", "q_proj.bias"):
-            return t[q_rows].contiguous()
+            return rows(name, q_rows)
         if kind in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):
-            return t[kv_rows].contiguous()
+            return rows(name, kv_rows)
         if kind == "o_proj.weight":
-            return t[:, q_rows].contiguous()
+            return columns(name, q_rows)
         if kind in ("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias"):
-            return t[inter].contiguous()
+            return rows(name, inter)
         if kind == "down_proj.weight":
-            return t[:, inter].contiguous()
-        if kind in ("o_proj.bias", "down_proj.bias"):
-            # Added once to the sum of the partial outputs: by rank 0 alone.
-            return t if plan.rank == 0 else torch.zeros_like(t)
+            return columns(name, inter)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            part = t[vocab]
-            if part.shape[0] < plan.vocab_rows:  # the last rank's padding rows
+            part = rows(name, vocab)
+            if part is not None and part.shape[0] < plan.vocab_rows:  # the last rank's pad
                 pad = part.new_zeros((plan.vocab_rows - part.shape[0], *part.shape[1:]))
                 part = torch.cat([part, pad])
-            return part.contiguous()
+            return part
+        t = get(name)
+        if t is not None and kind in ("o_proj.bias", "down_proj.bias") and plan.rank != 0:
+            # Added once to the sum of the partial outputs: by rank 0 alone.
+            return torch.zeros_like(t)
         return t
 
     return sharded
