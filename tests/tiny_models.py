@@ -142,6 +142,29 @@ def write_byte_tokenizer(folder: Path) -> None:
     )
 
 
+def uneven_checkpoint(folder: Path) -> Path:
+    """A Llama with 6 query / 3 KV heads (2 + 1 KV heads per rank), 129 MLP rows (65 + 64)
+    and a vocabulary of 321 (padded to 2 x 161): nothing splits evenly over 2 ranks. Bias on
+    every projection, so the row-parallel ones (o, down) must add theirs once."""
+    if (folder / "config.json").is_file():
+        return folder
+    config = transformers.LlamaConfig(
+        vocab_size=321, hidden_size=96, intermediate_size=129, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=512,
+        tie_word_embeddings=False, attention_bias=True, mlp_bias=True, bos_token_id=1,
+        eos_token_id=2)
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.5 if name.endswith("bias") else 0.15)
+    model.save_pretrained(folder)
+    return folder
+
+
 @cache
 def backend(name: str, total_kv_blocks: int = 256, kv_block_size: int = 4) -> TorchBackend:
     return TorchBackend.from_model(

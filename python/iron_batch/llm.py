@@ -38,7 +38,9 @@ class LLM:
 
     ``model`` is a checkpoint directory, GGUF file or short name for the torch backend
     (``device``, ``dtype``, ``total_kv_blocks``, ``kv_cache_memory_gb`` and
-    ``quantization`` go to it); or
+    ``quantization`` go to it; ``tensor_parallel_size`` > 1 splits the model over that
+    many local processes, or over torchrun's ranks, ``tp_timeout`` bounding each collective;
+    see ``iron_batch.parallel``); or
     pass any ``backend`` (e.g. ``MockBackend()``).
     Scheduler options (``total_kv_blocks``, ``kv_block_size``, ``max_batch_tokens``,
     ``max_running_seqs``, ``enable_prefix_caching``) are keyword arguments.
@@ -55,6 +57,8 @@ class LLM:
         dtype: str | None = None,
         kv_cache_memory_gb: float | None = None,
         quantization: str | None = None,
+        tensor_parallel_size: int = 1,
+        tp_timeout: float | None = None,
         **scheduler_kwargs: Any,
     ) -> None:
         unknown = set(scheduler_kwargs) - set(_SCHEDULER_KEYS)
@@ -76,6 +80,8 @@ class LLM:
                 kv_block_size=kv_block_size,
                 kv_cache_memory_gb=kv_cache_memory_gb,
                 quantization=quantization,
+                tensor_parallel_size=tensor_parallel_size,
+                tp_timeout=tp_timeout,
             )
         elif model is not None:
             raise ValueError("pass model= or backend=, not both")
@@ -89,6 +95,13 @@ class LLM:
         self.engine = Engine(backend, config)
         self._next_id = 0
 
+    def close(self) -> None:
+        """Release what the backend holds beyond this process's memory (the other ranks
+        of a tensor-parallel model); also done at interpreter exit."""
+        close = getattr(self.backend, "close", None)
+        if callable(close):
+            close()
+
     @property
     def tokenizer(self) -> Any:
         return self.backend.tokenizer
@@ -99,7 +112,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. A request the scheduler rejects (it can
-        never fit) raises ValueError before anything runs."""
+        never fit) raises ValueError before anything runs; a fatal backend fault (see
+        ``FatalBackendError``) raises RuntimeError."""
         items: list[str | Sequence[int]] = (
             [prompts] if isinstance(prompts, str) else list(prompts)
         )
@@ -148,6 +162,10 @@ class LLM:
             while engine.has_unfinished():
                 engine.step()
             raise
+        if engine.fatal_error is not None:
+            # The backend is gone for good (a lost tensor-parallel rank, a device lost):
+            # every request ended with an error, and no later call can do better.
+            raise RuntimeError(f"fatal engine fault: {engine.fatal_error}")
         return [outputs[r] for r in order]
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:

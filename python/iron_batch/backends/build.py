@@ -14,7 +14,8 @@ from iron_batch.backends.base import Backend
 #: Backend kinds; ``real`` is the old name of ``remote``.
 BACKEND_KINDS = ("mock", "torch", "remote")
 ALIASES = {"real": "remote"}
-_TORCH_ONLY = ("model", "device", "dtype", "kv_cache_memory_gb", "quantization")
+_TORCH_ONLY = ("model", "device", "dtype", "kv_cache_memory_gb", "quantization",
+               "tensor_parallel_size")
 
 #: ``--quantization`` modes of the torch backend (``iron_batch.models.quant``), named here
 #: so that argument parsing does not import torch.
@@ -45,12 +46,17 @@ def build_backend(
     api_key: str | None = None,
     timeout: float = 30.0,
     steps_per_call: int = 1,
+    tensor_parallel_size: int = 1,
+    tp_timeout: float | None = None,
 ) -> Backend:
-    """The backend of ``kind`` (mock, torch, remote; real = remote)."""
+    """The backend of ``kind`` (mock, torch, remote; real = remote). A torch backend with
+    ``tensor_parallel_size`` > 1 splits the model over that many ranks (see
+    ``iron_batch.parallel``); under torchrun, ranks >= 1 never return from here."""
     kind = ALIASES.get(kind, kind)
     if kind != "torch":
         given = {"model": model, "device": device, "dtype": dtype,
-                 "kv_cache_memory_gb": kv_cache_memory_gb, "quantization": quantization}
+                 "kv_cache_memory_gb": kv_cache_memory_gb, "quantization": quantization,
+                 "tensor_parallel_size": tensor_parallel_size > 1}
         for name in _TORCH_ONLY:
             if given[name]:
                 raise BackendConfigError(f"--{name.replace('_', '-')} only applies to "
@@ -65,6 +71,12 @@ def build_backend(
     if kind == "torch":
         if not model:
             raise BackendConfigError("--backend torch requires --model PATH")
+        if tensor_parallel_size > 1:
+            return _tensor_parallel_backend(
+                model, tensor_parallel_size, device=device, dtype=dtype,
+                total_kv_blocks=total_kv_blocks, kv_block_size=kv_block_size,
+                kv_cache_memory_gb=kv_cache_memory_gb, quantization=quantization,
+                timeout=tp_timeout)
         # Imported lazily: the mock server must not need (or pay for) torch.
         from iron_batch.backends.torch_backend import TorchBackend
 
@@ -91,6 +103,34 @@ def build_backend(
         except (OSError, ValueError) as exc:
             raise BackendConfigError(f"cannot use worker {url!r}: {exc}") from exc
     raise BackendConfigError(f"unknown backend {kind!r} (one of {', '.join(BACKEND_KINDS)})")
+
+
+def _tensor_parallel_backend(
+    model: str, world: int, *, device: str | None, dtype: str | None,
+    total_kv_blocks: int | None, kv_block_size: int | None,
+    kv_cache_memory_gb: float | None, quantization: str | None, timeout: float | None,
+) -> Backend:
+    from iron_batch.parallel.backend import TensorParallelTorchBackend
+    from iron_batch.parallel.group import DEFAULT_TIMEOUT_S
+    from iron_batch.parallel.shard_plan import TensorParallelError
+
+    try:
+        return TensorParallelTorchBackend.from_model(
+            model,
+            tensor_parallel_size=world,
+            device=device or "auto",
+            dtype=dtype or "auto",
+            total_kv_blocks=total_kv_blocks,
+            kv_block_size=kv_block_size or DEFAULTS.kv_block_size,
+            kv_cache_memory_gb=kv_cache_memory_gb or None,
+            quantization=quantization or None,
+            timeout_s=timeout or DEFAULT_TIMEOUT_S,
+        )
+    except TensorParallelError as exc:
+        raise BackendConfigError(f"--tensor-parallel-size {world}: {exc}") from exc
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise BackendConfigError(f"cannot load --model {model!r} over {world} ranks: "
+                                 f"{exc}") from exc
 
 
 def scheduler_config(

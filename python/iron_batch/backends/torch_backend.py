@@ -98,10 +98,10 @@ class TorchBackend(BackendBase):
         net = load_model(source, device=dev, dtype=pick_dtype(dtype, dev, quantization),
                          quantization=quantization)
         if total_kv_blocks is None:
-            total_kv_blocks = _kv_blocks_for_memory(net, kv_block_size, kv_cache_memory_gb)
+            total_kv_blocks = kv_blocks_for_memory(net, kv_block_size, kv_cache_memory_gb)
         return cls(
             net,
-            _load_tokenizer(source),
+            load_tokenizer(source),
             model_name=source.name,
             num_kv_blocks=total_kv_blocks,
             kv_block_size=kv_block_size,
@@ -141,7 +141,7 @@ class TorchBackend(BackendBase):
             inputs["sample_indices"] = np.concatenate(
                 [np.asarray(batch.sample_indices, dtype=np.int64), scoring.rows]
             )
-        logits = self.model.forward(**inputs)
+        logits = self._logits(inputs)
         if scoring is not None:
             self.scorer.record(logits[num_samples:], scoring)
             logits = logits[:num_samples]
@@ -151,6 +151,11 @@ class TorchBackend(BackendBase):
             return np.zeros(0, dtype=np.int64)
         tokens, self._last_logprobs = self.sampler.sample(logits, states)
         return tokens.cpu().numpy().astype(np.int64, copy=False)
+
+    def _logits(self, inputs: dict[str, np.ndarray]) -> torch.Tensor:
+        """Float32 logits of the rows ``inputs["sample_indices"]`` names, from one forward
+        over the model inputs (tensor parallelism overrides this)."""
+        return self.model.forward(**inputs)
 
     def describe(self) -> BackendInfo:
         net = self.model
@@ -173,7 +178,7 @@ class TorchBackend(BackendBase):
         return state
 
 
-def _kv_blocks_for_memory(net: LlamaModel, block_size: int, memory_gb: float | None) -> int:
+def kv_blocks_for_memory(net: LlamaModel, block_size: int, memory_gb: float | None) -> int:
     per_block = net.kv_bytes_per_block(block_size)
     if memory_gb is None:
         if net.device.type == "cuda":
@@ -189,7 +194,7 @@ def _kv_blocks_for_memory(net: LlamaModel, block_size: int, memory_gb: float | N
     return blocks
 
 
-def _load_tokenizer(source: ModelSource) -> Tokenizer | None:
+def load_tokenizer(source: ModelSource) -> Tokenizer | None:
     if source.gguf is not None:
         return Tokenizer.from_gguf_fields(read_gguf_fields(source.gguf))
     if (source.folder / "tokenizer.json").is_file():

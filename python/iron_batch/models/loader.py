@@ -10,12 +10,15 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from iron_batch.models.config import ModelConfig
 from iron_batch.models.llama import LlamaModel, QuantSource, TensorSource
+
+if TYPE_CHECKING:
+    from iron_batch.parallel.rank import RankShard
 
 logger = logging.getLogger(__name__)
 
@@ -68,23 +71,41 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     quantization: str | None = None,
+    shard: RankShard | None = None,
 ) -> LlamaModel:
     """The model, with its projections quantized as ``quantization`` says (None: as the
-    checkpoint's floats in ``dtype``; see ``models/quant.py`` for the modes)."""
+    checkpoint's floats in ``dtype``; see ``models/quant.py`` for the modes). With
+    ``shard``, only this tensor-parallel rank's slices (sliced from the full checkpoint
+    before any packing; quantization is refused with TP upstream)."""
     quantized: QuantSource | None = None
     if source.gguf is not None:
         config, tensors = _gguf_source(source.gguf)
         quantized = _gguf_blocks(tensors)
     else:
         config, tensors = _hf_source(source.folder)
+    if shard is not None:
+        tensors = shard.narrow(tensors, config)
     model = LlamaModel(config, tensors, device=device, dtype=dtype,
-                       quantization=quantization, get_quantized=quantized)
+                       quantization=quantization, get_quantized=quantized, shard=shard)
     if model.dequantized:
         logger.warning("--quantization gguf: %d tensors are in GGUF types without a kernel "
                        "(supported: Q8_0, Q4_0, Q4_1) and run as bf16: %s",
                        len(model.dequantized), ", ".join(model.dequantized[:4]) + (
                            ", ..." if len(model.dequantized) > 4 else ""))
     return model
+
+
+def read_config(source: ModelSource) -> ModelConfig:
+    """The checkpoint's architecture settings, without reading any weights."""
+    if source.gguf is not None:
+        import gguf
+
+        from iron_batch.models.gguf_file import hf_config_from_gguf, read_fields
+
+        reader = gguf.GGUFReader(str(source.gguf))
+        cfg = hf_config_from_gguf(read_fields(reader), {t.name for t in reader.tensors})
+        return ModelConfig.from_hf(cfg)
+    return ModelConfig.from_hf(json.loads((source.folder / "config.json").read_text()))
 
 
 def _gguf_blocks(tensors: Any) -> QuantSource:
@@ -139,4 +160,11 @@ def _hf_source(folder: Path) -> tuple[ModelConfig, TensorSource]:
         f = weight_map.get(name)
         return None if f is None else handles[f].get_tensor(name)
 
+    def get_slice(name: str) -> Any:
+        """A lazily read view (index it to read part of the tensor), or None."""
+        f = weight_map.get(name)
+        return None if f is None else handles[f].get_slice(name)
+
+    # Tensor-parallel ranks read only their slices through this (parallel/shard_plan.py).
+    get.get_slice = get_slice  # type: ignore[attr-defined]
     return config, get

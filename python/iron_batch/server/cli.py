@@ -105,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "file's Q8_0/Q4_0/Q4_1 blocks), int8 (per channel) or int4 (groups of 32) "
                    "from any checkpoint; activations and KV cache stay bf16 (default: the "
                    "checkpoint's weights, dequantized)")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="torch: split the model over this many ranks (torch.distributed: gloo "
+                   "on CPU, NCCL on CUDA). Alone, the server spawns the other ranks itself; "
+                   "under torchrun (several hosts) it must equal the world size, rank 0 serves "
+                   "HTTP and the other ranks only run their shard (default 1)")
+    p.add_argument("--tp-timeout", type=non_negative_float, default=None,
+                   help="torch, tensor parallel: seconds a rank may keep the others waiting "
+                   "in one collective before the group counts as failed (default 120)")
     p.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                    "(default: $IRON_BATCH_API_KEY; none when unset). Repeat it (or use "
@@ -204,6 +212,8 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
             api_key=args.backend_api_key or (keys[0] if len(keys) == 1 else None),
             timeout=args.backend_timeout,
             steps_per_call=args.steps_per_call,
+            tensor_parallel_size=args.tensor_parallel_size,
+            tp_timeout=args.tp_timeout,
         )
         config = scheduler_config(
             backend,
@@ -322,6 +332,14 @@ def main(argv: list[str] | None = None) -> None:
         server.should_exit = True
 
     engine.on_fatal = on_fatal
+    lost: list[str] = []
+    if hasattr(engine.backend, "on_lost"):  # tensor parallel: a rank lost while idle
+
+        def on_lost(message: str) -> None:  # the backend's thread
+            lost.append(message)
+            server.should_exit = True
+
+        engine.backend.on_lost = on_lost
     # uvicorn re-raises the signal it caught once it has shut down; with Python's default
     # SIGTERM handler that would kill the process (status -15) after a clean drain.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
@@ -332,8 +350,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         pass
-    if engine.fatal_error is not None:
-        print(f"error: fatal engine fault: {engine.fatal_error}", file=sys.stderr)
+    if engine.fatal_error is not None or lost:
+        print(f"error: fatal engine fault: {engine.fatal_error or lost[0]}", file=sys.stderr)
         sys.exit(1)
     if not server.started:
         sys.exit(1)

@@ -1,0 +1,110 @@
+"""One rank of a tensor-parallel model: its shard plan joined to its process group, and the
+set-up every rank runs the same way (group, shard, model, KV pool size agreed by all)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from iron_batch.models.config import ModelConfig
+from iron_batch.models.llama import LlamaModel, TensorSource
+from iron_batch.models.loader import ModelSource, load_model
+from iron_batch.parallel.group import Rendezvous, TensorParallelGroup
+from iron_batch.parallel.shard_plan import ShardPlan, plan_shards, shard_source
+
+logger = logging.getLogger(__name__)
+
+
+class RankShard:
+    """What ``LlamaModel`` needs to know of tensor parallelism (``models.llama.Shard``)."""
+
+    def __init__(self, plan: ShardPlan, group: TensorParallelGroup) -> None:
+        self.plan = plan
+        self.group = group
+
+    @property
+    def num_heads(self) -> int:
+        return self.plan.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.plan.num_kv_heads
+
+    @property
+    def vocab_start(self) -> int:
+        return self.plan.vocab_start
+
+    @property
+    def vocab_rows(self) -> int:
+        return self.plan.vocab_rows
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        self.group.all_reduce(t)
+
+    def gather_logits(self, t: torch.Tensor) -> torch.Tensor:
+        return self.group.gather_logits(t)
+
+    def narrow(self, get: TensorSource, config: ModelConfig) -> TensorSource:
+        return shard_source(get, config, self.plan)
+
+
+def rank_device(device: torch.device, rendezvous: Rendezvous) -> torch.device:
+    """CUDA ranks on one host take one GPU each (by local rank); CPU ranks share the CPU."""
+    if device.type != "cuda":
+        return device
+    dev = torch.device("cuda", rendezvous.local_rank)
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def share_cores(local_world: int) -> int:
+    """Give this rank its share of the host's cores (every rank of a host runs the same
+    forward at the same time; more OpenMP threads than cores only spin). Returns the
+    previous thread count."""
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // local_world))
+    return before
+
+
+@dataclass
+class LoadedRank:
+    model: LlamaModel
+    group: TensorParallelGroup
+    num_kv_blocks: int
+
+
+def load_rank(
+    source: ModelSource,
+    config: ModelConfig,
+    rendezvous: Rendezvous,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    timeout_s: float,
+    total_kv_blocks: int | None,
+    kv_block_size: int,
+    kv_cache_memory_gb: float | None,
+    store: Any = None,
+) -> LoadedRank:
+    """Join the group, load this rank's shard, and agree on the KV pool: each rank sizes it
+    from its own memory and KV heads, the pool is the smallest of them (block ids are the
+    scheduler's, the same on every rank)."""
+    from iron_batch.backends.torch_backend import kv_blocks_for_memory
+
+    plan = plan_shards(config, rendezvous.world)[rendezvous.rank]
+    group = TensorParallelGroup(rendezvous, device, timeout_s, store)
+    try:
+        model = load_model(source, device=device, dtype=dtype, shard=RankShard(plan, group))
+        blocks = total_kv_blocks or kv_blocks_for_memory(model, kv_block_size, kv_cache_memory_gb)
+        blocks = group.min_int(blocks)
+    except BaseException:
+        group.destroy()
+        raise
+    logger.info("tensor-parallel rank %d/%d: %d query heads, %d KV heads, %d KV blocks",
+                rendezvous.rank, rendezvous.world, plan.num_heads, plan.num_kv_heads, blocks)
+    return LoadedRank(model, group, blocks)

@@ -1,0 +1,149 @@
+"""Which slice of each checkpoint tensor a tensor-parallel rank holds.
+
+Megatron-style: q/k/v and gate/up are split by output rows (column-parallel), o and down by
+input columns (row-parallel, their partial outputs summed by one all-reduce each), the
+embedding and the LM head by vocabulary rows (vocab-parallel: ids outside a rank's range
+embed as zeros before the all-reduce; the head's logit shards are gathered on rank 0).
+
+Heads are split whole and by KV group, so a rank's query heads always attend to the KV heads
+it holds. With at least as many KV heads as ranks, the KV heads are cut into contiguous,
+near-equal runs (SmolLM2's 9 query / 3 KV heads on 2 ranks: 6+3 query heads, 2+1 KV heads;
+ranks may then differ in KV cache size, hence the allocator's minimum over ranks). With fewer
+KV heads than ranks, each KV head is replicated on ``world / kv_heads`` ranks that split its
+query group. The MLP's intermediate rows are cut near-equally; the vocabulary is padded to a
+multiple of the world size (padded rows are zeros and their logits are dropped on rank 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from iron_batch.models.config import ModelConfig
+from iron_batch.models.llama import TensorSource
+
+
+class TensorParallelError(ValueError):
+    """A world size this model cannot be split by, or options TP does not support."""
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    rank: int
+    world: int
+    q_heads: range  # global query head indices held by this rank
+    kv_heads: range  # global KV head indices held by this rank
+    intermediate: range  # MLP intermediate rows
+    vocab_start: int
+    vocab_rows: int  # rows of the (padded) vocabulary shard, the same on every rank
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.q_heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.kv_heads)
+
+
+def _even_ranges(total: int, world: int) -> list[range]:
+    base, extra = divmod(total, world)
+    out, start = [], 0
+    for r in range(world):
+        size = base + (1 if r < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def plan_shards(config: ModelConfig, world: int) -> list[ShardPlan]:
+    """Every rank's plan; raises TensorParallelError (one line) when the model cannot be
+    split ``world`` ways."""
+    c = config
+    if world < 1:
+        raise TensorParallelError(f"tensor parallel size must be >= 1, got {world}")
+    heads, kv = c.num_heads, c.num_kv_heads
+    group = heads // kv
+    name = f"{c.model_type} ({heads} query heads, {kv} KV heads)"
+    if world > heads:
+        raise TensorParallelError(
+            f"cannot split {name} over {world} ranks: more ranks than query heads")
+    q_ranges: list[range] = []
+    kv_ranges: list[range] = []
+    if kv >= world:
+        for run in _even_ranges(kv, world):
+            kv_ranges.append(run)
+            q_ranges.append(range(run.start * group, run.stop * group))
+    else:
+        per_kv = world // kv
+        if world % kv or group % per_kv:
+            raise TensorParallelError(
+                f"cannot split {name} over {world} ranks: with fewer KV heads than ranks, "
+                f"the ranks must divide evenly among the KV heads and their query groups")
+        q_per_rank = group // per_kv
+        for r in range(world):
+            kv_ranges.append(range(r // per_kv, r // per_kv + 1))
+            q_ranges.append(range(r * q_per_rank, (r + 1) * q_per_rank))
+    if c.intermediate_size < world:
+        raise TensorParallelError(
+            f"cannot split an MLP of {c.intermediate_size} rows over {world} ranks")
+    inter = _even_ranges(c.intermediate_size, world)
+    rows = -(-c.vocab_size // world)
+    return [
+        ShardPlan(r, world, q_ranges[r], kv_ranges[r], inter[r], r * rows, rows)
+        for r in range(world)
+    ]
+
+
+def shard_source(get: TensorSource, config: ModelConfig, plan: ShardPlan) -> TensorSource:
+    """``get`` narrowed to this rank's slices (names as Hugging Face spells them)."""
+    d = config.head_dim
+    q_rows = slice(plan.q_heads.start * d, plan.q_heads.stop * d)
+    kv_rows = slice(plan.kv_heads.start * d, plan.kv_heads.stop * d)
+    inter = slice(plan.intermediate.start, plan.intermediate.stop)
+    vocab = slice(plan.vocab_start, plan.vocab_start + plan.vocab_rows)
+
+    # A source that can read part of a tensor (safetensors) gives each rank only its bytes;
+    # the others (GGUF, dequantized whole) are read whole and sliced.
+    lazy = getattr(get, "get_slice", None)
+
+    def rows(name: str, part: slice) -> torch.Tensor | None:
+        if lazy is not None:
+            view = lazy(name)
+            return None if view is None else view[part]
+        t = get(name)
+        return None if t is None else t[part].contiguous()
+
+    def columns(name: str, part: slice) -> torch.Tensor | None:
+        if lazy is not None:
+            view = lazy(name)
+            return None if view is None else view[:, part]
+        t = get(name)
+        return None if t is None else t[:, part].contiguous()
+
+    def sharded(name: str) -> torch.Tensor | None:
+        kind = ".".join(name.rsplit(".", 2)[-2:])  # e.g. "q_proj.weight"
+        if kind in ("q_proj.weight", "q_proj.bias"):
+            return rows(name, q_rows)
+        if kind in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):
+            return rows(name, kv_rows)
+        if kind == "o_proj.weight":
+            return columns(name, q_rows)
+        if kind in ("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias"):
+            return rows(name, inter)
+        if kind == "down_proj.weight":
+            return columns(name, inter)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            part = rows(name, vocab)
+            if part is not None and part.shape[0] < plan.vocab_rows:  # the last rank's pad
+                pad = part.new_zeros((plan.vocab_rows - part.shape[0], *part.shape[1:]))
+                part = torch.cat([part, pad])
+            return part
+        t = get(name)
+        if t is not None and kind in ("o_proj.bias", "down_proj.bias") and plan.rank != 0:
+            # Added once to the sum of the partial outputs: by rank 0 alone.
+            return torch.zeros_like(t)
+        return t
+
+    return sharded
