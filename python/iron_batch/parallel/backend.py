@@ -37,7 +37,6 @@ from iron_batch.parallel.shard_plan import TensorParallelError, plan_shards
 from iron_batch.parallel.step_broadcast import Message
 
 if TYPE_CHECKING:
-    from iron_batch._core import Batch
     from iron_batch.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
