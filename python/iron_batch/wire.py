@@ -217,6 +217,8 @@ PARAM_FIELDS: dict[str, tuple[type, ...]] = {
     "repetition_penalty": (int, float),
     "presence_penalty": (int, float),
     "frequency_penalty": (int, float),
+    # llguidance grammar text (structured output); the worker's sampler enforces it.
+    "grammar": (str, type(None)),
 }
 
 

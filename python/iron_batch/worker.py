@@ -261,6 +261,7 @@ def build_backend(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         "eos_token_ids": list(backend.eos_token_ids),
         "vocab_size": backend.vocab_size,
         "tokenizer": tokenizer.to_info() if tokenizer is not None else None,
+        "structured_output": bool(backend.supports_structured_output),
     }
 
 

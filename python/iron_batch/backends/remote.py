@@ -18,9 +18,9 @@ starts a fresh session for the new connection. A worker that answers a well-form
 (bad batch, model exception) keeps its session: only that batch fails
 (:class:`RemoteBackendError`, no invalidation).
 
-Sampling state (penalty counts, seeded generators) lives in the worker, which samples the
-lookahead tokens itself. Logprobs are not carried back; requests asking for them are
-rejected at admission.
+Sampling state (penalty counts, seeded generators, grammar matchers) lives in the worker,
+which samples the lookahead tokens itself; a grammar travels as text with its request.
+Logprobs are not carried back; requests asking for them are rejected at admission.
 """
 
 from __future__ import annotations
@@ -122,6 +122,8 @@ class RemoteBackend(BackendBase):
         self.vocab_size: int = int(info["vocab_size"])
         self.eos_token_ids: list[int] = [int(i) for i in info["eos_token_ids"]]
         self.tokenizer: Tokenizer | None = _tokenizer_from_info(info.get("tokenizer"))
+        # The worker samples, so the worker enforces grammars (an older one may not).
+        self.supports_structured_output = info.get("structured_output") is True
 
     # ------------------------------------------------------------------ connection
 
@@ -200,6 +202,8 @@ class RemoteBackend(BackendBase):
     ) -> None:
         if params.logprobs is not None:
             raise ValueError("logprobs are not supported by the remote backend")
+        if params.grammar is not None and not self.supports_structured_output:
+            raise ValueError(f"the worker at {self.url} does not support structured output")
         if request_id in self._handles:
             self.remove_request(request_id)
         handle = next(self._next_handle)
