@@ -56,7 +56,7 @@ from iron_batch.server.openai.responses import (
     request_usage,
     sse,
 )
-from iron_batch.server.openai.tools import ToolStream
+from iron_batch.server.openai.tools import ToolStream, read_tool_list
 from iron_batch.stream import RequestStream, TokenEvent
 
 _SSE_START = {
@@ -161,7 +161,9 @@ class OpenAIServer:
             if not isinstance(add_gen, bool):
                 raise ApiError("add_generation_prompt must be true or false",
                                param="add_generation_prompt")
-            tokens = chat_prompt_ids(self.model, messages_from(body["messages"]), add_gen)
+            declared = [t.declaration for t in read_tool_list(body)]
+            tokens = chat_prompt_ids(self.model, messages_from(body["messages"]), add_gen,
+                                     declared or None)
         return JSONResponse(
             {"tokens": tokens, "count": len(tokens), "max_model_len": self.model.max_seq_tokens}
         )

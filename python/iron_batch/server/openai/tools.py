@@ -182,14 +182,20 @@ def _grammar(schema: dict[str, Any], param: str) -> str:
         raise ApiError(str(exc), param=param) from None
 
 
-def read_tools(body: dict[str, Any], supported: bool) -> ToolPlan | None:
-    """The request's tool plan (None for ``none`` or no tools); 400s for bad input."""
+def read_tool_list(body: dict[str, Any]) -> list[Tool]:
+    """``body["tools"]``, checked (400s name the first bad entry)."""
     raw = body.get("tools")
     if raw is not None and not isinstance(raw, list):
         raise ApiError("tools must be a list", param="tools")
     tools = [_tool(v, i) for i, v in enumerate(raw or [])]
     if len({t.name for t in tools}) != len(tools):
         raise ApiError("tool names must be unique", param="tools")
+    return tools
+
+
+def read_tools(body: dict[str, Any], supported: bool) -> ToolPlan | None:
+    """The request's tool plan (None for ``none`` or no tools); 400s for bad input."""
+    tools = read_tool_list(body)
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto" if tools else "none"
