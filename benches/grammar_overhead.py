@@ -4,8 +4,9 @@
 
 1. Decode steps of the real engine (forward + sampling + masks): a batch of ``--batch``
    free requests, against the same batch where ``--constrained`` of them follow a JSON
-   schema (an array of objects long enough never to close within the run). Rounds of the
-   two alternate, so a noisy machine shifts both alike; medians are reported.
+   schema (an array of objects long enough never to close within the run). Two engines,
+   each on its own copy of the model, are stepped alternately, so that a noisy machine
+   shifts both alike; the figure is the median of the per-pair time ratios.
 2. The sampler alone on random logits: the same free batch with and without a grammar
    engine installed (what the feature costs requests that do not use it), and the mixed
    batch (what computing and applying the masks costs the step).
@@ -39,9 +40,8 @@ PERSON = {
 LONG = {"type": "array", "items": PERSON, "minItems": 100}
 
 
-def decode_step_ms(backend: TorchBackend, batch: int, constrained: int, steps: int) -> float:
-    """Median wall time of one engine step once every request is decoding."""
-    assert 0 <= constrained <= batch
+def _engine(backend: TorchBackend, batch: int, constrained: int, new_tokens: int) -> Engine:
+    """An engine whose ``batch`` requests are all decoding (prompts prefilled)."""
     tok = backend.tokenizer
     assert tok is not None
     grammar = json_schema_grammar(LONG)
@@ -53,20 +53,33 @@ def decode_step_ms(backend: TorchBackend, batch: int, constrained: int, steps: i
             [{"role": "user", "content": f"List {i + 3} people as JSON."}]),
             add_special_tokens=False)
         engine.add_request(f"r{i}", prompt, SamplingParams(
-            max_new_tokens=steps + 4, ignore_eos=True,
+            max_new_tokens=new_tokens, ignore_eos=True,
             grammar=grammar if i < constrained else None))
     started: set[str] = set()
-    while len(started) < batch:  # prefill
+    while len(started) < batch:
         started.update(ev.request_id for ev in engine.step())
-    times = []
+    return engine
+
+
+def paired_steps_ms(
+    free_backend: TorchBackend, mixed_backend: TorchBackend, batch: int, constrained: int,
+    steps: int,
+) -> tuple[list[float], list[float]]:
+    """Decode step times of a free and a mixed engine, stepped alternately (each on its
+    own copy of the model), so that both see the same machine at the same moment."""
+    free = _engine(free_backend, batch, 0, steps + 2)
+    mixed = _engine(mixed_backend, batch, constrained, steps + 2)
+    free_ms, mixed_ms = [], []
     for _ in range(steps):
-        t = time.perf_counter()
-        events = engine.step()
-        times.append(time.perf_counter() - t)
-        assert len(events) == batch and all(ev.error is None for ev in events)
-    while engine.has_unfinished():
-        engine.step()
-    return statistics.median(times) * 1e3
+        for engine, out in ((free, free_ms), (mixed, mixed_ms)):
+            t = time.perf_counter()
+            events = engine.step()
+            out.append((time.perf_counter() - t) * 1e3)
+            assert len(events) == batch and all(ev.error is None for ev in events)
+    for engine in (free, mixed):
+        while engine.has_unfinished():
+            engine.step()
+    return free_ms, mixed_ms
 
 
 def sampler_us(sampler: Sampler, logits: torch.Tensor, grammars: list[str | None],
@@ -94,15 +107,17 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(0)
     backend = TorchBackend.from_model(args.model, device="cpu", total_kv_blocks=256)
+    twin = TorchBackend.from_model(args.model, device="cpu", total_kv_blocks=256)
     b, c = args.batch, args.constrained
 
+    paired_steps_ms(backend, twin, b, c, 4)  # warm up both paths (and llguidance's tokenizer)
     free_ms, mixed_ms = [], []
-    decode_step_ms(backend, b, c, 4)  # warm up both paths (and llguidance's tokenizer)
     for _ in range(args.rounds):
-        free_ms.append(decode_step_ms(backend, b, 0, args.steps))
-        mixed_ms.append(decode_step_ms(backend, b, c, args.steps))
+        f, m = paired_steps_ms(backend, twin, b, c, args.steps)
+        free_ms += f
+        mixed_ms += m
     free, mixed = statistics.median(free_ms), statistics.median(mixed_ms)
-    # The least disturbed round of each: on a shared machine the floor is the steadier figure.
+    ratio = statistics.median(m / f for f, m in zip(free_ms, mixed_ms, strict=True))
     free_min, mixed_min = min(free_ms), min(mixed_ms)
 
     vocab = backend.vocab_size
@@ -117,15 +132,13 @@ def main() -> None:
     s_engine = sampler_us(with_engine, logits, [None] * b, reps)
     s_mixed = sampler_us(with_engine, logits, [grammar] * c + [None] * (b - c), reps)
 
-    print(f"model {args.model}, batch {b}, {c} constrained, {args.steps} decode steps x "
-          f"{args.rounds} rounds, torch threads {torch.get_num_threads()}\n")
-    print("| decode step (engine) | median ms | vs free | best round ms | vs free |")
-    print("|---|---|---|---|---|")
-    print(f"| {b} free | {free:.2f} | 1.00x | {free_min:.2f} | 1.00x |")
-    print(f"| {b - c} free + {c} JSON schema | {mixed:.2f} | {mixed / free:.3f}x | "
-          f"{mixed_min:.2f} | {mixed_min / free_min:.3f}x |")
-    print(f"\nrounds, free: {', '.join(f'{x:.2f}' for x in free_ms)}; "
-          f"mixed: {', '.join(f'{x:.2f}' for x in mixed_ms)}\n")
+    print(f"model {args.model}, batch {b}, {c} constrained, {args.rounds} rounds of "
+          f"{args.steps} paired decode steps, torch threads {torch.get_num_threads()}\n")
+    print("| decode step (engine) | median ms | fastest ms | median of paired ratios |")
+    print("|---|---|---|---|")
+    print(f"| {b} free | {free:.2f} | {free_min:.2f} | 1.00x |")
+    print(f"| {b - c} free + {c} JSON schema | {mixed:.2f} | {mixed_min:.2f} | {ratio:.3f}x |")
+    print()
     print(f"| sampler alone, batch of {b} | median µs | vs no grammar engine |")
     print("|---|---|---|")
     print(f"| {b} free, no grammar engine | {s_plain:.0f} | 1.00x |")
