@@ -289,9 +289,10 @@ def render_chat(model: ModelInfo, messages: list[dict[str, Any]],
         raise ApiError("this model has no chat template; use /v1/completions",
                           param="messages")
     messages, tools = openai_tools.template_messages(messages, tools, tok.chat_template)
+    extra = {"tools": tools} if tools is not None else {}
     try:
         return str(tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                           tools=tools))
+                                           **extra))
     except Exception as exc:  # jinja TemplateError (e.g. roles must alternate) and kin
         raise ApiError(f"chat template failed: {exc}", param="messages") from exc
 
