@@ -16,11 +16,14 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 from conftest import ServerHandle, ServerStarter
 from iron_batch import Engine, SchedulerConfig
 from iron_batch.backends.torch_backend import TorchBackend
+from iron_batch.sampling import Sampler
 from iron_batch.sampling_params import SamplingParams
-from iron_batch.structured import json_schema_grammar
+from iron_batch.structured import choice_grammar, json_schema_grammar, regex_grammar
+from iron_batch.structured.masking import GrammarMasker
 
 MODEL = "smollm2-135m"
 PERSON = {
@@ -210,3 +213,29 @@ def test_preempted_constrained_requests_match_an_unpreempted_run(
     for ids in tight.values():
         text = tok.decode(ids)
         jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_masks_touch_only_the_constrained_rows(backend: TorchBackend) -> None:
+    """One sampling step over a mixed batch: free rows (greedy and seeded) pick what they
+    pick in a batch of their own; constrained rows pick only what their grammar allows."""
+    tok = backend.tokenizer
+    assert tok is not None
+    vocab = backend.vocab_size
+    masker = GrammarMasker(tok, vocab, backend.eos_token_ids)
+    torch.manual_seed(0)
+    logits = torch.randn(4, vocab) * 5
+    kinds: list[SamplingParams] = [
+        SamplingParams(),
+        SamplingParams(grammar=choice_grammar(["yes", "no"]), temperature=1.0, seed=1),
+        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(grammar=regex_grammar("[0-9]{4}")),
+    ]
+    mixed = Sampler(vocab, torch.device("cpu"), masker)
+    tokens, _ = mixed.sample(logits.clone(), [mixed.new_state([1], p) for p in kinds])
+    plain = Sampler(vocab, torch.device("cpu"))
+    alone, _ = plain.sample(logits[[0, 2]].clone(), [plain.new_state([1], kinds[i])
+                                                      for i in (0, 2)])
+    assert tokens[[0, 2]].tolist() == alone.tolist()
+    assert tokens[0] == logits[0].argmax()
+    assert tok.decode([int(tokens[1])]) in ("y", "ye", "yes", "n", "no")
+    assert re.fullmatch(r"[0-9]{1,4}", tok.decode([int(tokens[3])]))
