@@ -70,8 +70,10 @@ def paired_steps_ms(
     free = _engine(free_backend, batch, 0, steps + 2)
     mixed = _engine(mixed_backend, batch, constrained, steps + 2)
     free_ms, mixed_ms = [], []
+    pair = [(free, free_ms), (mixed, mixed_ms)]
     for _ in range(steps):
-        for engine, out in ((free, free_ms), (mixed, mixed_ms)):
+        pair.reverse()  # each goes first every other step: no order bias
+        for engine, out in pair:
             t = time.perf_counter()
             events = engine.step()
             out.append((time.perf_counter() - t) * 1e3)
