@@ -82,11 +82,15 @@ class ToolPlan:
         return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _call(name: str, arguments: Any) -> dict[str, Any]:
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
     return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "id": _call_id(),
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
@@ -353,8 +357,7 @@ class ToolStream:
             if text or (finished and self._id is None):
                 entry: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
                 if self._id is None:
-                    call = _call(plan.named or "", "")
-                    self._id = call["id"]
+                    self._id = _call_id()
                     entry = {"index": 0, "id": self._id, "type": "function",
                              "function": {"name": plan.named, "arguments": text}}
                 delta["tool_calls"] = [entry]
