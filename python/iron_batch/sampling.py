@@ -13,10 +13,14 @@ only at its end, with the same count).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from iron_batch.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from iron_batch.structured.masking import GrammarMasker
 
 _MASK64 = (1 << 64) - 1
 
@@ -41,6 +45,8 @@ class RequestState:
     #: [vocab] bool, token occurs in the prompt (only with a repetition penalty).
     prompt_mask: torch.Tensor | None = None
     generated: list[int] = field(default_factory=list)
+    #: llguidance matcher of a request with ``params.grammar`` (see structured.masking).
+    matcher: Any = None
 
     @property
     def uses_penalties(self) -> bool:
@@ -55,15 +61,23 @@ Logprobs = list[tuple[float, list[tuple[int, float]]]]
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self, vocab_size: int, device: torch.device, grammar: GrammarMasker | None = None
+    ) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        #: Enforces ``params.grammar``; None: constrained requests are refused.
+        self.grammar = grammar
         # Noise source for unseeded rows; seeded once so a process is reproducible too.
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(0x1B0A7C4)
 
     def new_state(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestState:
         state = RequestState(params=params, prompt_token_ids=list(prompt_token_ids))
+        if params.grammar is not None:
+            if self.grammar is None:
+                raise ValueError("constrained decoding needs the model's tokenizer")
+            state.matcher = self.grammar.matcher(params.grammar)
         if state.uses_penalties:
             state.output_counts = torch.zeros(self.vocab_size, device=self.device)
             mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
@@ -79,7 +93,8 @@ class Sampler:
     ) -> tuple[torch.Tensor, Logprobs | None]:
         """logits [N, vocab] float32 -> (int64 token ids [N], logprobs or None).
 
-        Updates each state's generated-token count (and penalty counts)."""
+        Updates each state's generated-token count (penalty counts, grammar matcher).
+        Rows of requests with a grammar are masked in place."""
         n = logits.shape[0]
         logprobs = None
         want_logprobs = [s.params.logprobs for s in states]
@@ -88,6 +103,10 @@ class Sampler:
             # Logprobs report the model's own distribution, before any sampling setting.
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties(logits, states)
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        if constrained:
+            assert self.grammar is not None
+            self.grammar.apply(logits, constrained, [states[i].matcher for i in constrained])
         greedy = [s.params.is_greedy for s in states]
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, g in enumerate(greedy) if not g]
@@ -103,6 +122,8 @@ class Sampler:
             state.num_generated += 1
             if state.output_counts is not None:
                 state.output_counts[token] += 1
+            if state.matcher is not None:
+                self.grammar.advance(state.matcher, token)  # type: ignore[union-attr]
         assert len(tokens) == n
         return tokens, logprobs
 

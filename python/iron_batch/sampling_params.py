@@ -88,6 +88,9 @@ class SamplingParams:
     priority: int = 0
     #: Requests with different salts never share prefix-cache blocks.
     cache_salt: str | None = None
+    #: llguidance grammar (its JSON or Lark text) the output must match, enforced by a
+    #: token mask where sampling happens; built by :mod:`iron_batch.structured`.
+    grammar: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -98,6 +101,8 @@ class SamplingParams:
             if not allowed.contains(value):
                 kind = "an integer" if allowed.integer else "a number"
                 raise ValueError(f"{name} must be {kind} in {allowed.describe()}, got {value!r}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("grammar must be a string")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if self.prompt_logprobs is not None and self.max_new_tokens == 0:

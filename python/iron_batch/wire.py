@@ -224,6 +224,8 @@ PARAM_FIELDS: dict[str, tuple[type, ...]] = {
     "frequency_penalty": (int, float),
     "logprobs": (int, type(None)),
     "prompt_logprobs": (int, type(None)),
+    # llguidance grammar text (structured output); the worker's sampler enforces it.
+    "grammar": (str, type(None)),
 }
 
 

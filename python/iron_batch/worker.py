@@ -290,6 +290,7 @@ def build_backend(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         "vocab_size": backend.vocab_size,
         "tokenizer": tokenizer.to_info() if tokenizer is not None else None,
         "supports_prompt_logprobs": bool(getattr(backend, "supports_prompt_logprobs", False)),
+        "structured_output": bool(backend.supports_structured_output),
     }
 
 

@@ -56,6 +56,9 @@ class Backend(Protocol):
     #: None when the scheduler's configuration decides (mock).
     num_kv_blocks: int | None
     kv_block_size: int | None
+    #: Whether ``add_request`` accepts ``params.grammar`` (constrained decoding needs the
+    #: logits and the tokenizer where sampling happens); the server answers 400 otherwise.
+    supports_structured_output: bool
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -112,6 +115,7 @@ class BackendBase:
     steps_per_call: int = 1
     num_kv_blocks: int | None = None
     kv_block_size: int | None = None
+    supports_structured_output: bool = False
 
     def describe(self) -> BackendInfo:
         return BackendInfo(kind=type(self).__name__)

@@ -71,6 +71,11 @@ class MockBackend(BackendBase):
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
+        if params.grammar is not None:
+            raise ValueError(
+                "the mock backend has no logits to constrain: response_format, tools and "
+                "guided decoding need a model backend (torch, or a torch worker)"
+            )
         self._prompt_hashes[request_id] = _prompt_hash(prompt_token_ids)
 
     def remove_request(self, request_id: str) -> None:

@@ -18,11 +18,11 @@ starts a fresh session for the new connection. A worker that answers a well-form
 (bad batch, model exception) keeps its session: only that batch fails
 (:class:`RemoteBackendError`, no invalidation).
 
-Sampling state (penalty counts, seeded generators) lives in the worker, which samples the
-lookahead tokens itself. Logprobs come back in the RESULT frame: those of the sampled
-tokens (with one step per call only: requests asking for them are rejected at admission
-otherwise) and, for requests with ``prompt_logprobs``, those of the prompt, once the worker
-has computed the whole prompt.
+Sampling state (penalty counts, seeded generators, grammar matchers) lives in the worker,
+which samples the lookahead tokens itself; a grammar travels as text with its request.
+Logprobs come back in the RESULT frame: those of the sampled tokens (with one step per call
+only: requests asking for them are rejected at admission otherwise) and, for requests with
+``prompt_logprobs``, those of the prompt, once the worker has computed the whole prompt.
 """
 
 from __future__ import annotations
@@ -128,6 +128,8 @@ class RemoteBackend(BackendBase):
         self.eos_token_ids: list[int] = [int(i) for i in info["eos_token_ids"]]
         self.tokenizer: Tokenizer | None = _tokenizer_from_info(info.get("tokenizer"))
         self.supports_prompt_logprobs = bool(info.get("supports_prompt_logprobs", False))
+        # The worker samples, so the worker enforces grammars (an older one may not).
+        self.supports_structured_output = info.get("structured_output") is True
 
     # ------------------------------------------------------------------ connection
 
@@ -207,6 +209,8 @@ class RemoteBackend(BackendBase):
         if params.logprobs is not None and self.steps_per_call > 1:
             raise ValueError("logprobs need one step per call on the remote backend "
                              "(--steps-per-call 1)")
+        if params.grammar is not None and not self.supports_structured_output:
+            raise ValueError(f"the worker at {self.url} does not support structured output")
         if request_id in self._handles:
             self.remove_request(request_id)
         handle = next(self._next_handle)

@@ -14,6 +14,7 @@ from iron_batch.models.loader import ModelSource, load_model, read_gguf_fields, 
 from iron_batch.prompt_logprobs import PromptLogprobs, PromptScorer
 from iron_batch.sampling import Logprobs, RequestState, Sampler
 from iron_batch.sampling_params import SamplingParams
+from iron_batch.structured.masking import GrammarMasker, llguidance_installed
 from iron_batch.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -76,7 +77,11 @@ class TorchBackend(BackendBase):
                 eos.append(i)
         self.eos_token_ids = eos
         model.allocate_kv_cache(num_kv_blocks, kv_block_size)
-        self.sampler = Sampler(model.config.vocab_size, model.device)
+        grammar = None
+        if tokenizer is not None and llguidance_installed():
+            grammar = GrammarMasker(tokenizer, model.config.vocab_size, eos)
+        self.supports_structured_output = grammar is not None
+        self.sampler = Sampler(model.config.vocab_size, model.device, grammar)
         self._requests: dict[str, RequestState] = {}
         self._last_logprobs: Logprobs | None = None
         self.scorer = PromptScorer()

@@ -81,6 +81,30 @@ _LOGPROB_TOP: dict[str, Any] = {
     "required": ["token", "logprob"],
 }
 
+#: Output constraints both generation endpoints take (see server/openai/structured.py).
+_STRUCTURED: dict[str, Any] = {
+    "response_format": _nullable({"type": "object", "properties": {
+        "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "properties": {
+            "name": {"type": "string"}, "schema": {"type": "object"},
+            "strict": {"type": ["boolean", "null"]}}},
+    }, "required": ["type"], "description": "json_schema and json_object are enforced by "
+        "constrained decoding; an invalid schema is a 400."}),
+    "guided_json": _nullable({"type": "object", "description": "vLLM: a JSON schema."}),
+    "guided_regex": _nullable({"type": "string", "description": "vLLM: the output matches."}),
+    "guided_choice": _nullable({"type": "array", "items": {"type": "string"},
+                                "description": "vLLM: the output is one of these."}),
+}
+_TOOL_CALL: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {"type": "object", "properties": {
+            "name": {"type": "string"}, "arguments": {"type": "string"}}},
+    },
+}
+
 _SCHEMAS: dict[str, Any] = {
     "Error": {
         "type": "object",
@@ -114,6 +138,7 @@ _SCHEMAS: dict[str, Any] = {
         "type": "object",
         "properties": {
             **_SAMPLING,
+            **_STRUCTURED,
             "prompt": {"anyOf": [
                 {"type": "string"},
                 {"type": "array", "items": {"type": "string"}, "minItems": 1},
@@ -144,6 +169,8 @@ _SCHEMAS: dict[str, Any] = {
                 }},
             ]}),
             "name": {"type": "string"},
+            "tool_calls": _nullable({"type": "array", "items": _TOOL_CALL}),
+            "tool_call_id": _nullable({"type": "string"}),
         },
         "required": ["role"],
     },
@@ -151,7 +178,27 @@ _SCHEMAS: dict[str, Any] = {
         "type": "object",
         "properties": {
             **_SAMPLING,
+            **_STRUCTURED,
             "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
+            "tools": _nullable({"type": "array", "items": {
+                "type": "object",
+                "properties": {"type": {"const": "function"}, "function": {
+                    "type": "object",
+                    "properties": {"name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                                   "description": {"type": "string"},
+                                   "parameters": {"type": "object"}},
+                    "required": ["name"]}},
+                "required": ["type", "function"]}}),
+            "tool_choice": _nullable({"anyOf": [
+                {"type": "string", "enum": ["none", "auto", "required"]},
+                {"type": "object", "properties": {
+                    "type": {"const": "function"},
+                    "function": {"type": "object", "properties": {"name": {"type": "string"}},
+                                 "required": ["name"]}},
+                 "required": ["type", "function"]}],
+                "description": "Named and required calls are enforced by constrained "
+                "decoding; auto parses the model's own tool-call format."}),
+            "parallel_tool_calls": _nullable({"type": "boolean"}),
             "max_completion_tokens": _nullable(fields.MAX_COMPLETION_TOKENS.schema()),
             "logprobs": _nullable({"type": "boolean"}),
             "top_logprobs": _nullable(fields.TOP_LOGPROBS.schema()),
@@ -212,7 +259,8 @@ _SCHEMAS: dict[str, Any] = {
                     "message": {
                         "type": "object",
                         "properties": {"role": {"const": "assistant"},
-                                       "content": {"type": "string"}},
+                                       "content": {"type": ["string", "null"]},
+                                       "tool_calls": {"type": "array", "items": _TOOL_CALL}},
                         "required": ["role", "content"],
                     },
                     "logprobs": _nullable(_ref("ChatLogprobs")),

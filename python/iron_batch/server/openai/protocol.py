@@ -4,7 +4,7 @@ prompts plus one :class:`SamplingParams` per choice) or an
 
 Leniency is deliberate where clients differ: ``null`` means "not given" for every optional
 field (several SDKs send explicit nulls), and unknown fields are ignored (clients add
-vendor fields freely). Fields we know but cannot honour (tools, logit_bias, suffix, ...)
+vendor fields freely). Fields we know but cannot honour (functions, logit_bias, suffix, ...)
 are 400s rather than silently ignored, so nobody gets a quietly different behaviour.
 Field types and ranges are :mod:`iron_batch.server.fields`'s, shared with /generate.
 """
@@ -20,6 +20,8 @@ from iron_batch.server import fields
 from iron_batch.server.admission import ServerLimits, check_size
 from iron_batch.server.errors import ApiError
 from iron_batch.server.fields import MAX_CHOICES, MAX_MESSAGES, MAX_PROMPTS
+from iron_batch.server.openai import tools as openai_tools
+from iron_batch.server.openai.structured import read_constraint
 
 Kind = Literal["completion", "chat"]
 
@@ -34,6 +36,8 @@ class ModelInfo:
     #: Longest sequence (prompt + output) the scheduler accepts: KV pool and model context.
     max_seq_tokens: int
     limits: ServerLimits = field(default_factory=ServerLimits)
+    #: The backend enforces grammars (response_format, forced tool calls).
+    structured_output: bool = False
 
 
 @dataclass
@@ -60,6 +64,8 @@ class OpenAIRequest:
     #: max_tokens 0 with echo and logprobs: one token is computed (the engine samples at
     #: least one per request) but none is returned; only the prompt is scored.
     score_only: bool = False
+    #: How a chat request uses its tools (None: no tools, or tool_choice none).
+    tool_plan: openai_tools.ToolPlan | None = None
 
     @property
     def num_choices(self) -> int:
@@ -227,6 +233,7 @@ def parse_completion(body: dict[str, Any], model: ModelInfo) -> OpenAIRequest:
         raise ApiError("prompt is required", param="prompt")
     prompts, texts = _completion_prompts(body["prompt"], model)
     base = _common_params(body, model)
+    base.grammar = read_constraint(body, model.structured_output)
     logprobs = fields.LOGPROBS.read(body, null_ok=True)
     base.logprobs = logprobs
     echo = _bool(body, "echo", False)
@@ -297,45 +304,50 @@ def messages_from(value: Any) -> list[dict[str, Any]]:
                                  "content": text}
         if isinstance(msg.get("name"), str):
             entry["name"] = msg["name"]
+        openai_tools.history_message(msg, entry, param)
         out.append(entry)
     return out
 
 
 def render_chat(model: ModelInfo, messages: list[dict[str, Any]],
-                add_generation_prompt: bool = True) -> str:
+                add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> str:
     tok = model.tokenizer
     if tok is None or getattr(tok, "chat_template", None) is None:
         raise ApiError("this model has no chat template; use /v1/completions",
                           param="messages")
+    messages, tools = openai_tools.template_messages(messages, tools, tok.chat_template)
+    extra = {"tools": tools} if tools is not None else {}
     try:
-        return str(tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+        return str(tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                           **extra))
     except Exception as exc:  # jinja TemplateError (e.g. roles must alternate) and kin
         raise ApiError(f"chat template failed: {exc}", param="messages") from exc
 
 
 def chat_prompt_ids(model: ModelInfo, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
-    text = render_chat(model, messages, add_generation_prompt)
+                    add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    text = render_chat(model, messages, add_generation_prompt, tools)
     # The template writes BOS itself where the model wants one.
     return _encode(model, text, "messages", add_special_tokens=False)
 
 
 def parse_chat(body: dict[str, Any], model: ModelInfo) -> OpenAIRequest:
     name = check_model(body, model)
-    _reject_unsupported(body, ("tools", "functions", "logit_bias", "audio", "prediction"))
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "none", "auto"):
-        raise ApiError("tool_choice is not supported", param="tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise ApiError("only response_format {\"type\": \"text\"} is supported",
-                          param="response_format")
+    _reject_unsupported(body, ("functions", "logit_bias", "audio", "prediction"))
+    tool_plan = openai_tools.read_tools(body, model.structured_output)
+    grammar = read_constraint(body, model.structured_output)
+    if tool_plan is not None and tool_plan.grammar is not None:
+        grammar = tool_plan.grammar
     messages = messages_from(body.get("messages"))
     add_gen = _bool(body, "add_generation_prompt", True)
-    prompt = chat_prompt_ids(model, messages, add_gen)
+    prompt = chat_prompt_ids(model, messages, add_gen,
+                             tool_plan.declarations() if tool_plan is not None else None)
     if not prompt:
         raise ApiError("messages render to no tokens", param="messages")
     base = _common_params(body, model)
+    base.grammar = grammar
     want = _bool(body, "logprobs", False)
     top = fields.TOP_LOGPROBS.read(body, null_ok=True)
     if top is not None and not want:
@@ -350,7 +362,8 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> OpenAIRequest:
     )
     params = _per_choice(base, [prompt], requested, param, n, model, "messages")
     out = OpenAIRequest(
-        "chat", name, [prompt], [None], params, n, stream, include_usage, logprobs, False
+        "chat", name, [prompt], [None], params, n, stream, include_usage, logprobs, False,
+        tool_plan=tool_plan,
     )
     out.continuous_usage = continuous_usage
     return out

@@ -60,6 +60,7 @@ from iron_batch.server.openai.responses import (
     scored_completion_logprobs,
     sse,
 )
+from iron_batch.server.openai.tools import ToolStream, read_tool_list
 from iron_batch.stream import RequestStream, TokenEvent
 
 _SSE_START = {
@@ -99,6 +100,7 @@ class OpenAIServer:
             vocab_size=backend.vocab_size,
             max_seq_tokens=pool if limit is None else min(pool, limit),
             limits=admission.limits,
+            structured_output=backend.supports_structured_output,
         )
         self.created = int(time.time())
         self.token_text = TokenText(self.model.tokenizer)
@@ -166,7 +168,9 @@ class OpenAIServer:
             if not isinstance(add_gen, bool):
                 raise ApiError("add_generation_prompt must be true or false",
                                param="add_generation_prompt")
-            tokens = chat_prompt_ids(self.model, messages_from(body["messages"]), add_gen)
+            declared = [t.declaration for t in read_tool_list(body)]
+            tokens = chat_prompt_ids(self.model, messages_from(body["messages"]), add_gen,
+                                     declared or None)
         return JSONResponse(
             {"tokens": tokens, "count": len(tokens), "max_model_len": self.model.max_seq_tokens}
         )
@@ -294,10 +298,12 @@ class _Generation:
             else:
                 if req.logprobs is not None:
                     lp = chat_logprobs(c.logprobs, req.logprobs, token_text)
-                out.append({"index": index,
-                            "message": {"role": "assistant", "content": text},
-                            "logprobs": lp,
-                            "finish_reason": c.finish_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                reason = c.finish_reason
+                if req.tool_plan is not None:
+                    message, reason = req.tool_plan.message(text, reason)
+                out.append({"index": index, "message": message, "logprobs": lp,
+                            "finish_reason": reason})
         body = {
             "id": response_id,
             "object": "text_completion" if req.kind == "completion" else "chat.completion",
@@ -362,6 +368,8 @@ class _Generation:
                             "more_body": True})
             open_streams = len(streams)
             text_offsets = [0] * len(streams)
+            plan = req.tool_plan
+            tool_streams = [ToolStream(plan) for _ in streams] if plan is not None else None
             while open_streams:
                 items = [await queue.get()]
                 while not queue.empty():  # everything this step produced, in one write
@@ -381,7 +389,8 @@ class _Generation:
                             await send({"type": "http.response.body",
                                         "body": b"".join(parts) + DONE, "more_body": False})
                             return
-                        chunk = self._chunk(req, index, event, token_text, text_offsets)
+                        chunk = self._chunk(req, index, event, token_text, text_offsets,
+                                            tool_streams)
                         if chunk is not None:
                             parts.append(sse({**head, "choices": [chunk], **tail_now()}))
                 if parts:
@@ -406,9 +415,18 @@ class _Generation:
         event: TokenEvent,
         token_text: TokenText,
         text_offsets: list[int],
+        tool_streams: list[ToolStream] | None = None,
     ) -> dict[str, Any] | None:
         text = event.text or ""
         reason = event.finish_reason if event.finished else None
+        if tool_streams is not None:
+            delta, reason = tool_streams[index].feed(text, event.finished, reason)
+            lp = None
+            if req.logprobs is not None and event.token_id is not None and event.logprobs:
+                lp = chat_logprobs([(event.token_id, event.logprobs)], req.logprobs, token_text)
+            if not delta and lp is None and not event.finished:
+                return None
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         entries: list[LogprobEntry] = []
         if req.logprobs is not None and event.token_id is not None and event.logprobs:
             entries.append((event.token_id, event.logprobs))
