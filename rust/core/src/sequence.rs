@@ -47,6 +47,18 @@ pub struct Sequence {
     /// Prompt tokens served by the prefix cache at first admission.
     pub num_cached_prompt: Option<usize>,
     pub num_preemptions: u32,
+    /// Tokens sampled for this sequence by open (scheduled, not yet committed) steps: they
+    /// sit, unknown, after `tokens` (overlapped scheduling; see `Scheduler::schedule_overlapped`).
+    pub num_pending: usize,
+    /// KV positions after `num_computed` that open steps compute (0 while waiting).
+    pub num_inflight: usize,
+    /// Entries of open steps that name this sequence: a preempted sequence is not
+    /// re-admitted before they are all committed.
+    pub num_open_entries: usize,
+    /// Step and sample row of its latest sampled token, for the placeholder that stands for
+    /// that token in the next step.
+    pub last_sample_step: u64,
+    pub last_sample_row: usize,
 }
 
 impl Sequence {
@@ -55,5 +67,9 @@ impl Sequence {
     }
     pub fn output(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
+    }
+    /// Length once every open step is committed: committed tokens plus pending ones.
+    pub fn scheduled_len(&self) -> usize {
+        self.tokens.len() + self.num_pending
     }
 }
