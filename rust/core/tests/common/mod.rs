@@ -27,9 +27,8 @@ impl FakeModel {
             assert_eq!(input_ids[t as usize], 0, "a placeholder holds 0");
             input_ids[t as usize] = i64::from(self.last[r as usize]);
         }
-        for t in 0..b.num_tokens() {
-            self.kv
-                .insert(b.slot_mapping[t], (input_ids[t], b.positions[t]));
+        for ((&slot, &tok), &pos) in b.slot_mapping.iter().zip(&input_ids).zip(&b.positions) {
+            self.kv.insert(slot, (tok, pos));
         }
         let mut out = Vec::new();
         for (k, &row) in b.sample_indices.iter().enumerate() {
