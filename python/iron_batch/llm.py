@@ -35,7 +35,8 @@ class LLM:
 
     ``model`` is a checkpoint directory, GGUF file or short name for the torch backend
     (``device``, ``dtype``, ``total_kv_blocks`` and ``kv_cache_memory_gb`` go to it); or
-    pass any ``backend`` (e.g. ``MockBackend()``).
+    pass any ``backend`` (e.g. ``MockBackend()``). ``overlap_depth``: steps kept in flight
+    while the next is scheduled (0: none; see :mod:`iron_batch.engine`).
     Scheduler options (``total_kv_blocks``, ``kv_block_size``, ``max_batch_tokens``,
     ``max_running_seqs``, ``enable_prefix_caching``) are keyword arguments.
     """
@@ -50,6 +51,7 @@ class LLM:
         device: str | None = None,
         dtype: str | None = None,
         kv_cache_memory_gb: float | None = None,
+        overlap_depth: int = 1,
         **scheduler_kwargs: Any,
     ) -> None:
         unknown = set(scheduler_kwargs) - set(_SCHEDULER_KEYS)
@@ -80,7 +82,7 @@ class LLM:
             **scheduler_kwargs,
         )
         self.backend = backend
-        self.engine = Engine(backend, config)
+        self.engine = Engine(backend, config, overlap_depth=overlap_depth)
         self._next_id = 0
 
     @property

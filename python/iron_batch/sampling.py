@@ -99,10 +99,14 @@ class Sampler:
             tokens[rows] = (probs / noise).argmax(dim=-1)
         if raw_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, tokens, want_logprobs)
-        for state, token in zip(states, tokens.tolist(), strict=True):
+        # Counts are updated where the token is, on the device: an overlapped engine
+        # submits the next step before this one's tokens reach the host.
+        for i, state in enumerate(states):
             state.num_generated += 1
             if state.output_counts is not None:
-                state.output_counts[token] += 1
+                state.output_counts.index_add_(
+                    0, tokens[i : i + 1], torch.ones(1, device=self.device)
+                )
         assert len(tokens) == n
         return tokens, logprobs
 

@@ -1,8 +1,10 @@
 """Binary frames between the server's RemoteBackend and ``python -m iron_batch.worker``.
 
-One persistent TCP connection carries length-prefixed frames; there is one request frame
-and one reply frame per round trip, so a scheduler step costs one round trip (or less with
-several decode steps per call). Nothing is pickled and nothing received is executed: the
+One persistent TCP connection carries length-prefixed frames; each request frame gets one
+reply frame, in order. An overlapping server sends the next step's EXECUTE before the
+previous reply is back (its placeholders name that reply's rows, which the worker fills in
+itself), so the round trip hides behind the worker's compute; without overlap a step costs
+one round trip (or less with several decode steps per call). Nothing is pickled and nothing received is executed: the
 batch travels as raw little-endian numpy arrays, and the few control messages (hello,
 model info, per-request sampling settings) are small JSON objects.
 
@@ -41,7 +43,8 @@ from iron_batch.batch import BATCH_FIELDS, I64
 from iron_batch.batch import I32 as I32  # re-exported: the codec's dtypes
 
 MAGIC = b"IBW1"
-PROTOCOL = 1
+#: 2: EXECUTE carries the batch's placeholders (overlapped steps, several frames in flight).
+PROTOCOL = 2
 HEADER = struct.Struct("<4sBBHI")
 _ARRAY_HEADER = struct.Struct("<BB6xII")
 _EXECUTE_PREFIX = struct.Struct("<II")
@@ -363,6 +366,12 @@ def decode_execute(body: bytearray, limits: WorkerLimits) -> ExecuteRequest:
         # Lookahead step j writes position seq_lens + j - 1; the last one must fit the table.
         last = seq_lens[row_seqs].astype(np.int64) + max_steps - 2
         _fail_unless(int(last.max()) < b * bs, "lookahead steps outgrow the block table")
+    holes, hole_rows = named["pending_token_indices"], named["pending_sample_rows"]
+    _fail_unless(len(holes) == len(hole_rows), "placeholder arrays differ in length")
+    if len(holes):
+        _fail_unless(holes.min() >= 0 and holes.max() < t, "placeholder of no token")
+        _fail_unless(hole_rows.min() >= 0, "negative placeholder sample row")
+        _fail_unless(steps == 1, "placeholders need steps == 1")
     if limits.max_model_len is not None and s:
         top = seq_lens.astype(np.int64)
         if n:
