@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 from conftest import wait_for
 from iron_batch import Engine, SamplingParams, Scheduler, SchedulerConfig, TokenEvent, wire
-from iron_batch.batch import batch_arrays
 from iron_batch.backends.mock import MockBackend
 from iron_batch.backends.remote import RemoteBackend, RemoteBackendError
+from iron_batch.batch import batch_arrays
 from iron_batch.wire import Kind
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -202,6 +202,50 @@ def test_torch_worker_matches_in_process_torch(
     assert all(e.error is None for e in ends)
     assert engine.scheduler.stats()["preemptions"] > 0
     _assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_overlapped_torch_worker_keeps_seeds_and_penalties_exact(
+    worker_factory: list[WorkerProcess], torch_checkpoint: str, depth: int
+) -> None:
+    """Several steps in flight on a slow link: the worker fills the placeholders in and
+    samples with the request's own seed and penalty counts, as in process."""
+    from tiny_models import backend, random_prompts
+
+    w = WorkerProcess("--model", torch_checkpoint, "--device", "cpu", "--dtype", "float32",
+                      "--total-kv-blocks", "18", "--kv-block-size", "4", "--delay-ms", "1")
+    worker_factory.append(w)
+    w.start()
+    reqs = list(zip(random_prompts(41, [9, 14, 6, 11, 17, 8]), [14, 10, 16, 12, 9, 15],
+                    strict=True))
+    params = SamplingParams(temperature=0.8, seed=5, repetition_penalty=1.3,
+                            presence_penalty=0.5, ignore_eos=True)
+    local = backend("llama")
+    ref, _ = _drive(Engine(local, _config(None, 256, 4), overlap_depth=0), reqs, params)
+    be = RemoteBackend(w.url)
+    engine = Engine(be, _config(be), overlap_depth=depth)
+    got, ends = _drive(engine, reqs, params)
+    assert got == ref
+    assert all(e.error is None for e in ends)
+    assert engine.scheduler.stats()["preemptions"] > 0
+    _assert_all_blocks_free(engine)
+
+
+def test_overlapped_mock_worker_honours_stop_tokens(worker_factory: list[WorkerProcess]) -> None:
+    w = _mock_worker(worker_factory, "--delay-ms", "1")
+    reqs = [(p, 20) for p, _ in _requests(3, 8)]
+    ref, _ = _drive(Engine(MockBackend(0, 0), _config(), overlap_depth=0), reqs)
+    stops = sorted({toks[2] for toks in ref.values()})
+    params = SamplingParams(ignore_eos=True, stop_token_ids=stops)
+    expected, _ = _drive(Engine(MockBackend(0, 0), _config(), overlap_depth=0), reqs, params)
+    for depth in (1, 2):
+        be = RemoteBackend(w.url)
+        engine = Engine(be, _config(be), overlap_depth=depth)
+        got, _ = _drive(engine, reqs, params, prefix=f"d{depth}-")
+        assert list(got.values()) == list(expected.values())
+        assert all(len(t) <= 3 for t in got.values())
+        _assert_all_blocks_free(engine)
+        be.close()
 
 
 # ---------------------------------------------------------------------------- bad frames

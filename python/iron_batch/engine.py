@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from iron_batch._core import IronBatchError, Scheduler, SchedulerConfig
-from iron_batch.backends.base import BackendError, ExecutedStep, FatalBackendError
+from iron_batch.backends.base import BackendError, ExecutedStep, ExecuteOnly, FatalBackendError
 from iron_batch.openmp import release_thread_pool
 from iron_batch.sampling_params import SamplingParams
 from iron_batch.stats import EngineStats
@@ -164,6 +164,9 @@ class Engine:
         # for an empty batch, which is committed in its turn all the same).
         self._inflight: deque[tuple[Any, Any]] = deque()
         self.backend = backend
+        steps: Any = backend if hasattr(backend, "submit") else ExecuteOnly(backend)
+        self._submit = steps.submit
+        self._wait = steps.wait
         self.config = config if config is not None else SchedulerConfig()
         self.scheduler = Scheduler(self.config)
         self.stats = EngineStats()
@@ -428,7 +431,7 @@ class Engine:
             handle = None
             if batch.num_seqs:
                 try:
-                    handle = backend.submit(batch)
+                    handle = self._submit(batch)
                 except Exception as exc:
                     self._backend_failed(exc, batch, out)
                     return
@@ -439,7 +442,7 @@ class Engine:
                 sampled = _EMPTY
             else:
                 try:
-                    sampled = backend.wait(handle)
+                    sampled = self._wait(handle)
                 except Exception as exc:
                     self._backend_failed(exc, batch, out)
                     return
@@ -458,7 +461,7 @@ class Engine:
             ids.update(batch.request_ids)
             if handle is not None:
                 try:
-                    self.backend.wait(handle)
+                    self._wait(handle)
                 except Exception:
                     logger.debug("discarded step failed too", exc_info=True)
         return ids

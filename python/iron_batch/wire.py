@@ -4,9 +4,10 @@ One persistent TCP connection carries length-prefixed frames; each request frame
 reply frame, in order. An overlapping server sends the next step's EXECUTE before the
 previous reply is back (its placeholders name that reply's rows, which the worker fills in
 itself), so the round trip hides behind the worker's compute; without overlap a step costs
-one round trip (or less with several decode steps per call). Nothing is pickled and nothing received is executed: the
-batch travels as raw little-endian numpy arrays, and the few control messages (hello,
-model info, per-request sampling settings) are small JSON objects.
+one round trip (or less with several decode steps per call). Nothing is pickled and
+nothing received is executed: the batch travels as raw little-endian numpy arrays, and the
+few control messages (hello, model info, per-request sampling settings) are small JSON
+objects.
 
 Frame: a 12-byte header ``<4sBBHI`` = magic ``b"IBW1"``, kind, flags (0), reserved (0),
 body length; then the body.

@@ -173,3 +173,26 @@ class BackendBase:
     def wait(self, handle: Any) -> np.ndarray:
         assert isinstance(handle, ExecutedStep)
         return handle.tokens
+
+
+class ExecuteOnly:
+    """``submit``/``wait`` for a backend object that implements only ``execute`` (an older
+    third-party backend that does not subclass :class:`BackendBase`), as BackendBase
+    gives them."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self._previous_tokens: np.ndarray | None = None
+
+    def submit(self, batch: Batch) -> ExecutedStep:
+        try:
+            fill_placeholders(batch, self._previous_tokens)
+            tokens = np.asarray(self.backend.execute(batch))
+        except BaseException:
+            self._previous_tokens = None
+            raise
+        self._previous_tokens = tokens if tokens.ndim == 1 else tokens[:, 0]
+        return ExecutedStep(tokens, self.backend.last_logprobs())
+
+    def wait(self, handle: ExecutedStep) -> np.ndarray:
+        return handle.tokens
