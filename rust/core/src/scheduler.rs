@@ -254,7 +254,9 @@ impl Scheduler {
         if end != seq.scheduled_len() {
             return 0;
         }
-        let left = seq.max_new_tokens - seq.num_output() - seq.num_pending;
+        // Lookahead never meets a pending token (`schedule_overlapped` refuses it), and
+        // with lookahead 0 every sampled sequence takes one step: no pending term needed.
+        let left = seq.max_new_tokens - seq.num_output();
         left.clamp(1, 1 + lookahead)
     }
 
@@ -752,6 +754,15 @@ mod tests {
         seq_mut(&mut s, "a").max_new_tokens = 1;
         s.check_invariants().unwrap();
         seq_mut(&mut s, "a").max_new_tokens = 0;
+        assert_eq!(broken(&s), "request a is scheduled past max_new_tokens");
+
+        // Pending tokens count: with one in flight, 2 holds and 1 does not.
+        let mut s = healthy();
+        let _open = s.schedule_overlapped(0).unwrap();
+        assert_eq!(seq_mut(&mut s, "a").num_pending, 1);
+        seq_mut(&mut s, "a").max_new_tokens = 2;
+        s.check_invariants().unwrap();
+        seq_mut(&mut s, "a").max_new_tokens = 1;
         assert_eq!(broken(&s), "request a is scheduled past max_new_tokens");
     }
 
