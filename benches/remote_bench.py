@@ -164,6 +164,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
     p.add_argument("--no-torch", action="store_true", help="mock only")
+    p.add_argument("--no-mock", action="store_true", help="tiny torch model only")
     p.add_argument("--mock-step-us", type=float, default=1000.0,
                    help="mock: fixed latency of one decode step (default 1000)")
     p.add_argument("--steps", type=int, nargs="+", default=[1, 4, 8],
@@ -189,7 +190,7 @@ def main() -> None:
     from iron_batch.backends.mock import MockBackend
 
     mock_cfg = SchedulerConfig(total_kv_blocks=4096, kv_block_size=16)
-    results += bench_model(
+    results += [] if args.no_mock else bench_model(
         "mock",
         MockBackend(token_latency_us=args.mock_step_us, prefill_token_latency_us=0.0),
         ["--backend", "mock", "--mock-token-latency-us", str(args.mock_step_us),
