@@ -4,11 +4,14 @@
     python benches/remote_bench.py --quick    # smoke run (seconds)
 
 For each model (the mock backend with a fixed per-step latency, and a tiny random-weight
-torch model), runs the engine in-process and against a ``python -m iron_batch.worker``
-subprocess with K = 1, 4, 8 decode steps per call, with no added delay and with
-``--delay-ms`` of added round-trip time, at concurrency 1 and 64 (that many requests in
-flight, a new one admitted as soon as one ends). The engine is driven on this thread
-(``Engine.step``), so the figures are the backend path alone, without HTTP.
+torch model), runs the engine in-process (without and with overlap) and against a
+``python -m iron_batch.worker`` subprocess: without overlap at K = 1, 4, 8 decode steps
+per call, and with K = 1 and 1 or 2 steps in flight (overlap depth), with no added delay
+and with ``--delay-ms`` of added latency on every reply, at concurrency 1 and 64 (that
+many requests in flight, a new one admitted as soon as one ends). The engine is driven on
+this thread (``Engine.step``), so the figures are the backend path alone, without HTTP.
+``--rounds N`` repeats the whole table N times, each configuration once per round, and
+reports the median of each (a shared machine's noise then hits every row alike).
 
 The tiny torch checkpoint is built with the tests' helper (tests/tiny_models.py, which
 needs transformers); ``--no-torch`` skips it.
@@ -37,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class Result:
     model: str
     mode: str
+    depth: int
     steps_per_call: int
     delay_ms: float
     concurrency: int
@@ -51,10 +55,10 @@ class Result:
 
 def run_engine(
     backend: Any, config: SchedulerConfig, concurrency: int, total: int, prompt_len: int,
-    max_new: int, vocab: int,
+    max_new: int, vocab: int, depth: int,
 ) -> tuple[int, float, int]:
     """(tokens generated, seconds, engine steps) with ``concurrency`` requests in flight."""
-    engine = Engine(backend, config)
+    engine = Engine(backend, config, overlap_depth=depth)
     rng = np.random.default_rng(0)
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     submitted = done = tokens = steps = 0
@@ -108,64 +112,85 @@ def bench_model(
     name: str, local: Any, worker_args: list[str], config: SchedulerConfig, vocab: int,
     args: argparse.Namespace,
 ) -> list[Result]:
-    results: list[Result] = []
+    runs: dict[tuple[str, int, int, float, int], list[Result]] = {}
 
-    def measure(backend: Any, mode: str, k: int, delay: float) -> None:
+    def measure(backend: Any, mode: str, k: int, delay: float, depth: int) -> None:
         for c in args.concurrency:
-            total = max(c, args.requests)
+            total = max(c, args.requests if c > 1 else args.requests_at_1)
             tokens, secs, steps = run_engine(
-                backend, config, c, total, args.prompt_len, args.max_new_tokens, vocab
+                backend, config, c, total, args.prompt_len, args.max_new_tokens, vocab, depth
             )
-            results.append(Result(name, mode, k, delay, c, tokens, secs, steps))
-            print(f"  {name:6} {mode:10} K={k} delay={delay:g}ms c={c:3}: "
+            r = Result(name, mode, depth, k, delay, c, tokens, secs, steps)
+            runs.setdefault((mode, depth, k, delay, c), []).append(r)
+            print(f"  {name:6} {mode:10} depth={depth} K={k} delay={delay:g}ms c={c:3}: "
                   f"{tokens / secs:9.0f} tok/s", file=sys.stderr, flush=True)
 
-    measure(local, "in-process", 1, 0.0)
-    for delay in args.delays:
-        worker = Worker(*worker_args, "--delay-ms", str(delay))
-        try:
-            for k in args.steps:
-                be = RemoteBackend(worker.url, steps_per_call=k, timeout=60)
-                try:
-                    measure(be, "remote", k, delay)
-                finally:
-                    be.close()
-        finally:
+    workers = {delay: Worker(*worker_args, "--delay-ms", str(delay)) for delay in args.delays}
+    try:
+        for _ in range(args.rounds):
+            for depth in sorted({0, *args.depths}):
+                measure(local, "in-process", 1, 0.0, depth)
+            for delay, worker in workers.items():
+                remote = [(k, 0) for k in args.steps] + [(1, d) for d in args.depths if d > 0]
+                for k, depth in remote:
+                    be = RemoteBackend(worker.url, steps_per_call=k, timeout=60)
+                    try:
+                        measure(be, "remote", k, delay, depth)
+                    finally:
+                        be.close()
+    finally:
+        for worker in workers.values():
             worker.stop()
-    return results
+    # The median round of each configuration.
+    return [sorted(rs, key=lambda r: r.tok_s)[len(rs) // 2] for rs in runs.values()]
 
 
 def print_table(results: list[Result]) -> None:
-    print(f"| {'model':6} | {'mode':10} | {'K':>2} | {'delay ms':>8} | {'conc':>4} | "
-          f"{'tokens':>7} | {'tok/s':>9} | {'calls':>6} |")
-    print("|" + "|".join("-" * w for w in (8, 12, 4, 10, 6, 9, 11, 8)) + "|")
+    """Each row with its ratio to the same model's in-process run without overlap at the
+    same concurrency (measured in this run)."""
+    base = {(r.model, r.concurrency): r.tok_s for r in results
+            if r.mode == "in-process" and r.depth == 0}
+    print(f"| {'model':6} | {'mode':10} | {'overlap':>7} | {'K':>2} | {'delay ms':>8} | "
+          f"{'conc':>4} | {'tokens':>7} | {'tok/s':>9} | {'vs in-process':>13} |")
+    print("|" + "|".join("-" * w for w in (8, 12, 9, 4, 10, 6, 9, 11, 15)) + "|")
     for r in results:
-        print(f"| {r.model:6} | {r.mode:10} | {r.steps_per_call:>2} | {r.delay_ms:>8g} | "
-              f"{r.concurrency:>4} | {r.tokens:>7} | {r.tok_s:>9.0f} | {r.calls:>6} |")
+        ratio = r.tok_s / base[(r.model, r.concurrency)]
+        print(f"| {r.model:6} | {r.mode:10} | {r.depth:>7} | {r.steps_per_call:>2} | "
+              f"{r.delay_ms:>8g} | {r.concurrency:>4} | {r.tokens:>7} | {r.tok_s:>9.0f} | "
+              f"{ratio:>12.2f}x |")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
     p.add_argument("--no-torch", action="store_true", help="mock only")
+    p.add_argument("--no-mock", action="store_true", help="tiny torch model only")
     p.add_argument("--mock-step-us", type=float, default=1000.0,
                    help="mock: fixed latency of one decode step (default 1000)")
-    p.add_argument("--steps", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--steps", type=int, nargs="+", default=[1, 4, 8],
+                   help="K values run without overlap")
+    p.add_argument("--depths", type=int, nargs="+", default=[1, 2],
+                   help="overlap depths run with K = 1 (and in process)")
     p.add_argument("--delays", type=float, nargs="+", default=[0.0, 2.0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     p.add_argument("--requests", type=int, default=128, help="requests per run (>= conc)")
+    p.add_argument("--requests-at-1", type=int, default=16,
+                   help="requests per run at concurrency 1 (default 16)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every configuration this many times; report the median")
     args = p.parse_args()
     if args.quick:
-        args.requests, args.max_new_tokens, args.prompt_len = 8, 16, 8
+        args.requests, args.requests_at_1 = 8, 4
+        args.max_new_tokens, args.prompt_len = 16, 8
         args.concurrency = [1, 8]
 
     results: list[Result] = []
     from iron_batch.backends.mock import MockBackend
 
     mock_cfg = SchedulerConfig(total_kv_blocks=4096, kv_block_size=16)
-    results += bench_model(
+    results += [] if args.no_mock else bench_model(
         "mock",
         MockBackend(token_latency_us=args.mock_step_us, prefill_token_latency_us=0.0),
         ["--backend", "mock", "--mock-token-latency-us", str(args.mock_step_us),

@@ -25,6 +25,7 @@ from conftest import wait_for
 from iron_batch import Engine, SamplingParams, Scheduler, SchedulerConfig, TokenEvent, wire
 from iron_batch.backends.mock import MockBackend
 from iron_batch.backends.remote import RemoteBackend, RemoteBackendError
+from iron_batch.batch import batch_arrays
 from iron_batch.wire import Kind
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,6 +204,102 @@ def test_torch_worker_matches_in_process_torch(
     _assert_all_blocks_free(engine)
 
 
+@pytest.mark.parametrize("depth", [0, 2])
+def test_overlapped_torch_worker_keeps_seeds_and_penalties_exact(
+    worker_factory: list[WorkerProcess], torch_checkpoint: str, depth: int
+) -> None:
+    """Several steps in flight on a slow link: the worker fills the placeholders in and
+    samples with the request's own seed and penalty counts, as in process."""
+    from tiny_models import backend, random_prompts
+
+    w = WorkerProcess("--model", torch_checkpoint, "--device", "cpu", "--dtype", "float32",
+                      "--total-kv-blocks", "18", "--kv-block-size", "4", "--delay-ms", "1")
+    worker_factory.append(w)
+    w.start()
+    reqs = list(zip(random_prompts(41, [9, 14, 6, 11, 17, 8]), [14, 10, 16, 12, 9, 15],
+                    strict=True))
+    params = SamplingParams(temperature=0.8, seed=5, repetition_penalty=1.3,
+                            presence_penalty=0.5, ignore_eos=True)
+    local = backend("llama")
+    ref, _ = _drive(Engine(local, _config(None, 256, 4), overlap_depth=0), reqs, params)
+    be = RemoteBackend(w.url)
+    engine = Engine(be, _config(be), overlap_depth=depth)
+    got, ends = _drive(engine, reqs, params)
+    assert got == ref
+    assert all(e.error is None for e in ends)
+    assert engine.scheduler.stats()["preemptions"] > 0
+    _assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_overlapped_torch_worker_carries_logprobs_and_prompt_logprobs(
+    worker_factory: list[WorkerProcess], torch_checkpoint: str, depth: int
+) -> None:
+    """With steps in flight each RESULT still carries its own step's logprobs, and prompt
+    logprobs arrive with a request's first token, as in process without overlap."""
+    from tiny_models import backend, random_prompts
+
+    w = WorkerProcess("--model", torch_checkpoint, "--device", "cpu", "--dtype", "float32",
+                      "--total-kv-blocks", "18", "--kv-block-size", "4", "--delay-ms", "1")
+    worker_factory.append(w)
+    w.start()
+    prompts = random_prompts(43, [9, 14, 6, 11])
+    params = [SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=2),
+              SamplingParams(max_new_tokens=8, ignore_eos=True, prompt_logprobs=1),
+              SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0),
+              SamplingParams(max_new_tokens=8, ignore_eos=True)]
+
+    def run(engine: Engine) -> dict[str, list[TokenEvent]]:
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(f"r{i}", prompt, p)
+        out: dict[str, list[TokenEvent]] = {}
+        deadline = time.monotonic() + 60
+        while engine.has_unfinished():
+            assert time.monotonic() < deadline, "engine made no progress"
+            for ev in engine.step():
+                out.setdefault(ev.request_id, []).append(ev)
+        return out
+
+    ref = run(Engine(backend("llama"), _config(None, 256, 4), overlap_depth=0))
+    be = RemoteBackend(w.url)
+    engine = Engine(be, _config(be), overlap_depth=depth)
+    got = run(engine)
+    assert engine.scheduler.stats()["preemptions"] > 0
+    _assert_all_blocks_free(engine)
+    for rid, want in ref.items():
+        have = got[rid]
+        assert [e.token_id for e in have] == [e.token_id for e in want]
+        for g, r in zip(have, want, strict=True):
+            assert (g.logprobs is None) == (r.logprobs is None), rid
+            if r.logprobs is not None and g.logprobs is not None:
+                assert g.logprobs[0] == pytest.approx(r.logprobs[0], abs=1e-4)
+                assert [t for t, _ in g.logprobs[1]] == [t for t, _ in r.logprobs[1]]
+            assert (g.prompt_logprobs is None) == (r.prompt_logprobs is None), rid
+            if r.prompt_logprobs is not None and g.prompt_logprobs is not None:
+                assert g.index == 0 and len(g.prompt_logprobs) == len(r.prompt_logprobs)
+                for a, b in zip(g.prompt_logprobs[1:], r.prompt_logprobs[1:], strict=True):
+                    assert a is not None and b is not None
+                    assert a[0] == pytest.approx(b[0], abs=1e-4)
+    assert got["r1"][0].prompt_logprobs is not None and got["r0"][0].logprobs is not None
+
+
+def test_overlapped_mock_worker_honours_stop_tokens(worker_factory: list[WorkerProcess]) -> None:
+    w = _mock_worker(worker_factory, "--delay-ms", "1")
+    reqs = [(p, 20) for p, _ in _requests(3, 8)]
+    ref, _ = _drive(Engine(MockBackend(0, 0), _config(), overlap_depth=0), reqs)
+    stops = sorted({toks[2] for toks in ref.values()})
+    params = SamplingParams(ignore_eos=True, stop_token_ids=stops)
+    expected, _ = _drive(Engine(MockBackend(0, 0), _config(), overlap_depth=0), reqs, params)
+    for depth in (1, 2):
+        be = RemoteBackend(w.url)
+        engine = Engine(be, _config(be), overlap_depth=depth)
+        got, _ = _drive(engine, reqs, params, prefix=f"d{depth}-")
+        assert list(got.values()) == list(expected.values())
+        assert all(len(t) <= 3 for t in got.values())
+        _assert_all_blocks_free(engine)
+        be.close()
+
+
 # ---------------------------------------------------------------------------- bad frames
 
 
@@ -218,10 +315,7 @@ def _execute_arrays() -> tuple[list[np.ndarray], np.ndarray]:
     s.add_request("a", [5, 6, 7], 4)
     s.add_request("b", [8, 9], 4)
     b = s.schedule()
-    arrays = [b.input_ids, b.positions, b.slot_mapping, b.query_start_loc, b.seq_lens,
-              b.num_computed_before, b.block_tables, b.sample_indices, b.sample_seq_indices,
-              b.sample_max_steps]  # type: ignore[attr-defined]
-    return [np.array(a) for a in arrays], np.array([1, 2], dtype=np.int64)
+    return [np.array(a) for a in batch_arrays(b)], np.array([1, 2], dtype=np.int64)
 
 
 def _send_execute(sock: socket.socket, arrays: list[np.ndarray], handles: np.ndarray,
@@ -359,7 +453,8 @@ def test_hung_worker_times_out_and_is_used_again(worker_factory: list[WorkerProc
     try:
         wait_for(stopped, what="the worker to stop")
         started = time.monotonic()
-        events = wait_for(engine.step, what="the timeout")
+        # (With overlap, a reply that was already on its way still commits first.)
+        events = wait_for(lambda: [e for e in engine.step() if e.finished], what="the timeout")
         assert time.monotonic() - started < 5
         assert [ev.finish_reason for ev in events] == ["error"]
         assert "no answer within" in (events[0].error or "")
@@ -393,7 +488,7 @@ def test_garbage_reply_fails_the_batch_not_the_server() -> None:
         engine = Engine(be, _config(be))
         engine.add_request("g", [5, 6], SamplingParams(max_new_tokens=3))
         engine.add_request("g2", [7], SamplingParams(max_new_tokens=3))
-        events = engine.step()
+        events = wait_for(engine.step, what="the reply")  # a first step only submits
         assert {ev.request_id for ev in events} == {"g", "g2"}
         assert all("garbage reply" in (ev.error or "") for ev in events)
         _assert_all_blocks_free(engine)

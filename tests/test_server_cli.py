@@ -37,11 +37,22 @@ def test_help_documents_every_flag() -> None:
         "--dtype",
         "--api-key",
         "--no-ui",
+        "--overlap-depth",
+        "--no-overlap",
     ):
         assert flag in result.stdout, flag
     for default in ("0.0.0.0:8080", "4096", "16", "8192", "256", "200"):
         assert default in result.stdout, default
     assert "whatever the batch" in result.stdout  # the mock latency model is explained
+
+
+def test_overlap_flags_reach_the_engine() -> None:
+    from iron_batch.server.cli import build_engine, build_parser
+
+    parser = build_parser()
+    for argv, depth in (([], 1), (["--no-overlap"], 0), (["--overlap-depth", "2"], 2)):
+        engine = build_engine(parser.parse_args(argv), parser)
+        assert engine.overlap_depth == depth, argv
 
 
 @pytest.mark.parametrize(
@@ -60,6 +71,7 @@ def test_help_documents_every_flag() -> None:
         (["--backend", "real", "--backend-url", "tcp://127.0.0.1:1"], "cannot use worker"),
         (["--backend", "torch"], "--model"),
         (["--model", "/tmp/x"], "--backend torch"),
+        (["--overlap-depth", "9"], "invalid choice"),
     ],
 )
 def test_bad_flags_exit_with_a_clear_message(args: list[str], needle: str) -> None:

@@ -107,20 +107,28 @@ def test_logprobs_reported_per_sample_row() -> None:
     prompts = random_prompts(64, [4, 6])
     params = [SamplingParams(logprobs=3), SamplingParams()]
     rows: list[tuple[float, list[tuple[int, float]]]] = []
-    original = be.execute
+    submit, wait = be.submit, be.wait
+    sent: list[list[str]] = []
 
-    def execute(batch):  # type: ignore[no-untyped-def]
-        out = original(batch)
-        lp = be.last_logprobs()
+    def submit_(batch):  # type: ignore[no-untyped-def]
+        sent.append(list(batch.sample_request_ids))
+        return submit(batch)
+
+    def wait_(handle):  # type: ignore[no-untyped-def]
+        out = wait(handle)
+        rids = sent.pop(0)
+        if not rids:
+            return out  # an empty step (overlap: nothing left to sample)
+        lp = be.last_logprobs()  # of the step just waited, not of a later submitted one
         assert lp is not None and len(lp) == len(out)
-        rows.extend(r for r, rid in zip(lp, batch.sample_request_ids, strict=True) if rid == "r0")
+        rows.extend(r for r, rid in zip(lp, rids, strict=True) if rid == "r0")
         return out
 
-    be.execute = execute  # type: ignore[method-assign]
+    be.submit, be.wait = submit_, wait_  # type: ignore[method-assign]
     try:
-        outs, _ = run_scheduler(be, prompts, 5, params=params)
+        outs, _ = run_scheduler(be, prompts, 5, params=params, overlap_depth=1)
     finally:
-        del be.execute
+        del be.submit, be.wait
     assert len(rows) == 5
     for (chosen, top), token in zip(rows, outs[0], strict=True):
         assert len(top) == 3 and top[0][0] == token and chosen == pytest.approx(top[0][1])

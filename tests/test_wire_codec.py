@@ -17,7 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from iron_batch import wire
+from iron_batch.batch import BATCH_FIELDS
 from iron_batch.wire import Kind, WireError
+
+NUM_BATCH_FIELDS = len(BATCH_FIELDS)
 
 LIMITS = wire.WorkerLimits(num_kv_blocks=8, kv_block_size=4, vocab_size=100, max_model_len=16)
 
@@ -51,6 +54,8 @@ def good_batch() -> dict[str, np.ndarray]:
         "sample_indices": np.array([2, 3], i64),
         "sample_seq_indices": np.array([0, 1], i64),
         "sample_max_steps": np.array([1, 2], i32),
+        "pending_token_indices": np.zeros(0, i64),
+        "pending_sample_rows": np.zeros(0, i64),
         "sample_handles": np.array([10, 11], i64),
         "remove_handles": np.array([3], i64),
         "add_handles": np.array([10], i64),
@@ -212,14 +217,14 @@ def test_an_array_padded_to_eight_bytes_fits_exactly() -> None:
 
 def test_a_good_execute_decodes_to_what_was_encoded() -> None:
     fields = good_batch()
-    batch = [fields[name] for name, _ in wire.EXECUTE_FIELDS[:10]]
+    batch = [fields[name] for name, _ in wire.EXECUTE_FIELDS[:NUM_BATCH_FIELDS]]
     adds = [(10, [5, 6, 7], {"temperature": 0.5, "seed": None})]
     encoded = body_of(wire.encode_execute(2, batch, fields["sample_handles"], [3], adds,
                                           fields["seq_handles"]))
     assert encoded == execute_body(fields)
     req = wire.decode_execute(encoded, LIMITS)
     assert req.steps == 2 and req.num_seqs == 2 and req.num_tokens == 4
-    for name, _ in wire.EXECUTE_FIELDS[:12]:
+    for name, _ in wire.EXECUTE_FIELDS[: NUM_BATCH_FIELDS + 2]:
         assert np.array_equal(getattr(req, name), fields[name]), name
     assert req.adds == adds
 
@@ -228,7 +233,7 @@ def test_encode_execute_sends_each_field_in_its_own_dtype() -> None:
     # A caller's int32 ids or int64 lengths are converted, not sent as they are.
     fields = good_batch()
     batch = [fields[name].astype(np.int32 if dt == wire.I64 else np.int64)
-             for name, dt in wire.EXECUTE_FIELDS[:10]]
+             for name, dt in wire.EXECUTE_FIELDS[:NUM_BATCH_FIELDS]]
     handles = fields["sample_handles"].astype(np.int32)
     adds = [(10, [5, 6, 7], {"temperature": 0.5, "seed": None})]
     body = body_of(wire.encode_execute(2, batch, handles, [3], adds,
@@ -246,10 +251,19 @@ def test_steps_must_be_in_range(steps: int, ok: bool) -> None:
         assert refused(execute_body(fields, steps=steps)).startswith("steps must be in 1..")
 
 
+def test_placeholders_of_a_one_step_execute_are_accepted() -> None:
+    fields = with_(sample_max_steps=[1, 1], pending_token_indices=[3],
+                   pending_sample_rows=[5])
+    req = wire.decode_execute(execute_body(fields, steps=1), LIMITS)
+    assert req.pending_token_indices.tolist() == [3]
+    assert req.pending_sample_rows.tolist() == [5]
+
+
 def test_short_bodies_and_wrong_array_counts_are_refused() -> None:
     assert refused(bytearray(b"\x01\x00\x00\x00")) == "truncated EXECUTE body"
     # The 8-byte prefix alone is whole; the arrays it announces are what is missing.
     count = len(wire.EXECUTE_FIELDS)
+    assert count == 19  # 12 batch arrays (placeholders too), 7 of request bookkeeping
     assert refused(bytearray(struct.pack("<II", 1, count))) == "array 0: truncated header"
     fields = good_batch()
     assert f"carries {count - 1} arrays, expected {count}" in refused(
@@ -328,6 +342,16 @@ CONSISTENCY = [
     # 6 tokens plus one lookahead step need a context of 7.
     (_set(), _limits(max_model_len=7), None),
     (_set(), _limits(max_model_len=6), "sequence beyond max_model_len"),
+    (_set(pending_token_indices=[3], pending_sample_rows=[]), LIMITS,
+     "placeholder arrays differ in length"),
+    (_set(pending_token_indices=[4], pending_sample_rows=[0]), LIMITS, "placeholder of no token"),
+    (_set(pending_token_indices=[-1], pending_sample_rows=[0]), LIMITS,
+     "placeholder of no token"),
+    (_set(pending_token_indices=[3], pending_sample_rows=[-1]), LIMITS,
+     "negative placeholder sample row"),
+    # Placeholders come from an overlapped step, which never has lookahead.
+    (_set(pending_token_indices=[3], pending_sample_rows=[0]), LIMITS,
+     "placeholders need steps == 1"),
     (_set(add_prompt_lens=[3, 0]), LIMITS, "add arrays differ in length"),
     (_set(add_prompt_lens=[-1], add_prompt_tokens=[]), LIMITS, "negative prompt length"),
     (_set(add_prompt_lens=[2]), LIMITS, "prompt token count mismatch"),
@@ -492,6 +516,8 @@ def batches(draw: st.DrawFn) -> tuple[int, dict[str, np.ndarray], list[Any], wir
         "sample_indices": np.array([qsl[i + 1] - 1 for i in rows], i64),
         "sample_seq_indices": np.array(rows, i64),
         "sample_max_steps": np.array([max_steps[i] for i in rows], i32),
+        "pending_token_indices": np.zeros(0, i64),
+        "pending_sample_rows": np.zeros(0, i64),
         "sample_handles": np.array([draw(st.integers(0, 2**40)) for _ in rows], i64),
         "remove_handles": np.array(draw(st.lists(st.integers(0, 2**40), max_size=3)), i64),
         "seq_handles": np.array([draw(st.integers(0, 2**40)) for _ in range(n)], i64),
@@ -507,12 +533,12 @@ def test_every_consistent_execute_round_trips(
     batch: tuple[int, dict[str, np.ndarray], list[Any], wire.WorkerLimits],
 ) -> None:
     steps, fields, adds, limits = batch
-    arrays_ = [fields[name] for name, _ in wire.EXECUTE_FIELDS[:10]]
+    arrays_ = [fields[name] for name, _ in wire.EXECUTE_FIELDS[:NUM_BATCH_FIELDS]]
     parts = wire.encode_execute(steps, arrays_, fields["sample_handles"],
                                 fields["remove_handles"].tolist(), adds, fields["seq_handles"])
     req = wire.decode_execute(body_of(parts), limits)
     assert req.steps == steps
-    for name, _ in wire.EXECUTE_FIELDS[:12]:
+    for name, _ in wire.EXECUTE_FIELDS[: NUM_BATCH_FIELDS + 2]:
         got = getattr(req, name)
         assert got.dtype == fields[name].dtype and np.array_equal(got, fields[name]), name
     assert req.adds == [(h, p, json.loads(json.dumps(s))) for h, p, s in adds]

@@ -12,6 +12,7 @@ import atexit
 import json
 import shutil
 import tempfile
+from collections import deque
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -203,8 +204,12 @@ def run_scheduler(
     max_running_seqs: int = 64,
     total_kv_blocks: int | None = None,
     on_step: Callable[[Any], None] | None = None,
+    overlap_depth: int = 0,
+    stop_token_ids: list[int] | None = None,
 ) -> tuple[list[list[int]], dict[str, int]]:
-    """Drive the real scheduler with the backend until every request ends."""
+    """Drive the real scheduler with the backend until every request ends. With
+    ``overlap_depth`` > 0, that many steps stay submitted (``be.submit``) while the next is
+    scheduled over them (placeholders filled in by the backend), as the engine does."""
     sched = Scheduler(SchedulerConfig(
         total_kv_blocks=total_kv_blocks or be.num_kv_blocks,
         kv_block_size=be.kv_block_size,
@@ -218,15 +223,21 @@ def run_scheduler(
     outputs: dict[str, list[int]] = {rid: [] for rid in ids}
     for rid, prompt, limit, p in zip(ids, prompts, limits, plist, strict=True):
         be.add_request(rid, prompt, p)
-        sched.add_request(rid, prompt, limit, stop_token_ids=[])
-    while sched.has_work():
-        batch = sched.schedule()
-        if on_step is not None:
-            on_step(batch)
-        for rid, token, finished, _reason in sched.commit(batch, be.execute(batch)):
-            if token is not None:
-                outputs[rid].append(token)
-            if finished:
-                be.remove_request(rid)
-    sched.check_invariants()
+        sched.add_request(rid, prompt, limit, stop_token_ids=stop_token_ids or [])
+    inflight: deque[tuple[Any, Any]] = deque()
+    while sched.has_work() or inflight:
+        if sched.has_work():
+            batch = sched.schedule(overlap=bool(inflight))
+            if on_step is not None:
+                on_step(batch)
+            inflight.append((batch, be.submit(batch)))
+        if len(inflight) > overlap_depth or not sched.has_work():
+            batch, handle = inflight.popleft()
+            for rid, token, finished, _reason in sched.commit(batch, be.wait(handle)):
+                if token is not None:
+                    outputs[rid].append(token)
+                if finished:
+                    be.remove_request(rid)
+        sched.check_invariants()
+    assert sched.num_free_blocks == sched.config.total_kv_blocks
     return [outputs[rid] for rid in ids], sched.stats()

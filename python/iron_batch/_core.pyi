@@ -54,7 +54,8 @@ class Batch:
 
     @property
     def step(self) -> int:
-        """Step number; only the latest step's batch can be committed."""
+        """Step number. Batches are committed in the order they were scheduled; a plain
+        ``schedule`` discards every batch not committed yet."""
     @property
     def num_seqs(self) -> int: ...
     @property
@@ -88,6 +89,13 @@ class Batch:
     @property
     def sample_max_steps(self) -> npt.NDArray[np.int32]:
         """[num_samples] tokens each sample row may produce: 1, or up to lookahead + 1."""
+    @property
+    def pending_token_indices(self) -> npt.NDArray[np.int64]:
+        """[P] placeholders (``schedule(overlap=True)``): rows of ``input_ids`` that hold 0
+        because their token is sampled by the previous step, still running."""
+    @property
+    def pending_sample_rows(self) -> npt.NDArray[np.int64]:
+        """[P] the previous step's sample row whose token fills each placeholder."""
     @property
     def request_ids(self) -> list[str]:
         """[num_seqs] request id of each sequence in the batch."""
@@ -125,10 +133,19 @@ class Scheduler:
         victim follow (priority, arrival). ``cache_salt``: requests with different salts
         never share prefix-cache blocks. ``skip_prefix_cache``: compute every prompt token
         (for prompt logprobs); the blocks are still published for later requests."""
-    def schedule(self, lookahead: int = 0) -> Batch:
+    def schedule(self, lookahead: int = 0, *, overlap: bool = False) -> Batch:
         """Pick the next step's work. An empty batch (num_seqs == 0) means nothing to run.
         With ``lookahead = K - 1`` KV slots are reserved so that each sampled sequence can
-        run up to ``batch.sample_max_steps[r]`` (at most K) decode steps before ``commit``."""
+        run up to ``batch.sample_max_steps[r]`` (at most K) decode steps before ``commit``.
+
+        With ``overlap=True`` the batches scheduled and not yet committed stay open: each
+        running sequence is assumed to have one more token per open step that sampled it,
+        and a decode whose input is such a token gets a placeholder
+        (``pending_token_indices``/``pending_sample_rows``) for the backend to fill in from
+        the previous step's output. Commit the open batches oldest first; a sequence that
+        stops meanwhile wastes at most its rows in later batches, which commit ignores.
+        Raises BatchMismatch when lookahead would meet an open step. Without ``overlap``,
+        open batches are discarded (they can no longer be committed)."""
     def commit(
         self, batch: Batch, sampled: Sequence[int] | npt.NDArray[np.integer]
     ) -> list[tuple[str, int | None, bool, str | None]]:
@@ -145,6 +162,9 @@ class Scheduler:
     def has_work(self) -> bool: ...
     def is_live(self, request_id: str) -> bool: ...
     def output_token_ids(self, request_id: str) -> list[int]: ...
+    @property
+    def num_open_steps(self) -> int:
+        """Batches scheduled and not committed yet."""
     def num_cached_prompt_tokens(self, request_id: str) -> int:
         """Prompt tokens served by the prefix cache on the request's first admission."""
     @property

@@ -26,7 +26,7 @@ class BatchField:
     ndim: int = 1
 
 
-#: T tokens, S sequences, B block-table columns, N sample rows.
+#: T tokens, S sequences, B block-table columns, N sample rows, P placeholders.
 BATCH_FIELDS: tuple[BatchField, ...] = (
     BatchField("input_ids", I64, True),  # [T]
     BatchField("positions", I64, True),  # [T]
@@ -38,6 +38,10 @@ BATCH_FIELDS: tuple[BatchField, ...] = (
     BatchField("sample_indices", I64, True),  # [N] token row of each sample
     BatchField("sample_seq_indices", I64, False),  # [N] sequence of each sample
     BatchField("sample_max_steps", I32, False),  # [N] decode steps it may take (lookahead)
+    # [P] placeholders of an overlapped step: token rows whose id the previous step samples,
+    # in its sample rows pending_sample_rows (filled in by the backend before the forward).
+    BatchField("pending_token_indices", I64, False),  # [P]
+    BatchField("pending_sample_rows", I64, False),  # [P]
 )
 BATCH_FIELD_NAMES = tuple(f.name for f in BATCH_FIELDS)
 MODEL_INPUTS = tuple(f.name for f in BATCH_FIELDS if f.model_input)

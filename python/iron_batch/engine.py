@@ -1,8 +1,18 @@
 """The engine: one thread that turns requests into tokens by stepping the Rust scheduler.
 
-One step: drain pending adds/aborts -> ``scheduler.schedule()`` -> ``backend.execute(batch)``
--> ``scheduler.commit(batch, sampled)`` -> hand the step's token events to each asyncio loop
-in a single ``call_soon_threadsafe``. Only the engine thread touches the scheduler and the
+One step: drain pending adds/aborts -> ``scheduler.schedule()`` -> ``backend.submit(batch)``
+-> ``backend.wait`` -> ``scheduler.commit(batch, sampled)`` -> hand the step's token events
+to each asyncio loop in a single ``call_soon_threadsafe``.
+
+Overlap (``overlap_depth`` >= 1, the default): the engine keeps steps in flight on the
+backend. While step N runs it schedules step N+1 (decodes whose input is N's token, not
+known yet, get a placeholder that the backend fills in on its side), submits it, then
+waits for N, commits it and publishes its tokens. So the device (or a remote worker)
+always has the next step queued while Python commits, detokenizes and publishes, and a
+remote round trip overlaps the worker's compute. A sequence that stops in step N wastes
+its row in N+1; the scheduler frees its blocks at N's commit and ignores the row.
+``overlap_depth = 0`` runs the steps one after another (``--no-overlap``). Lookahead
+(``steps_per_call`` > 1) never overlaps. Only the engine thread touches the scheduler and the
 backend, so neither needs locks; the rest of the world talks to it through the inbox.
 
 Two ways to drive it:
@@ -19,6 +29,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from iron_batch._core import IronBatchError, Scheduler, SchedulerConfig
-from iron_batch.backends.base import BackendError, FatalBackendError
+from iron_batch.backends.base import BackendError, ExecutedStep, ExecuteOnly, FatalBackendError
 from iron_batch.openmp import release_thread_pool
 from iron_batch.sampling_params import SamplingParams
 from iron_batch.stats import EngineStats
@@ -138,12 +149,24 @@ class Engine:
         *,
         max_consecutive_failures: int = 0,
         max_stream_buffer_events: int = DEFAULT_MAX_STREAM_BUFFER_EVENTS,
+        overlap_depth: int = 1,
     ) -> None:
         """``max_consecutive_failures``: that many failed steps in a row (0: never) are a
         fatal fault, like a :class:`FatalBackendError`: every live request fails, the thread
         stops, ``fatal_error`` says why and ``on_fatal`` is called (the server exits).
-        ``max_stream_buffer_events``: see :class:`RequestStream` (0: unbounded)."""
+        ``max_stream_buffer_events``: see :class:`RequestStream` (0: unbounded).
+        ``overlap_depth``: steps kept in flight while the next is scheduled (0: none,
+        each step runs to the end before the next is scheduled; see the module docstring)."""
+        if overlap_depth < 0:
+            raise ValueError("overlap_depth must be >= 0")
+        self.overlap_depth = overlap_depth
+        # Steps submitted and not committed, oldest first: (batch, backend handle or None
+        # for an empty batch, which is committed in its turn all the same).
+        self._inflight: deque[tuple[Any, Any]] = deque()
         self.backend = backend
+        steps: Any = backend if hasattr(backend, "submit") else ExecuteOnly(backend)
+        self._submit = steps.submit
+        self._wait = steps.wait
         self.config = config if config is not None else SchedulerConfig()
         self.scheduler = Scheduler(self.config)
         self.stats = EngineStats()
@@ -269,8 +292,8 @@ class Engine:
         self._enqueue(_AbortAll())
 
     def has_unfinished(self) -> bool:
-        """Synchronous API: anything queued or live?"""
-        return bool(self._requests) or bool(self._inbox)
+        """Synchronous API: anything queued, live or in flight?"""
+        return bool(self._requests) or bool(self._inbox) or bool(self._inflight)
 
     # ------------------------------------------------------------------ stepping
 
@@ -306,7 +329,7 @@ class Engine:
             empty_steps = 0 if items or not busy else empty_steps + 1
             if items:
                 self._publish(items)
-            busy = self.scheduler.has_work()
+            busy = self.scheduler.has_work() or bool(self._inflight)
         self._publish(self._close())
         if self.fatal_error is not None and self.on_fatal is not None:
             try:
@@ -336,6 +359,7 @@ class Engine:
 
     def _close(self) -> list[tuple[_Request, TokenEvent]]:
         out: list[tuple[_Request, TokenEvent]] = []
+        self._collect_inflight()
         with self._cond:
             pending, self._inbox = self._inbox, []
         error = self.fatal_error
@@ -392,36 +416,75 @@ class Engine:
     def _step_into(self, out: list[tuple[_Request, TokenEvent]]) -> None:
         self._drain(out)
         scheduler = self.scheduler
+        backend = self.backend
+        # A backend that runs several decode steps per call (remote) needs their KV slots
+        # reserved now: lookahead = steps_per_call - 1. Those never overlap.
+        lookahead = backend.steps_per_call - 1
+        depth = self.overlap_depth if lookahead == 0 else 0
+        inflight = self._inflight
         if scheduler.has_work():
-            # A backend that runs several decode steps per call (remote) needs their KV
-            # slots reserved now: lookahead = steps_per_call - 1.
-            batch = scheduler.schedule(lookahead=self.backend.steps_per_call - 1)
+            # Over the steps in flight (a plain schedule also drops any left open by a
+            # failed step: nothing is in flight then).
+            batch = scheduler.schedule(lookahead=lookahead, overlap=bool(inflight))
             # Readers see admissions (blocks taken) while the backend runs, not a step late.
             self._refresh_stats()
+            handle = None
             if batch.num_seqs:
                 try:
-                    sampled = self.backend.execute(batch)
+                    handle = self._submit(batch)
                 except Exception as exc:
-                    logger.exception("backend.execute failed")
-                    self._failed_steps += 1
-                    self._fail_requests(set(batch.request_ids), f"backend error: {exc}", out)
-                    if isinstance(exc, BackendError) and exc.invalidates_kv:
-                        # The backend lost its KV (remote worker gone): every live request
-                        # and every prefix-cache entry points at KV that no longer exists.
-                        self._fail_requests(set(self._requests), f"backend error: {exc}", out)
-                        self.scheduler = Scheduler(self.config)
-                    self._check_fatal(exc, f"backend error: {exc}", out)
+                    self._backend_failed(exc, batch, out)
+                    return
+            inflight.append((batch, handle))
+        if inflight and (len(inflight) > depth or not scheduler.has_work()):
+            batch, handle = inflight.popleft()
+            if handle is None:
+                sampled = _EMPTY
+            else:
+                try:
+                    sampled = self._wait(handle)
+                except Exception as exc:
+                    self._backend_failed(exc, batch, out)
                     return
                 self._failed_steps = 0
-            else:
-                sampled = _EMPTY
-            extras = self._sample_extras(batch, sampled) if batch.num_samples else None
+            extras = self._sample_extras(batch, sampled, handle) if batch.num_samples else None
             raw = scheduler.commit(batch, sampled)
             if raw:
                 self._on_commit(raw, out, extras)
 
+    def _collect_inflight(self) -> set[str]:
+        """Wait out every step in flight, ignoring its result (so the backend's replies
+        stay in step with its requests); returns the requests they held."""
+        ids: set[str] = set()
+        while self._inflight:
+            batch, handle = self._inflight.popleft()
+            ids.update(batch.request_ids)
+            if handle is not None:
+                try:
+                    self._wait(handle)
+                except Exception:
+                    logger.debug("discarded step failed too", exc_info=True)
+        return ids
+
+    def _backend_failed(
+        self, exc: Exception, batch: Any, out: list[tuple[_Request, TokenEvent]]
+    ) -> None:
+        """A step failed in submit or wait: its requests fail, and so do those of every
+        other step in flight (their inputs may be its tokens); the scheduler's open steps
+        are dropped by the next (plain) schedule."""
+        logger.exception("backend step failed")
+        self._failed_steps += 1
+        ids = set(batch.request_ids) | self._collect_inflight()
+        self._fail_requests(ids, f"backend error: {exc}", out)
+        if isinstance(exc, BackendError) and exc.invalidates_kv:
+            # The backend lost its KV (remote worker gone): every live request and every
+            # prefix-cache entry points at KV that no longer exists.
+            self._fail_requests(set(self._requests), f"backend error: {exc}", out)
+            self.scheduler = Scheduler(self.config)
+        self._check_fatal(exc, f"backend error: {exc}", out)
+
     def _sample_extras(
-        self, batch: Any, sampled: np.ndarray
+        self, batch: Any, sampled: np.ndarray, handle: Any = None
     ) -> dict[str, Logprobs] | None:
         """Per-request data that must be read before ``commit`` ends requests.
 
@@ -442,7 +505,11 @@ class Engine:
                         req.num_cached = self.scheduler.num_cached_prompt_tokens(rid)
         if np.ndim(sampled) != 1:
             return None
-        rows = self.backend.last_logprobs()
+        # A step run by BackendBase.submit carries its own logprobs (a later submit has
+        # run since); other backends report those of the step last waited.
+        rows = (
+            handle.logprobs if isinstance(handle, ExecutedStep) else self.backend.last_logprobs()
+        )
         if rows is None or len(rows) != len(rids):
             return None
         wanted: dict[str, Logprobs] = {}
@@ -634,6 +701,7 @@ class Engine:
     def _fail_all(self, message: str) -> list[tuple[_Request, TokenEvent]]:
         out: list[tuple[_Request, TokenEvent]] = []
         try:
+            self._collect_inflight()
             self._fail_requests(set(self._requests), message, out)
             self._refresh_stats()
         except Exception:

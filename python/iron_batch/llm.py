@@ -41,7 +41,8 @@ class LLM:
     ``quantization`` go to it; ``tensor_parallel_size`` > 1 splits the model over that
     many local processes, or over torchrun's ranks, ``tp_timeout`` bounding each collective;
     see ``iron_batch.parallel``); or
-    pass any ``backend`` (e.g. ``MockBackend()``).
+    pass any ``backend`` (e.g. ``MockBackend()``). ``overlap_depth``: steps kept in flight
+    while the next is scheduled (0: none; see :mod:`iron_batch.engine`).
     Scheduler options (``total_kv_blocks``, ``kv_block_size``, ``max_batch_tokens``,
     ``max_running_seqs``, ``enable_prefix_caching``) are keyword arguments.
     """
@@ -59,6 +60,7 @@ class LLM:
         quantization: str | None = None,
         tensor_parallel_size: int = 1,
         tp_timeout: float | None = None,
+        overlap_depth: int = 1,
         **scheduler_kwargs: Any,
     ) -> None:
         unknown = set(scheduler_kwargs) - set(_SCHEDULER_KEYS)
@@ -92,7 +94,7 @@ class LLM:
             **scheduler_kwargs,
         )
         self.backend = backend
-        self.engine = Engine(backend, config)
+        self.engine = Engine(backend, config, overlap_depth=overlap_depth)
         self._next_id = 0
 
     def close(self) -> None:

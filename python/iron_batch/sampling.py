@@ -118,12 +118,20 @@ class Sampler:
             tokens[rows] = (probs / noise).argmax(dim=-1)
         if raw_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, tokens, want_logprobs)
-        for state, token in zip(states, tokens.tolist(), strict=True):
+        # Counts are updated where the token is, on the device: an overlapped engine
+        # submits the next step before this one's tokens reach the host.
+        for i, state in enumerate(states):
             state.num_generated += 1
             if state.output_counts is not None:
-                state.output_counts[token] += 1
-            if state.matcher is not None:
-                self.grammar.advance(state.matcher, token)  # type: ignore[union-attr]
+                state.output_counts.index_add_(
+                    0, tokens[i : i + 1], torch.ones(1, device=self.device)
+                )
+        if constrained:
+            # A matcher needs the token on the host (the next step's mask depends on it):
+            # constrained rows synchronise, the others stay on the device.
+            host = tokens[constrained].tolist()
+            for i, token in zip(constrained, host, strict=True):
+                self.grammar.advance(states[i].matcher, token)  # type: ignore[union-attr]
         assert len(tokens) == n
         return tokens, logprobs
 

@@ -1,10 +1,13 @@
 """Binary frames between the server's RemoteBackend and ``python -m iron_batch.worker``.
 
-One persistent TCP connection carries length-prefixed frames; there is one request frame
-and one reply frame per round trip, so a scheduler step costs one round trip (or less with
-several decode steps per call). Nothing is pickled and nothing received is executed: the
-batch travels as raw little-endian numpy arrays, and the few control messages (hello,
-model info, per-request sampling settings) are small JSON objects.
+One persistent TCP connection carries length-prefixed frames; each request frame gets one
+reply frame, in order. An overlapping server sends the next step's EXECUTE before the
+previous reply is back (its placeholders name that reply's rows, which the worker fills in
+itself), so the round trip hides behind the worker's compute; without overlap a step costs
+one round trip (or less with several decode steps per call). Nothing is pickled and
+nothing received is executed: the batch travels as raw little-endian numpy arrays, and the
+few control messages (hello, model info, per-request sampling settings) are small JSON
+objects.
 
 Frame: a 12-byte header ``<4sBBHI`` = magic ``b"IBW1"``, kind, flags (0), reserved (0),
 body length; then the body.
@@ -15,7 +18,7 @@ to a multiple of 8 bytes so every array starts 8-byte aligned in the body and ca
 in place (``np.frombuffer``) without copying.
 
 Kinds:
-- HELLO (client -> worker, first frame): JSON ``{"protocol": 1, "api_key": str | null}``.
+- HELLO (client -> worker, first frame): JSON ``{"protocol": PROTOCOL, "api_key": str | null}``.
 - INFO (worker -> client): JSON with the model name, KV geometry, limits and tokenizer.
 - EXECUTE: ``<II`` (steps K, array count) then the arrays of :data:`EXECUTE_FIELDS`.
 - RESULT: one int64 array ``[num_samples, K]``, then a UTF-8 JSON object (uint8 array,
@@ -45,7 +48,10 @@ from iron_batch.batch import BATCH_FIELDS, I64
 from iron_batch.batch import I32 as I32  # re-exported: the codec's dtypes
 
 MAGIC = b"IBW1"
-PROTOCOL = 2
+#: 2: RESULT carries JSON extras (logprobs), EXECUTE the sequences' handles (main's v2).
+#: 3: EXECUTE also carries the batch's placeholders (overlapped steps, several frames in
+#: flight): both of the earlier, separately numbered v2 changes.
+PROTOCOL = 3
 HEADER = struct.Struct("<4sBBHI")
 _ARRAY_HEADER = struct.Struct("<BB6xII")
 _EXECUTE_PREFIX = struct.Struct("<II")
@@ -375,6 +381,12 @@ def decode_execute(body: bytearray, limits: WorkerLimits) -> ExecuteRequest:
         # Lookahead step j writes position seq_lens + j - 1; the last one must fit the table.
         last = seq_lens[row_seqs].astype(np.int64) + max_steps - 2
         _fail_unless(int(last.max()) < b * bs, "lookahead steps outgrow the block table")
+    holes, hole_rows = named["pending_token_indices"], named["pending_sample_rows"]
+    _fail_unless(len(holes) == len(hole_rows), "placeholder arrays differ in length")
+    if len(holes):
+        _fail_unless(holes.min() >= 0 and holes.max() < t, "placeholder of no token")
+        _fail_unless(hole_rows.min() >= 0, "negative placeholder sample row")
+        _fail_unless(steps == 1, "placeholders need steps == 1")
     if limits.max_model_len is not None and s:
         top = seq_lens.astype(np.int64)
         if n:

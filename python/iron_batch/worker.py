@@ -21,6 +21,7 @@ import hmac
 import json
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -41,11 +42,14 @@ HELLO_TIMEOUT_S = 10.0
 
 
 def run_steps(
-    backend: Any, req: ExecuteRequest, block_size: int
+    backend: Any, req: ExecuteRequest, block_size: int, previous: np.ndarray | None = None
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Run the received batch, then the lookahead decode steps: [num_samples, K] int64,
     and the RESULT extras (logprobs of the first step's samples, prompt logprobs of the
     requests whose prompt this batch completed) for requests that asked.
+
+    Placeholders (an overlapped step) are filled in from ``previous``, the first column of
+    the previous frame's result, here on the worker: the server never waits for it.
 
     Step j >= 1 feeds row r's token from step j - 1 at position ``seq_lens[seq] + j - 1``,
     into the slot the scheduler reserved for it in the sequence's block table. Every token
@@ -55,7 +59,13 @@ def run_steps(
     """
     rids = [str(h) for h in req.sample_handles.tolist()]
     seq_rids = [str(h) for h in req.seq_handles.tolist()]
-    first = backend.execute(ArrayBatch(rids, seq_rids, **req.batch()))
+    arrays = req.batch()
+    holes, rows = arrays.pop("pending_token_indices"), arrays.pop("pending_sample_rows")
+    if len(holes):
+        if previous is None or int(rows.max()) >= len(previous):
+            raise ValueError("placeholders name rows of no previous result")
+        arrays["input_ids"][holes] = previous[rows]
+    first = backend.execute(ArrayBatch(rids, seq_rids, **arrays))
     n, k = len(rids), req.steps
     out = np.zeros((n, k), dtype=np.int64)  # unused entries stay 0 (the server ignores them)
     extras = _extras(backend, rids, k)
@@ -145,6 +155,9 @@ class Worker:
         self._lock = threading.Lock()
         self._session = 0
         self._live: set[int] = set()
+        # First column of the session's last result: what the next frame's placeholders
+        # read. None after an error (a frame that names it then fails too).
+        self._previous: np.ndarray | None = None
 
     # ------------------------------------------------------------------ serving
 
@@ -174,12 +187,15 @@ class Worker:
     def _serve_connection(self, conn: socket.socket, peer: Any) -> None:
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            replies = _DelayedReplies(conn, self.delay_s)
             try:
                 session = self._handshake(conn)
                 if session is not None:
-                    self._session_loop(conn, session)
+                    self._session_loop(conn, session, replies)
             except (ConnectionError, TimeoutError, OSError) as exc:
                 logger.info("connection from %s ended: %s", peer, exc)
+            finally:
+                replies.close()
 
     def _handshake(self, conn: socket.socket) -> int | None:
         conn.settimeout(HELLO_TIMEOUT_S)
@@ -210,19 +226,26 @@ class Worker:
             for handle in self._live:
                 self.backend.remove_request(str(handle))
             self._live.clear()
+            self._previous = None
         self._reply(conn, Kind.INFO, [json.dumps(self.info).encode()])
         return session
 
-    def _session_loop(self, conn: socket.socket, session: int) -> None:
+    def _session_loop(
+        self, conn: socket.socket, session: int, replies: _DelayedReplies
+    ) -> None:
+        def error(message: str) -> None:
+            self._previous = None
+            replies.send(Kind.ERROR, [message.encode("utf-8", "replace")])
+
         while True:
             try:
                 kind, body = wire.read_frame(conn, self.max_body)
             except WireError as exc:
                 # The header is bad, so frame boundaries are lost: answer, then hang up.
-                self._error(conn, f"malformed frame: {exc}")
+                error(f"malformed frame: {exc}")
                 return
             if kind != Kind.EXECUTE:
-                self._error(conn, f"unexpected frame kind {kind.name}")
+                error(f"unexpected frame kind {kind.name}")
                 continue
             try:
                 req = wire.decode_execute(body, self.limits)
@@ -230,7 +253,7 @@ class Worker:
                 for p in params:
                     p.validate()
             except (WireError, ValueError, TypeError) as exc:
-                self._error(conn, f"malformed EXECUTE: {exc}")
+                error(f"malformed EXECUTE: {exc}")
                 continue
             with self._lock:
                 if self._session != session:
@@ -239,9 +262,10 @@ class Worker:
                     tokens, extras = self._run(req, params)
                 except Exception as exc:  # a model error fails one batch, not the worker
                     logger.exception("execute failed")
-                    self._error(conn, f"execute failed: {type(exc).__name__}: {exc}")
+                    error(f"execute failed: {type(exc).__name__}: {exc}")
                     continue
-            self._reply(conn, Kind.RESULT, wire.encode_result(tokens, extras))
+                self._previous = tokens[:, 0].copy()
+            replies.send(Kind.RESULT, wire.encode_result(tokens, extras))
 
     def _run(
         self, req: ExecuteRequest, params: list[SamplingParams]
@@ -253,7 +277,49 @@ class Worker:
         for (handle, prompt, _), p in zip(req.adds, params, strict=True):
             backend.add_request(str(handle), prompt, p)
             self._live.add(handle)
-        return run_steps(backend, req, self.limits.kv_block_size)
+        return run_steps(backend, req, self.limits.kv_block_size, self._previous)
+
+
+class _DelayedReplies:
+    """Sends a connection's replies in order, each ``delay_s`` after it was ready (an
+    emulated network latency, for benchmarks). The worker goes on with the next frame
+    meanwhile, as it would behind a real network; without a delay, replies go out at once
+    on the caller's thread."""
+
+    def __init__(self, conn: socket.socket, delay_s: float) -> None:
+        self.conn = conn
+        self.delay_s = delay_s
+        self._queue: queue.SimpleQueue[tuple[float, Kind, list[bytes | memoryview]] | None]
+        self._queue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        if delay_s > 0:
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name="worker-replies")
+            self._thread.start()
+
+    def send(self, kind: Kind, parts: list[bytes | memoryview]) -> None:
+        if self._thread is None:
+            wire.write_frame(self.conn, kind, parts)
+        else:
+            # The parts may view buffers the next frame reuses: keep a copy.
+            self._queue.put((time.monotonic() + self.delay_s, kind, [b"".join(parts)]))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            due, kind, parts = item
+            pause = due - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            try:
+                wire.write_frame(self.conn, kind, parts)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        """Send what is queued, then stop."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=self.delay_s + 5.0)
 
 
 # ---------------------------------------------------------------------------- backends

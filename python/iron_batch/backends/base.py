@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -31,7 +31,22 @@ class BackendError(RuntimeError):
 
 @runtime_checkable
 class Backend(Protocol):
-    """Advance a whole batch by one token per sample row, in one call.
+    """Advance a whole batch by one token per sample row: the one place an accelerator
+    plugs in.
+
+    The device seam is submit -> fence: ``submit(batch)`` starts a step and returns a
+    handle, ``wait(handle)`` returns its sampled tokens. The engine keeps a step in flight
+    while it schedules the next one, so a batch may hold placeholders
+    (``batch.pending_token_indices``): input tokens that the previous *submitted* step
+    samples, in its rows ``batch.pending_sample_rows``. ``submit`` fills them in on the
+    backend's side (the device, the worker) before running. Steps are submitted and waited
+    in the same order. A backend that cannot overlap implements only ``execute`` and
+    inherits :class:`BackendBase`, whose ``submit`` fills the placeholders in from the
+    previous result and runs ``execute``, and whose ``wait`` returns what it got.
+
+    Per-request state (penalty counts, seeded generators) is updated where tokens are
+    sampled, at submit; a request's state is bound to a step when it is submitted, so
+    ``remove_request`` may come while that step is still in flight.
 
     The engine tells the backend about each request (its sampling settings) before the
     request is first scheduled and after it ends, so per-request state such as penalties,
@@ -67,7 +82,18 @@ class Backend(Protocol):
     def remove_request(self, request_id: str) -> None: ...
 
     def execute(self, batch: Batch) -> np.ndarray:
-        """Return int64 sampled token ids, one per ``batch.sample_indices`` row."""
+        """Return int64 sampled token ids, one per ``batch.sample_indices`` row. Runs to
+        the end; the batch's input ids are final (no placeholders)."""
+        ...
+
+    def submit(self, batch: Batch) -> Any:
+        """Start one step (placeholders filled in from the previous submitted step's
+        output); returns a handle for :meth:`wait`."""
+        ...
+
+    def wait(self, handle: Any) -> np.ndarray:
+        """The sampled tokens of a submitted step, as ``execute`` returns them; waits for
+        the device. Handles are waited in submission order."""
         ...
 
     def describe(self) -> BackendInfo:
@@ -75,9 +101,10 @@ class Backend(Protocol):
         ...
 
     def last_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
-        """Logprobs of the last execute's sample rows for requests that asked for them:
-        one (chosen-token logprob, top alternatives) per sample row, or None when no
-        request in the batch wants logprobs."""
+        """Logprobs of the sample rows of the step the last ``wait`` (or ``execute``)
+        returned, for requests that asked for them: one (chosen-token logprob, top
+        alternatives) per sample row, or None when no request in the batch wants
+        logprobs."""
         ...
 
     #: Whether requests may set ``SamplingParams.prompt_logprobs`` (the engine rejects
@@ -106,6 +133,29 @@ class BackendInfo:
     url: str | None = None
 
 
+Logprobs = list[tuple[float, list[tuple[int, float]]]]
+
+
+@dataclass
+class ExecutedStep:
+    """The handle of :meth:`BackendBase.submit`: a step already run to the end."""
+
+    tokens: np.ndarray
+    logprobs: Logprobs | None
+
+
+def fill_placeholders(batch: Any, previous: np.ndarray | None) -> None:
+    """Write the previous step's sampled tokens into ``batch.input_ids`` where the
+    scheduler left placeholders (in place, on the host)."""
+    idx = getattr(batch, "pending_token_indices", None)
+    if idx is None or len(idx) == 0:
+        return
+    rows = batch.pending_sample_rows
+    if previous is None or previous.ndim != 1 or int(rows.max()) >= len(previous):
+        raise ValueError("the batch has placeholders but no previous step sampled them")
+    batch.input_ids[idx] = previous[rows]
+
+
 class BackendBase:
     """Defaults for the optional parts of :class:`Backend` (subclass to get them)."""
 
@@ -129,3 +179,43 @@ class BackendBase:
         self, request_id: str
     ) -> list[tuple[float, list[tuple[int, float]]] | None] | None:
         return None
+
+    # A backend that cannot overlap: submit runs the step, wait hands back its result.
+    _previous_tokens: np.ndarray | None = None
+
+    def submit(self, batch: Batch) -> Any:
+        try:
+            fill_placeholders(batch, self._previous_tokens)
+            tokens = np.asarray(self.execute(batch))
+        except BaseException:
+            self._previous_tokens = None
+            raise
+        self._previous_tokens = tokens if tokens.ndim == 1 else tokens[:, 0]
+        return ExecutedStep(tokens, self.last_logprobs())
+
+    def wait(self, handle: Any) -> np.ndarray:
+        assert isinstance(handle, ExecutedStep)
+        return handle.tokens
+
+
+class ExecuteOnly:
+    """``submit``/``wait`` for a backend object that implements only ``execute`` (an older
+    third-party backend that does not subclass :class:`BackendBase`), as BackendBase
+    gives them."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self._previous_tokens: np.ndarray | None = None
+
+    def submit(self, batch: Batch) -> ExecutedStep:
+        try:
+            fill_placeholders(batch, self._previous_tokens)
+            tokens = np.asarray(self.backend.execute(batch))
+        except BaseException:
+            self._previous_tokens = None
+            raise
+        self._previous_tokens = tokens if tokens.ndim == 1 else tokens[:, 0]
+        return ExecutedStep(tokens, self.backend.last_logprobs())
+
+    def wait(self, handle: ExecutedStep) -> np.ndarray:
+        return handle.tokens

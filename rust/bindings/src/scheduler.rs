@@ -197,10 +197,20 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Plan the next step. The core work runs without the GIL.
-    #[pyo3(signature = (lookahead = 0))]
-    fn schedule(&self, py: Python<'_>, lookahead: usize) -> PyResult<Batch> {
-        let batch = py.detach(|| self.lock().core.schedule_lookahead(lookahead));
+    /// Plan the next step. The core work runs without the GIL. With `overlap`, steps
+    /// scheduled before and not yet committed stay open (see the core's
+    /// `schedule_overlapped`); without it they are discarded.
+    #[pyo3(signature = (lookahead = 0, *, overlap = false))]
+    fn schedule(&self, py: Python<'_>, lookahead: usize, overlap: bool) -> PyResult<Batch> {
+        let batch = py.detach(|| {
+            let core = &mut self.lock().core;
+            if overlap {
+                core.schedule_overlapped(lookahead)
+            } else {
+                Ok(core.schedule_lookahead(lookahead))
+            }
+        });
+        let batch = batch.map_err(sched_err)?;
         let ids = {
             let inner = self.lock();
             batch
@@ -299,6 +309,12 @@ impl Scheduler {
     #[getter]
     fn num_waiting(&self) -> usize {
         self.lock().core.num_waiting()
+    }
+
+    /// Steps scheduled and not committed yet.
+    #[getter]
+    fn num_open_steps(&self) -> usize {
+        self.lock().core.num_open_steps()
     }
 
     #[getter]

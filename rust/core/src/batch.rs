@@ -30,6 +30,11 @@ pub struct Batch {
     pub sample_seq_indices: Vec<i64>,
     /// Per sample row: how many tokens may be sampled (1 unless scheduled with lookahead).
     pub sample_max_steps: Vec<i32>,
+    /// Placeholders (overlapped scheduling): `input_ids[pending_token_indices[i]]` is not
+    /// known yet (it holds 0); it is the token the previous step samples in its sample row
+    /// `pending_sample_rows[i]`. The backend fills it in from that step's output, on its side.
+    pub pending_token_indices: Vec<i64>,
+    pub pending_sample_rows: Vec<i64>,
     pub entries: Vec<BatchEntry>,
 }
 
@@ -52,6 +57,8 @@ impl Batch {
             sample_indices: Vec::with_capacity(capacity_seqs),
             sample_seq_indices: Vec::with_capacity(capacity_seqs),
             sample_max_steps: Vec::with_capacity(capacity_seqs),
+            pending_token_indices: Vec::new(),
+            pending_sample_rows: Vec::new(),
             entries: Vec::with_capacity(capacity_seqs),
         }
     }
@@ -70,25 +77,34 @@ impl Batch {
         self.entries.is_empty()
     }
 
-    /// Add `n` tokens of `seq` starting at its first uncomputed token.
+    /// Add `n` tokens of `seq` starting at position `start` (its first token whose KV is
+    /// neither computed nor in flight). A position past the committed tokens is a
+    /// placeholder for the token sampled in the previous step's row `seq.last_sample_row`.
     pub(crate) fn push(
         &mut self,
         slot: usize,
         seq: &Sequence,
+        start: usize,
         n: usize,
         steps: usize,
         block_size: usize,
     ) {
-        let start = seq.num_computed;
         let end = start + n;
+        let known = seq.tokens.len();
         for p in start..end {
-            self.input_ids.push(i64::from(seq.tokens[p]));
+            if p < known {
+                self.input_ids.push(i64::from(seq.tokens[p]));
+            } else {
+                self.pending_token_indices.push(self.input_ids.len() as i64);
+                self.pending_sample_rows.push(seq.last_sample_row as i64);
+                self.input_ids.push(0);
+            }
             self.positions.push(p as i64);
             let block = seq.blocks[p / block_size] as i64;
             self.slot_mapping
                 .push(block * block_size as i64 + (p % block_size) as i64);
         }
-        debug_assert_eq!(steps > 0, end == seq.tokens.len());
+        debug_assert_eq!(steps > 0, end == seq.scheduled_len());
         if steps > 0 {
             self.sample_indices.push(self.input_ids.len() as i64 - 1);
             self.sample_seq_indices.push(self.entries.len() as i64);

@@ -51,7 +51,10 @@ pub struct Scheduler {
     /// Events of requests that ended without model work (max_new_tokens == 0).
     pending: Vec<StepEvent>,
     step: u64,
-    committed: bool,
+    /// Steps scheduled and not yet committed, oldest first, each with its lookahead. More
+    /// than one only with `schedule_overlapped`; commits come in this order.
+    open: VecDeque<(u64, usize)>,
+    last_committed: u64,
     next_uid: u64,
     stats: SchedulerStats,
 }
@@ -83,7 +86,8 @@ impl Scheduler {
             waiting: VecDeque::new(),
             pending: Vec::new(),
             step: 0,
-            committed: true,
+            open: VecDeque::new(),
+            last_committed: 0,
             next_uid: 0,
             stats: SchedulerStats::default(),
         })
@@ -103,6 +107,10 @@ impl Scheduler {
     }
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
+    }
+    /// Steps scheduled and not committed yet.
+    pub fn num_open_steps(&self) -> usize {
+        self.open.len()
     }
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty() || !self.pending.is_empty()
@@ -217,6 +225,11 @@ impl Scheduler {
             priority: opts.priority,
             cache_salt: opts.cache_salt.as_deref().map(hash_salt),
             skip_prefix_cache: opts.skip_prefix_cache,
+            num_pending: 0,
+            num_inflight: 0,
+            num_open_entries: 0,
+            last_sample_step: 0,
+            last_sample_row: 0,
         });
         self.by_id.insert(request_id.to_string(), slot);
         self.enqueue_waiting(slot);
@@ -262,6 +275,9 @@ impl Scheduler {
         let slot = self.running.pop().expect("preempt with nothing running");
         let seq = self.seqs[slot].as_mut().expect("running slot is live");
         Self::release_blocks(&mut self.alloc, seq);
+        // Its pending tokens, if any, still arrive with their commits; it is re-admitted
+        // only after them (see `num_open_entries`).
+        seq.num_inflight = 0;
         seq.state = SeqState::Waiting;
         seq.num_preemptions += 1;
         self.enqueue_waiting(slot);
@@ -281,11 +297,58 @@ impl Scheduler {
     /// (`add_request` admits only prompt + max_new_tokens within `max_sequence_tokens`, so
     /// max_new_tokens is also the bound that the model context and the pool set.)
     fn sample_steps(seq: &Sequence, end: usize, lookahead: usize) -> usize {
-        if end != seq.tokens.len() {
+        if end != seq.scheduled_len() {
             return 0;
         }
+        // Lookahead never meets a pending token (`schedule_overlapped` refuses it), and
+        // with lookahead 0 every sampled sequence takes one step: no pending term needed.
         let left = seq.max_new_tokens - seq.num_output();
         left.clamp(1, 1 + lookahead)
+    }
+
+    /// Book one batch entry: its KV positions are in flight, and a sampled token is pending
+    /// (the next step's placeholder for it reads this step's sample row).
+    fn note_scheduled(seq: &mut Sequence, n: usize, steps: usize, step: u64, batch: &Batch) {
+        seq.num_inflight += n;
+        seq.num_open_entries += 1;
+        if steps > 0 {
+            seq.num_pending += 1;
+            seq.last_sample_step = step;
+            seq.last_sample_row = batch.sample_indices.len() - 1;
+        }
+    }
+
+    /// Forget every open step (a plain `schedule` over an uncommitted one): their batches
+    /// can no longer be committed, and their tokens are computed again.
+    fn discard_open_steps(&mut self) {
+        if self.open.is_empty() {
+            return;
+        }
+        self.open.clear();
+        for seq in self.seqs.iter_mut().flatten() {
+            seq.num_pending = 0;
+            seq.num_inflight = 0;
+            seq.num_open_entries = 0;
+        }
+    }
+
+    /// Plan the next step while the previous ones are still running (not committed):
+    /// each running sequence is assumed to have one more token per open step that sampled
+    /// it. A decode whose input token is still pending gets a placeholder in the batch
+    /// (`pending_token_indices`, `pending_sample_rows`) that the backend fills in from the
+    /// previous step's output. Sequences whose pending tokens reach their length limit are
+    /// left out (they finish at commit); one that stops on a sampled stop token costs at
+    /// most one wasted row per open step, and `commit` drops what comes after the stop.
+    /// Lookahead cannot be combined with an open step (its token count is not known).
+    pub fn schedule_overlapped(&mut self, lookahead: usize) -> Result<Batch, SchedulerError> {
+        if let Some(&(step, la)) = self.open.back() {
+            if lookahead > 0 || la > 0 {
+                return Err(SchedulerError::BatchMismatch(format!(
+                    "cannot schedule with lookahead over the open step {step}: commit it first"
+                )));
+            }
+        }
+        Ok(self.schedule_open(lookahead))
     }
 
     /// KV blocks a sequence still needs to compute up to `end` and then run `steps` tokens:
@@ -299,10 +362,18 @@ impl Scheduler {
     /// `schedule`, reserving KV slots so that each sampled sequence can run `lookahead`
     /// more decode steps before the next commit (see `commit_steps`).
     pub fn schedule_lookahead(&mut self, lookahead: usize) -> Batch {
+        self.discard_open_steps();
+        self.schedule_open(lookahead)
+    }
+
+    /// Schedule one more step on top of the open ones.
+    fn schedule_open(&mut self, lookahead: usize) -> Batch {
         self.free_slots.append(&mut self.retired_slots);
         self.step += 1;
-        self.committed = false;
+        let step = self.step;
+        self.open.push_back((step, lookahead));
         let bs = self.cfg.kv_block_size;
+        let max_len = self.max_sequence_tokens();
         let mut batch = Batch::new(
             self.step,
             (self.running.len() + 1).min(self.cfg.max_running_seqs),
@@ -314,9 +385,20 @@ impl Scheduler {
         while i < self.running.len() && budget > 0 {
             let slot = self.running[i];
             let seq = self.seqs[slot].as_ref().expect("running slot is live");
-            let n = (seq.tokens.len() - seq.num_computed).min(budget);
-            let steps = Self::sample_steps(seq, seq.num_computed + n, lookahead);
-            let need = Self::blocks_needed(seq, seq.num_computed + n, steps, bs);
+            if seq.num_pending > 0
+                && (seq.last_sample_step + 1 != step
+                    || seq.num_output() + seq.num_pending >= seq.max_new_tokens
+                    || seq.scheduled_len() >= max_len)
+            {
+                // Its pending token ends it at commit (length), or was sampled by an older
+                // open step than the last (no placeholder can name it): wait for commits.
+                i += 1;
+                continue;
+            }
+            let start = seq.num_computed + seq.num_inflight;
+            let n = (seq.scheduled_len() - start).min(budget);
+            let steps = Self::sample_steps(seq, start + n, lookahead);
+            let need = Self::blocks_needed(seq, start + n, steps, bs);
             let mut self_preempted = false;
             while self.alloc.num_free() < need {
                 preempted = true;
@@ -332,7 +414,8 @@ impl Scheduler {
             self.alloc
                 .allocate_into(need, &mut seq.blocks)
                 .expect("free blocks checked");
-            batch.push(slot, seq, n, steps, bs);
+            batch.push(slot, seq, start, n, steps, bs);
+            Self::note_scheduled(seq, n, steps, step, &batch);
             budget -= n;
             i += 1;
         }
@@ -343,7 +426,13 @@ impl Scheduler {
                 break;
             };
             let seq = self.seqs[slot].as_mut().expect("waiting slot is live");
+            if seq.num_open_entries > 0 {
+                // Preempted while open steps still compute for it: its pending tokens come
+                // with their commits, and it resumes after them.
+                break;
+            }
             debug_assert!(seq.blocks.is_empty() && seq.num_computed == 0);
+            debug_assert!(seq.num_pending == 0 && seq.num_inflight == 0);
             let lookup = self.alloc.caching_enabled() && !seq.skip_prefix_cache;
             if lookup {
                 seq.blocks = self.alloc.match_prefix_salted(
@@ -376,8 +465,9 @@ impl Scheduler {
             seq.state = SeqState::Running;
             self.waiting.pop_front();
             self.insert_running(slot);
-            let seq = self.seqs[slot].as_ref().expect("live");
-            batch.push(slot, seq, n, steps, bs);
+            let seq = self.seqs[slot].as_mut().expect("live");
+            batch.push(slot, seq, computed, n, steps, bs);
+            Self::note_scheduled(seq, n, steps, step, &batch);
             budget -= n;
         }
 
@@ -399,18 +489,25 @@ impl Scheduler {
     /// `[num_samples, steps]`, row `r` holding the tokens of `steps` consecutive decode
     /// steps, of which the first `batch.sample_max_steps[r]` are real. Tokens after a stop
     /// condition are discarded. One event per accepted token.
+    ///
+    /// With several open steps (`schedule_overlapped`) batches are committed oldest first.
+    /// Commit reconciles what the later steps assumed: a sequence that ends here (stop
+    /// token, length) is freed, and its rows in later batches are ignored when they are
+    /// committed; a sequence preempted after this batch was scheduled still gets its token
+    /// (it was sampled from the right context) and resumes over it.
     pub fn commit_steps(
         &mut self,
         batch: &Batch,
         sampled: &[u32],
         steps: usize,
     ) -> Result<Vec<StepEvent>, SchedulerError> {
-        if batch.step != self.step || self.committed {
+        let next = self.open.front().map(|&(step, _)| step);
+        if next != Some(batch.step) {
             return Err(SchedulerError::BatchMismatch(format!(
-                "batch of step {} is not the open step {}{}",
+                "batch of step {} is not the next open step ({}){}",
                 batch.step,
-                self.step,
-                if self.committed {
+                next.map_or_else(|| "none".to_string(), |n| n.to_string()),
+                if batch.step <= self.last_committed {
                     " (already committed)"
                 } else {
                     ""
@@ -430,7 +527,8 @@ impl Scheduler {
                 e.steps, self.ids[e.slot]
             )));
         }
-        self.committed = true;
+        self.open.pop_front();
+        self.last_committed = batch.step;
         let bs = self.cfg.kv_block_size;
         let max_len = self.max_sequence_tokens();
         let mut events = std::mem::take(&mut self.pending);
@@ -448,12 +546,22 @@ impl Scheduler {
             let Some(seq) = self.seqs[entry.slot].as_mut() else {
                 continue;
             };
-            if seq.uid != entry.uid || seq.state != SeqState::Running {
+            if seq.uid != entry.uid {
                 continue;
             }
-            seq.num_computed += entry.num_tokens;
+            seq.num_open_entries -= 1;
+            if entry.steps > 0 {
+                seq.num_pending -= 1;
+            }
+            // A sequence preempted since this batch was scheduled (waiting now) holds no KV:
+            // only its token is kept.
+            let running = seq.state == SeqState::Running;
+            if running {
+                seq.num_computed += entry.num_tokens;
+                seq.num_inflight -= entry.num_tokens;
+            }
             for (j, &tok) in toks.iter().enumerate() {
-                if j > 0 {
+                if j > 0 && running {
                     seq.num_computed += 1; // the worker computed the previous token's KV
                 }
                 seq.tokens.push(tok);
@@ -474,7 +582,7 @@ impl Scheduler {
                     break;
                 }
             }
-            let full = seq.num_computed / bs;
+            let full = if running { seq.num_computed / bs } else { 0 };
             while seq.block_hashes.len() < full {
                 let j = seq.block_hashes.len();
                 let parent = match j.checked_sub(1) {
@@ -559,12 +667,31 @@ impl Scheduler {
                 SeqState::Waiting if !seq.blocks.is_empty() => {
                     return bad(format!("waiting request {} holds blocks", seq.request_id));
                 }
+                SeqState::Waiting if seq.num_inflight > 0 => {
+                    return bad(format!(
+                        "waiting request {} has KV in flight",
+                        seq.request_id
+                    ));
+                }
                 SeqState::Running
-                    if seq.blocks.len() * self.cfg.kv_block_size < seq.num_computed =>
+                    if seq.blocks.len() * self.cfg.kv_block_size
+                        < seq.num_computed + seq.num_inflight =>
                 {
                     return bad(format!("request {} under-allocated", seq.request_id));
                 }
                 _ => {}
+            }
+            if seq.num_open_entries > self.open.len() || seq.num_pending > seq.num_open_entries {
+                return bad(format!(
+                    "request {} has more pending tokens or open entries than open steps",
+                    seq.request_id
+                ));
+            }
+            if seq.num_output() + seq.num_pending > seq.max_new_tokens {
+                return bad(format!(
+                    "request {} is scheduled past max_new_tokens",
+                    seq.request_id
+                ));
             }
         }
         if live != self.running.len() + self.waiting.len() || live != self.by_id.len() {
@@ -653,6 +780,52 @@ mod tests {
         s.check_invariants().unwrap();
         seq_mut(&mut s, "a").num_computed = 9;
         assert_eq!(broken(&s), "request a under-allocated");
+    }
+
+    #[test]
+    fn kv_in_flight_is_counted_against_the_blocks_and_never_held_while_waiting() {
+        let mut s = healthy();
+        seq_mut(&mut s, "a").num_inflight = 3;
+        s.check_invariants().unwrap();
+        seq_mut(&mut s, "a").num_inflight = 4;
+        assert_eq!(broken(&s), "request a under-allocated");
+
+        let mut s = healthy();
+        seq_mut(&mut s, "c").num_inflight = 1;
+        assert_eq!(broken(&s), "waiting request c has KV in flight");
+    }
+
+    #[test]
+    fn pending_tokens_beyond_the_open_steps_are_reported() {
+        let msg = "request a has more pending tokens or open entries than open steps";
+        let mut s = healthy();
+        seq_mut(&mut s, "a").num_open_entries = 1;
+        assert_eq!(broken(&s), msg);
+
+        let mut s = healthy();
+        let _open = s.schedule_overlapped(0).unwrap();
+        s.check_invariants().unwrap();
+        seq_mut(&mut s, "a").num_pending = 2;
+        assert_eq!(broken(&s), msg);
+    }
+
+    #[test]
+    fn a_request_scheduled_past_its_max_new_tokens_is_reported() {
+        let mut s = healthy();
+        // "a" has 1 output token and none pending: a limit of 1 holds, 0 does not.
+        seq_mut(&mut s, "a").max_new_tokens = 1;
+        s.check_invariants().unwrap();
+        seq_mut(&mut s, "a").max_new_tokens = 0;
+        assert_eq!(broken(&s), "request a is scheduled past max_new_tokens");
+
+        // Pending tokens count: with one in flight, 2 holds and 1 does not.
+        let mut s = healthy();
+        let _open = s.schedule_overlapped(0).unwrap();
+        assert_eq!(seq_mut(&mut s, "a").num_pending, 1);
+        seq_mut(&mut s, "a").max_new_tokens = 2;
+        s.check_invariants().unwrap();
+        seq_mut(&mut s, "a").max_new_tokens = 1;
+        assert_eq!(broken(&s), "request a is scheduled past max_new_tokens");
     }
 
     #[test]

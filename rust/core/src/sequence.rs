@@ -55,6 +55,18 @@ pub struct Sequence {
     /// Never look up the prefix cache (its blocks are still published once computed): for
     /// requests that need the logits of every prompt position, which a cached block lacks.
     pub skip_prefix_cache: bool,
+    /// Tokens sampled for this sequence by open (scheduled, not yet committed) steps: they
+    /// sit, unknown, after `tokens` (overlapped scheduling; see `Scheduler::schedule_overlapped`).
+    pub num_pending: usize,
+    /// KV positions after `num_computed` that open steps compute (0 while waiting).
+    pub num_inflight: usize,
+    /// Entries of open steps that name this sequence: a preempted sequence is not
+    /// re-admitted before they are all committed.
+    pub num_open_entries: usize,
+    /// Step and sample row of its latest sampled token, for the placeholder that stands for
+    /// that token in the next step.
+    pub last_sample_step: u64,
+    pub last_sample_row: usize,
 }
 
 /// Per-request scheduling options beyond the prompt and the limits.
@@ -79,5 +91,9 @@ impl Sequence {
     }
     pub fn output(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
+    }
+    /// Length once every open step is committed: committed tokens plus pending ones.
+    pub fn scheduled_len(&self) -> usize {
+        self.tokens.len() + self.num_pending
     }
 }

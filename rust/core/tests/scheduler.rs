@@ -216,10 +216,25 @@ fn commit_rejects_stale_batches_and_wrong_sample_counts() {
         Err(SchedulerError::BatchMismatch(_))
     ));
     s.commit(&new, &[1]).unwrap();
-    assert!(matches!(
-        s.commit(&new, &[1]),
-        Err(SchedulerError::BatchMismatch(_))
-    ));
+    match s.commit(&new, &[1]) {
+        Err(SchedulerError::BatchMismatch(m)) => {
+            assert_eq!(
+                m,
+                "batch of step 2 is not the next open step (none) (already committed)"
+            );
+        }
+        other => panic!("expected a mismatch, got {other:?}"),
+    }
+    // A discarded step was never committed: the message does not say it was.
+    let stale = s.schedule();
+    let fresh = s.schedule();
+    match s.commit(&stale, &[]) {
+        Err(SchedulerError::BatchMismatch(m)) => {
+            assert_eq!(m, "batch of step 3 is not the next open step (4)");
+        }
+        other => panic!("expected a mismatch, got {other:?}"),
+    }
+    s.commit(&fresh, &[1]).unwrap();
 }
 
 #[test]

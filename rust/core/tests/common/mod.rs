@@ -4,7 +4,7 @@
 
 #![allow(dead_code)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use iron_batch_core::{Batch, Scheduler, StepEvent};
 
@@ -15,13 +15,20 @@ pub const VOCAB: u32 = 1000;
 #[derive(Default)]
 pub struct FakeModel {
     kv: HashMap<i64, (i64, i64)>,
+    /// The previous batch's sampled tokens (first step of each row): what placeholders of
+    /// an overlapped batch resolve to, as a backend does on its side.
+    last: Vec<u32>,
 }
 
 impl FakeModel {
     pub fn execute(&mut self, b: &Batch, block_size: usize) -> Vec<u32> {
-        for t in 0..b.num_tokens() {
-            self.kv
-                .insert(b.slot_mapping[t], (b.input_ids[t], b.positions[t]));
+        let mut input_ids = b.input_ids.clone();
+        for (&t, &r) in b.pending_token_indices.iter().zip(&b.pending_sample_rows) {
+            assert_eq!(input_ids[t as usize], 0, "a placeholder holds 0");
+            input_ids[t as usize] = i64::from(self.last[r as usize]);
+        }
+        for ((&slot, &tok), &pos) in b.slot_mapping.iter().zip(&input_ids).zip(&b.positions) {
+            self.kv.insert(slot, (tok, pos));
         }
         let mut out = Vec::new();
         for (k, &row) in b.sample_indices.iter().enumerate() {
@@ -42,6 +49,7 @@ impl FakeModel {
             assert_eq!(b.positions[row as usize] as usize, len - 1);
             out.push((h % u64::from(VOCAB)) as u32);
         }
+        self.last.clone_from(&out);
         out
     }
 }
@@ -102,6 +110,34 @@ pub fn run_lookahead(s: &mut Scheduler, model: &mut FakeModel, k: usize) -> Outp
         steps += 1;
         assert!(steps < 10_000, "no progress");
     }
+    out
+}
+
+/// Run until idle with overlapped scheduling: up to `depth` steps stay open (executed,
+/// not committed) while the next one is scheduled, as the engine does with a device that
+/// runs ahead. Each batch runs at once (the device runs steps in order); commits lag.
+pub fn run_overlapped(s: &mut Scheduler, model: &mut FakeModel, depth: usize) -> Outputs {
+    let bs = s.config().kv_block_size;
+    let mut out = Outputs::new();
+    let mut open = VecDeque::new();
+    let mut steps = 0;
+    while s.has_work() || !open.is_empty() {
+        if s.has_work() {
+            let b = s.schedule_overlapped(0).unwrap();
+            let sampled = model.execute(&b, bs);
+            open.push_back((b, sampled));
+            s.check_invariants().unwrap();
+        }
+        if open.len() > depth || !s.has_work() {
+            let (b, sampled) = open.pop_front().unwrap();
+            let events = s.commit(&b, &sampled).unwrap();
+            record(s, &mut out, &events);
+            s.check_invariants().unwrap();
+        }
+        steps += 1;
+        assert!(steps < 20_000, "no progress");
+    }
+    assert_eq!(s.num_open_steps(), 0);
     out
 }
 

@@ -1,0 +1,84 @@
+"""What overlapped steps buy the torch backend in process, on this machine's CPU.
+
+    python benches/overlap_bench.py                       # SmolLM2-135M, float32
+    python benches/overlap_bench.py --model PATH --dtype bfloat16
+
+Runs the offline engine (``LLM.generate``) at batch 1 (one request) and batch W (W
+requests at once), with ``overlap_depth`` 0 (sequential steps) and 1 (the next step
+scheduled and submitted before the previous one is committed), alternating the two
+``--reps`` times so that machine noise hits both alike; prints the median tok/s of each
+and their ratio. Also reports the share of a decode step spent outside the model's
+forward (the CPU-side work that overlap could hide on an asynchronous device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+from iron_batch import LLM, SamplingParams
+
+
+def tok_s(llm: LLM, prompts: list[list[int]], new: int) -> float:
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+
+
+def outside_forward_share(llm: LLM, prompt: list[int], new: int) -> float:
+    model: Any = llm.backend.model  # type: ignore[attr-defined]
+    forward = model.forward
+    spent = [0.0]
+
+    def timed(**kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return forward(**kw)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    model.forward = timed
+    try:
+        t = time.perf_counter()
+        tok_s(llm, [prompt], new)
+        elapsed = time.perf_counter() - t
+    finally:
+        model.forward = forward
+    return 1 - spent[0] / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--width", type=int, default=32, help="batch W (default 32)")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    llms = {d: LLM(model=args.model, dtype=args.dtype, device="cpu", overlap_depth=d)
+            for d in (0, 1)}
+    vocab = llms[0].backend.vocab_size
+    rng = np.random.default_rng(0)
+    for batch in (1, args.width):
+        prompts = [rng.integers(3, vocab, size=args.prompt_tokens).tolist()
+                   for _ in range(batch)]
+        tok_s(llms[0], prompts[:1], 8)  # warm up
+        tok_s(llms[1], prompts[:1], 8)
+        runs: dict[int, list[float]] = {0: [], 1: []}
+        for _ in range(args.reps):
+            for d in (0, 1):
+                runs[d].append(tok_s(llms[d], prompts, args.new_tokens))
+        med = {d: statistics.median(v) for d, v in runs.items()}
+        print(f"batch {batch:3}: no overlap {med[0]:8.1f} tok/s, overlap {med[1]:8.1f} tok/s, "
+              f"ratio {med[1] / med[0]:.2f}x  (runs {runs})", flush=True)
+    share = outside_forward_share(llms[0], prompts[0], args.new_tokens)
+    print(f"batch 1: {share:.0%} of a step is spent outside the model forward", flush=True)
+
+
+if __name__ == "__main__":
+    main()
