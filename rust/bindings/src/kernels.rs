@@ -349,6 +349,11 @@ unsafe fn qmatrix<'a>(
     n: usize,
     k: usize,
 ) -> Result<QMatrix<'a>, KernelError> {
+    if !k.is_multiple_of(QBLOCK) {
+        return Err(KernelError(format!(
+            "k must be a multiple of {QBLOCK}, not {k}"
+        )));
+    }
     let blocks = n * (k / QBLOCK);
     match kind {
         "q4" => Ok(QMatrix::Q4(Q4 {
@@ -384,18 +389,16 @@ pub fn _gemv_quant(
     threads: usize,
     openmp: Option<(usize, usize, usize)>,
 ) -> PyResult<()> {
-    if !k.is_multiple_of(QBLOCK) {
-        return Err(PyValueError::new_err("k must be a multiple of 32"));
-    }
     let kind = kind.to_owned();
     run_kernel(py, openmp, move |parallel| {
-        // SAFETY: see `slice` and `qmatrix`.
-        let (out, x, bias, weight) = unsafe {
+        // SAFETY: see `slice` and `qmatrix` (which checks the shape before any slice).
+        let weight = unsafe { qmatrix(&kind, quants, scale, min, n, k)? };
+        // SAFETY: see `slice`.
+        let (out, x, bias) = unsafe {
             (
                 slice_mut::<Bf16>(out, rows * n),
                 slice::<Bf16>(x, rows * k),
                 (bias != 0).then(|| slice::<Bf16>(bias, n)),
-                qmatrix(&kind, quants, scale, min, n, k)?,
             )
         };
         gemv_quant(out, x, weight, bias, rows, n, k, threads, parallel)
@@ -418,18 +421,12 @@ pub fn _dequantize_bf16(
     threads: usize,
     openmp: Option<(usize, usize, usize)>,
 ) -> PyResult<()> {
-    if !k.is_multiple_of(QBLOCK) {
-        return Err(PyValueError::new_err("k must be a multiple of 32"));
-    }
     let kind = kind.to_owned();
     run_kernel(py, openmp, move |parallel| {
-        // SAFETY: see `slice` and `qmatrix`.
-        let (out, weight) = unsafe {
-            (
-                slice_mut::<Bf16>(out, n * k),
-                qmatrix(&kind, quants, scale, min, n, k)?,
-            )
-        };
+        // SAFETY: see `slice` and `qmatrix` (which checks the shape before any slice).
+        let weight = unsafe { qmatrix(&kind, quants, scale, min, n, k)? };
+        // SAFETY: see `slice`.
+        let out = unsafe { slice_mut::<Bf16>(out, n * k) };
         dequantize_bf16(out, weight, n, k, threads, parallel)
     })
 }

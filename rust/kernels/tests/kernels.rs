@@ -3,22 +3,9 @@
 
 use iron_batch_kernels::{paged_decode_attention, Bf16, DecodeShape, Element, ScopedThreads};
 
-struct Rng(u64);
+mod common;
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() % 20_001) as f32 / 10_000.0 - 1.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
+use common::Rng;
 
 struct Case {
     shape: DecodeShape,

@@ -6,19 +6,9 @@ use iron_batch_kernels::{
     QBLOCK,
 };
 
-struct Rng(u64);
+mod common;
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() % 20_001) as f32 / 10_000.0 - 1.0
-    }
-}
+use common::Rng;
 
 struct Q4Data {
     packed: Vec<u8>,
