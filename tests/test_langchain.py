@@ -3,12 +3,10 @@ with a pydantic model (both of its methods) and ``bind_tools`` with a forced cal
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Literal
 
 import pytest
-from conftest import ServerHandle, ServerStarter
-from iron_batch.backends.torch_backend import TorchBackend
+from conftest import ServerHandle
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
@@ -28,15 +26,6 @@ class Person(BaseModel):
 def get_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
     """Current weather in a city."""
     return f"18 degrees {unit} in {city}"
-
-
-@pytest.fixture(scope="module")
-def smol() -> Iterator[ServerHandle]:
-    backend = TorchBackend.from_model(MODEL, device="cpu", total_kv_blocks=64)
-    starter = ServerStarter()
-    yield starter(backend, total_kv_blocks=backend.num_kv_blocks,
-                  kv_block_size=backend.kv_block_size, max_model_len=backend.max_model_len)
-    starter.close()
 
 
 @pytest.fixture(scope="module")

@@ -5,29 +5,14 @@ One server for the module; a handful of short generations.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from conftest import ServerHandle, ServerStarter
-from iron_batch.backends.torch_backend import TorchBackend
+from conftest import ServerHandle
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def smol() -> Iterator[ServerHandle]:
-    backend = TorchBackend.from_model("smollm2-135m", device="cpu", total_kv_blocks=64)
-    starter = ServerStarter()
-    yield starter(
-        backend,
-        total_kv_blocks=backend.num_kv_blocks,
-        kv_block_size=backend.kv_block_size,
-        max_model_len=backend.max_model_len,
-    )
-    starter.close()
 
 
 @pytest.fixture(scope="module")

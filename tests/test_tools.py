@@ -19,7 +19,6 @@ import openai
 import pytest
 from conftest import ServerHandle, ServerStarter
 from iron_batch.backends.mock import MockBackend
-from iron_batch.backends.torch_backend import TorchBackend
 from iron_batch.models.loader import read_gguf_fields, resolve
 from iron_batch.tokenizer import Tokenizer
 
@@ -55,15 +54,6 @@ TIME = {
 }
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def smol() -> Iterator[ServerHandle]:
-    backend = TorchBackend.from_model(MODEL, device="cpu", total_kv_blocks=64)
-    starter = ServerStarter()
-    yield starter(backend, total_kv_blocks=backend.num_kv_blocks,
-                  kv_block_size=backend.kv_block_size, max_model_len=backend.max_model_len)
-    starter.close()
 
 
 @pytest.fixture(scope="module")
