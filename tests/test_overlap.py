@@ -267,12 +267,8 @@ def test_grammars_hold_and_match_sequential_steps_with_overlap() -> None:
     is the same as without overlap and always matches."""
     import re
 
-    from iron_batch.structured import choice_grammar, regex_grammar
-    from iron_batch.structured.masking import llguidance_installed
-
-    if not llguidance_installed():
-        pytest.skip("llguidance is not installed")
     from iron_batch.backends.torch_backend import TorchBackend
+    from iron_batch.structured import choice_grammar, regex_grammar
 
     be = TorchBackend.from_model("smollm2-135m", device="cpu", total_kv_blocks=64,
                                  kv_block_size=4)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from typing import Any
 
+import gguf.quants as gguf_quants
 import numpy as np
 import pytest
 import torch
@@ -23,8 +24,6 @@ from iron_batch.models.llama import LlamaModel
 from iron_batch.models.loader import resolve
 from iron_batch.sampling_params import SamplingParams
 from tiny_models import FAMILIES, checkpoint, random_prompts, reference_model, run_scheduler
-
-gguf_quants = pytest.importorskip("gguf.quants")
 
 
 def _reference_product(x: torch.Tensor, w: quant.QuantWeight) -> torch.Tensor:

@@ -156,10 +156,7 @@ def browser() -> Iterator[Any]:
     if executable is None:
         pytest.skip("no Chromium installed (apt-get install chromium, or set "
                     "IRON_BATCH_CHROMIUM); the page's browser tests need one")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("playwright is not installed (pip install -e '.[test]')")
+    from playwright.sync_api import sync_playwright  # in the test extra
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
         yield b

@@ -328,20 +328,9 @@ class _DelayedReplies:
 def build_backend(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The backend and the INFO the server sizes its scheduler from."""
     from iron_batch.backends.build import build_backend as build
-    from iron_batch.backends.build import scheduler_config
+    from iron_batch.backends.build import scheduler_config, shared_options
 
-    backend = build(
-        args.backend,
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        total_kv_blocks=args.total_kv_blocks,
-        kv_block_size=args.kv_block_size,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        quantization=args.quantization,
-        mock_token_latency_us=args.mock_token_latency_us,
-        mock_prefill_token_latency_us=args.mock_prefill_token_latency_us,
-    )
+    backend = build(args.backend, **shared_options(args))
     # The pool the server's scheduler will index: the backend's own, or the flags'.
     config = scheduler_config(
         backend, total_kv_blocks=args.total_kv_blocks, kv_block_size=args.kv_block_size

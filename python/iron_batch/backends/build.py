@@ -30,6 +30,17 @@ class BackendConfigError(ValueError):
     message names the option (CLIs print it as a usage error)."""
 
 
+#: Flags the server and the worker both parse under these names, passed on as they are.
+_SHARED_FLAGS = ("model", "device", "dtype", "total_kv_blocks", "kv_block_size",
+                 "kv_cache_memory_gb", "quantization", "mock_token_latency_us",
+                 "mock_prefill_token_latency_us")
+
+
+def shared_options(args: Any) -> dict[str, Any]:
+    """The :func:`build_backend` keywords the server's and the worker's parsed flags share."""
+    return {name: getattr(args, name) for name in _SHARED_FLAGS}
+
+
 def build_backend(
     kind: str,
     *,

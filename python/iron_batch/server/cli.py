@@ -198,7 +198,12 @@ def api_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[
 
 def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     """Backend and engine from parsed flags; bad combinations exit through ``parser.error``."""
-    from iron_batch.backends.build import BackendConfigError, build_backend, scheduler_config
+    from iron_batch.backends.build import (
+        BackendConfigError,
+        build_backend,
+        scheduler_config,
+        shared_options,
+    )
     from iron_batch.engine import Engine
 
     keys = getattr(args, "api_keys", None)
@@ -207,15 +212,7 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
     try:
         backend = build_backend(
             args.backend,
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            total_kv_blocks=args.total_kv_blocks,
-            kv_block_size=args.kv_block_size,
-            kv_cache_memory_gb=args.kv_cache_memory_gb,
-            quantization=args.quantization,
-            mock_token_latency_us=args.mock_token_latency_us,
-            mock_prefill_token_latency_us=args.mock_prefill_token_latency_us,
+            **shared_options(args),
             url=args.backend_url,
             # One server key doubles as the worker's by default (several: name it).
             api_key=args.backend_api_key or (keys[0] if len(keys) == 1 else None),
