@@ -304,3 +304,35 @@ def _dequantize_bf16(
 def _q4_layout(k: int) -> tuple[np.ndarray, np.ndarray]:
     """Where each weight of a ``k``-wide Q4 row lives: (int64 byte index, bool high nibble)
     arrays of ``k`` (the layout of ``rust/kernels/src/quant.rs``)."""
+
+class _DecoderStack:
+    """A model's decoder layers by address, for one-call decode steps (see
+    ``iron_batch.models.cpu_decoder``, which checks and keeps the tensors)."""
+
+    def __init__(
+        self,
+        layers: list[tuple[int, int, int, int, list[tuple[str, int, int, int, int, int, int]]]],
+        *,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+    ) -> None: ...
+    def set_caches(
+        self, caches: list[tuple[int, int]], num_blocks: int, block_size: int
+    ) -> None: ...
+    def decode(
+        self,
+        h: int,
+        cos: int,
+        sin: int,
+        slots: np.ndarray,
+        block_tables: np.ndarray,
+        seq_lens: np.ndarray,
+        *,
+        scale: float,
+        eps: float,
+        sliding_window: int,
+        threads: int,
+        openmp: tuple[int, int, int] | None = None,
+    ) -> None: ...

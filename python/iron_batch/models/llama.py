@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from iron_batch.models import cpu_attention, cpu_fused, quant
+from iron_batch.models import cpu_attention, cpu_decoder, cpu_fused, quant
 from iron_batch.models.config import ModelConfig
 from iron_batch.models.paged_attention import AttentionPlan, paged_attention, write_kv
 from iron_batch.models.quant import QuantWeight
@@ -182,6 +182,13 @@ class LlamaModel:
                     layer.packed = packed  # type: ignore[assignment]
             assert isinstance(self.lm_head, torch.Tensor)
             self.lm_head_packed = cpu_fused.prepack(self.lm_head)
+        # Decode steps with few rows: every layer in one Rust call (see cpu_decoder).
+        self.decoder: cpu_decoder.DecoderStack | None = None
+        if shard is None and cpu_decoder.enabled(device, dtype):
+            self.decoder = cpu_decoder.DecoderStack(
+                self.layers, hidden=c.hidden_size, heads=self.num_heads,
+                kv_heads=self.num_kv_heads, head_dim=c.head_dim, eps=c.rms_norm_eps,
+            )
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(device)
         self.scale = c.head_dim**-0.5
         self.q_size = self.num_heads * c.head_dim
@@ -197,6 +204,8 @@ class LlamaModel:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)
         ]
         self.block_size = block_size
+        if self.decoder is not None:
+            self.decoder.set_caches(self.kv_caches, block_size)
 
     def _cos_sin(
         self, pos: torch.Tensor, positions: np.ndarray
@@ -258,6 +267,17 @@ class LlamaModel:
         else:
             ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).to(dev)
         pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev)
+        n = ids.shape[0]
+        decoder = self.decoder
+        if decoder is not None and 0 < n <= decoder.max_rows and len(query_start_loc) == n + 1:
+            if np.all(np.diff(query_start_loc) == 1):  # every row decodes
+                lens = np.asarray(seq_lens, dtype=np.int32)
+                width = -(-int(lens.max()) // self.block_size)
+                h = self._embed(ids).contiguous()
+                cos, sin = self._cos_sin(pos, positions)
+                decoder.decode(h, cos, sin, slot_mapping, np.asarray(block_tables)[:, :width],
+                               lens, scale=self.scale, sliding_window=c.sliding_window)
+                return self._logits(h, sample_indices)
         slots = torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64)).to(dev)
         plan = AttentionPlan(
             query_start_loc=np.asarray(query_start_loc),
@@ -274,7 +294,6 @@ class LlamaModel:
         )
         cos, sin = self._cos_sin(pos, positions)
         eps = c.rms_norm_eps
-        n = ids.shape[0]
         # CPU: RMSNorm (+ the residual add before it) as one Rust call, and for decode-only
         # steps rotary + KV store too (prefill paths also need k/v as tensors).
         fused = self.cpu_fused
@@ -291,12 +310,7 @@ class LlamaModel:
                 return cpu_fused.packed_linear(x, layer.packed[name], bias)
             return F.linear(x, weight, bias)
 
-        if shard is not None:
-            h = _vocab_parallel_embedding(ids, self.embed, shard)  # type: ignore[arg-type]
-        elif isinstance(self.embed, QuantWeight):
-            h = self.embed.rows(ids)
-        else:
-            h = F.embedding(ids, self.embed)
+        h = self._embed(ids)
         layers = self.layers
         x = cpu_fused.add_rms_norm_(h, None, layers[0].input_norm, eps) if fused else None
         for i, (layer, cache) in enumerate(zip(layers, self.kv_caches, strict=True)):
@@ -316,8 +330,12 @@ class LlamaModel:
                     k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
                         n, num_kv_heads, -1
                     )
-                    q = apply_rope(_rms_norm(q, layer.q_norm, eps), cos, sin)
-                    k = apply_rope(_rms_norm(k, layer.k_norm, eps), cos, sin)
+                    if fused:  # the kernel the one-call decode uses (cpu_decoder)
+                        q = _head_norm(q, layer.q_norm, eps)
+                        k = _head_norm(k, layer.k_norm, eps)
+                    else:
+                        q, k = _rms_norm(q, layer.q_norm, eps), _rms_norm(k, layer.k_norm, eps)
+                    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
                 else:
                     # One rotation over q and k heads together: half the elementwise calls,
                     # which on a small CPU cost more in dispatch than in arithmetic.
@@ -342,12 +360,23 @@ class LlamaModel:
                 x = cpu_fused.add_rms_norm_(h, mlp, layers[i + 1].input_norm, eps)  # h += mlp
             else:
                 h = h + mlp
-        rows = torch.from_numpy(np.ascontiguousarray(sample_indices, dtype=np.int64)).to(dev)
-        last = _rms_norm(h[rows], self.norm, eps)
+        return self._logits(h, sample_indices)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.shard is not None:
+            return _vocab_parallel_embedding(ids, self.embed, self.shard)  # type: ignore[arg-type]
+        if isinstance(self.embed, QuantWeight):
+            return self.embed.rows(ids)
+        return F.embedding(ids, self.embed)
+
+    def _logits(self, h: torch.Tensor, sample_indices: np.ndarray) -> torch.Tensor:
+        """Final norm and LM head over the rows of ``h`` to sample (and to score)."""
+        rows = torch.from_numpy(np.ascontiguousarray(sample_indices, dtype=np.int64))
+        last = _rms_norm(h[rows.to(self.device)], self.norm, self.config.rms_norm_eps)
         logits = self._lm_head(last)
-        if shard is not None:
+        if self.shard is not None:
             # This rank's vocabulary columns: rank 0 joins them and drops the padding.
-            return shard.gather_logits(logits)[:, : c.vocab_size]
+            return self.shard.gather_logits(logits)[:, : self.config.vocab_size]
         return logits
 
     def _lm_head(self, last: torch.Tensor) -> torch.Tensor:
@@ -380,6 +409,13 @@ def _require(get: TensorSource, name: str) -> torch.Tensor:
     if t is None:
         raise ValueError(f"checkpoint is missing tensor {name!r}")
     return t.float()
+
+
+def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm of ``x`` [T, heads, hd] by the fused CPU kernel."""
+    t, heads, hd = x.shape
+    return cpu_fused.add_rms_norm_(x.reshape(t * heads, hd).contiguous(), None, weight,
+                                   eps).view(t, heads, hd)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

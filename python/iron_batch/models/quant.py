@@ -86,8 +86,9 @@ class QuantWeight:
     source: str
 
     def __post_init__(self) -> None:
-        # The kernel's raw arguments, taken once: a decode step makes ~120 of these calls.
-        self._addresses = (
+        #: The kernels' raw arguments (quants, scale, min addresses), taken once: a decode
+        #: step makes ~120 of these calls.
+        self.addresses = (
             self.quants.data_ptr(), self.scale.data_ptr(),
             0 if self.min is None else self.min.data_ptr(),
         )
@@ -115,7 +116,7 @@ class QuantWeight:
             raise ValueError(f"quantized linear: bias must be bf16 [{self.n}]")
         out = torch.empty(rows, self.n, dtype=torch.bfloat16)
         _GEMV(
-            out.data_ptr(), x.data_ptr(), self.kind, *self._addresses,
+            out.data_ptr(), x.data_ptr(), self.kind, *self.addresses,
             0 if bias is None else bias.contiguous().data_ptr(),
             rows=rows, n=self.n, k=self.k, threads=torch.get_num_threads(),
             openmp=_openmp_entry_points(),
@@ -130,7 +131,7 @@ class QuantWeight:
             self.n, self.k, dtype=torch.bfloat16
         )
         _DEQUANT(
-            out.data_ptr(), self.kind, *self._addresses, n=self.n, k=self.k,
+            out.data_ptr(), self.kind, *self.addresses, n=self.n, k=self.k,
             threads=torch.get_num_threads(), openmp=_openmp_entry_points(),
         )
         return out

@@ -98,7 +98,7 @@ fn openmp_runner(openmp: Option<(usize, usize, usize)>) -> Option<OpenMp> {
 /// Runs a kernel without the GIL, its parts on the caller's OpenMP team when the team's
 /// entry points are given (OS threads otherwise). A kernel error becomes ValueError; a
 /// panic on a team thread (caught there) becomes RuntimeError.
-fn run_kernel(
+pub(crate) fn run_kernel(
     py: Python<'_>,
     openmp: Option<(usize, usize, usize)>,
     kernel: impl FnOnce(&dyn Parallel) -> Result<(), KernelError> + Send,
@@ -120,11 +120,11 @@ fn run_kernel(
 /// `cpu_fused`, which check device, dtype, contiguity and shapes first): each address points
 /// at a live contiguous CPU tensor of the element type `bf16` names, with the element count
 /// the other arguments imply; outputs alias no input.
-unsafe fn slice<'a, T>(addr: usize, len: usize) -> &'a [T] {
+pub(crate) unsafe fn slice<'a, T>(addr: usize, len: usize) -> &'a [T] {
     std::slice::from_raw_parts(addr as *const T, len)
 }
 
-unsafe fn slice_mut<'a, T>(addr: usize, len: usize) -> &'a mut [T] {
+pub(crate) unsafe fn slice_mut<'a, T>(addr: usize, len: usize) -> &'a mut [T] {
     std::slice::from_raw_parts_mut(addr as *mut T, len)
 }
 
@@ -341,7 +341,7 @@ pub fn _gemv_bf16(
 /// "q8" (i8 quants, scale; `min` unused).
 ///
 /// SAFETY: as for `slice`, with the element counts of an `n` x `k` matrix of that kind.
-unsafe fn qmatrix<'a>(
+pub(crate) unsafe fn qmatrix<'a>(
     kind: &str,
     quants: usize,
     scale: usize,

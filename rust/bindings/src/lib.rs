@@ -3,6 +3,7 @@
 mod allocator;
 mod batch;
 mod convert;
+mod decoder;
 mod errors;
 mod kernels;
 mod scheduler;
@@ -17,6 +18,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::Scheduler>()?;
     m.add_class::<batch::Batch>()?;
     m.add_class::<allocator::BlockAllocator>()?;
+    m.add_class::<decoder::DecoderStack>()?;
     m.add_function(wrap_pyfunction!(kernels::_paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_rope_store_kv, m)?)?;

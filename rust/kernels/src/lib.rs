@@ -2,12 +2,16 @@
 //! `cargo bench` run without Python). The bindings hand them raw tensor memory.
 
 mod attention;
+mod decoder;
 mod element;
 mod elementwise;
 mod gemv;
 mod quant;
 
 pub use attention::{paged_decode_attention, DecodeShape, KernelError, Parallel, ScopedThreads};
+pub use decoder::{
+    decode_layers, exp, silu_mul, DecodeInputs, DecoderLayer, LayerCache, Matrix, Projection,
+};
 pub use element::{Bf16, Element, F16};
 pub use elementwise::{add_rms_norm, rope_store_kv};
 pub use gemv::gemv_bf16;

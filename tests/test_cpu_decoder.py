@@ -1,0 +1,124 @@
+"""Decode steps with every decoder layer in one Rust call (``models/cpu_decoder.py``):
+the same tokens and log-probabilities as the layer-by-layer Python path, on every tiny
+family (GQA, qkv bias, Qwen3's q/k norms, a sliding window) in bf16 and quantized, one
+sequence and several; bad calls are refused and change nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from iron_batch.backends.torch_backend import TorchBackend
+from iron_batch.models import cpu_decoder
+from tiny_models import FAMILIES, checkpoint, random_prompts, run_scheduler
+
+
+def _backend(name: str, quantization: str | None, fused: bool,
+             monkeypatch: pytest.MonkeyPatch) -> TorchBackend:
+    monkeypatch.setenv("IRON_BATCH_CPU_DECODER", "1" if fused else "0")
+    be = TorchBackend.from_model(str(checkpoint(name)), device="cpu", dtype="bfloat16",
+                                 total_kv_blocks=96, kv_block_size=4, quantization=quantization)
+    assert (be.model.decoder is not None) == fused
+    return be
+
+
+@pytest.mark.parametrize("quantization", [None, "int4", "int8"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_one_call_decode_gives_the_python_paths_tokens_and_logits(
+    name: str, quantization: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Longer than mistral's 24-token window; batch 1 and a batch of 5 (quantized only:
+    # bf16 weights take the stack up to 2 rows).
+    prompts = random_prompts(3, [40, 7, 19, 3, 28])
+    runs = []
+    for fused in (True, False):
+        be = _backend(name, quantization, fused, monkeypatch)
+        rows: list[int] = []
+        alone = [_logits_run(be, [p], rows) for p in prompts[:2]]
+        together = _logits_run(be, prompts if quantization else prompts[:2], rows)
+        runs.append((alone, together))
+        if fused:
+            # The stack ran the decode steps, alone and batched.
+            assert 1 in rows and max(rows) == (5 if quantization else 2)
+        else:
+            assert rows == []
+    (fused_alone, fused_batch), (plain_alone, plain_batch) = runs
+    for got, want in [*zip(fused_alone, plain_alone, strict=True), (fused_batch, plain_batch)]:
+        assert got[0] == want[0]  # tokens
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
+def _logits_run(be: TorchBackend, prompts: list[list[int]],
+                rows: list[int]) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy tokens of each prompt, and every sampled step's logits (float32)."""
+    logits: list[torch.Tensor] = []
+    model = be.model
+    forward = model._logits
+
+    def keep(h: torch.Tensor, sample_indices: np.ndarray) -> torch.Tensor:
+        out = forward(h, sample_indices)
+        logits.append(out.clone())
+        return out
+
+    model._logits = keep  # type: ignore[method-assign]
+    stack = model.decoder
+    if stack is not None:
+        decode = stack.decode
+
+        def counted(h: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+            rows.append(h.shape[0])
+            return decode(h, *args, **kwargs)
+
+        stack.decode = counted  # type: ignore[method-assign]
+    try:
+        tokens, _ = run_scheduler(be, prompts, 24, max_batch_tokens=64)
+    finally:
+        del model._logits
+        if stack is not None:
+            del stack.decode
+    return tokens, torch.cat(logits)
+
+
+def test_the_stack_refuses_bad_calls_and_leaves_the_cache_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    be = _backend("llama", "int4", True, monkeypatch)
+    model = be.model
+    stack = model.decoder
+    assert stack is not None
+    hidden, hd = model.config.hidden_size, model.config.head_dim
+    h = torch.randn(1, hidden).to(torch.bfloat16)
+    cos = torch.ones(1, hd, dtype=torch.bfloat16)
+    sin = torch.zeros(1, hd, dtype=torch.bfloat16)
+    before = [c.clone() for c in model.kv_caches]
+    table = np.zeros((1, 1), np.int32)
+    good = dict(scale=0.1, sliding_window=None)
+    bad_calls = [
+        # a slot outside the cache
+        (h, cos, sin, np.array([10**6]), table, np.array([1], np.int32)),
+        # a block id outside the cache
+        (h, cos, sin, np.array([0]), np.array([[10**6]], np.int32), np.array([1], np.int32)),
+        # float32 rows
+        (h.float(), cos, sin, np.array([0]), table, np.array([1], np.int32)),
+        # more rows than the GEMV kernels serve
+        (torch.zeros(stack.max_rows + 1, hidden, dtype=torch.bfloat16), cos, sin,
+         np.zeros(stack.max_rows + 1), np.zeros((stack.max_rows + 1, 1), np.int32),
+         np.ones(stack.max_rows + 1, np.int32)),
+        # one slot for two rows
+        (torch.zeros(2, hidden, dtype=torch.bfloat16), cos.repeat(2, 1), sin.repeat(2, 1),
+         np.array([0]), np.zeros((2, 1), np.int32), np.ones(2, np.int32)),
+    ]
+    h_before = h.clone()
+    for args in bad_calls:
+        with pytest.raises(ValueError):
+            stack.decode(*args, **good)
+    assert torch.equal(h, h_before)
+    for c, b in zip(model.kv_caches, before, strict=True):
+        assert torch.equal(c, b)
+
+
+def test_float32_and_tensor_parallel_models_keep_the_python_path() -> None:
+    assert not cpu_decoder.enabled(torch.device("cpu"), torch.float32)
+    be = TorchBackend.from_model(str(checkpoint("llama")), device="cpu", dtype="float32",
+                                 total_kv_blocks=32, kv_block_size=4)
+    assert be.model.decoder is None
