@@ -7,6 +7,7 @@
 
 use crate::attention::{KernelError, Parallel};
 use crate::element::{Bf16, Element};
+use crate::prefetch::prefetch_ahead;
 
 /// Output rows per part below which a call is not split.
 const MIN_ROWS_PER_PART: usize = 256;
@@ -52,6 +53,7 @@ pub fn gemv_bf16(
             // streams in flight and one activation load per four rows.
             let take = if hi - row >= 4 { 4 } else { 1 };
             let w = &weight[row * k..(row + take) * k];
+            prefetch_ahead(w.as_ptr() as *const u8, take * k * 2);
             dot_rows(&xf, w, rows, k, take, &mut results);
             for (r, values) in results.iter().enumerate().take(rows) {
                 for (t, value) in values.iter().enumerate().take(take) {

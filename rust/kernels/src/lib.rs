@@ -6,6 +6,7 @@ mod decoder;
 mod element;
 mod elementwise;
 mod gemv;
+mod prefetch;
 mod quant;
 
 pub use attention::{paged_decode_attention, DecodeShape, KernelError, Parallel, ScopedThreads};

@@ -1,0 +1,29 @@
+//! Software prefetch for the GEMV kernels' weight streams.
+//!
+//! At batch 1 a GEMV reads each weight once, straight from memory. Interleaved with the
+//! arithmetic, one thread's loads alone kept about half of the bandwidth a plain streaming
+//! read gets (a 30-layer pass of SmolLM2's Q4 projections: 12.5 against 25 GB/s on one
+//! thread); asking for the rows a fixed distance ahead closed part of that gap (5.8 ->
+//! 4.9 ms for that pass, one thread).
+
+/// How far ahead of the row being multiplied the weights are requested (bytes).
+pub(crate) const AHEAD: usize = 8 * 1024;
+
+/// Asks the caches for the `len` bytes that start [`AHEAD`] bytes after `at`. A hint:
+/// addresses past the end of the matrix are never read and cannot fault.
+#[inline(always)]
+pub(crate) fn prefetch_ahead(at: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let start = at.wrapping_add(AHEAD);
+        let mut offset = 0;
+        while offset < len {
+            // SAFETY: a prefetch is a hint; it does not access memory architecturally.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(offset) as *const i8) };
+            offset += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (at, len);
+}
