@@ -26,6 +26,8 @@ Two ways to drive it:
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
 import gc
 import logging
 import threading
@@ -140,6 +142,11 @@ class _Request:
         return text, stop_matched
 
 
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    atexit.register(gc.unfreeze)
+
+
 class Engine:
     """Continuous batching over one backend; see the module docstring."""
 
@@ -199,8 +206,10 @@ class Engine:
         # What is loaded by now (model, tokenizer, libraries: about a million objects)
         # lives as long as the process: take it out of the cyclic collector's view, whose
         # full passes otherwise walked it in the middle of decode steps (4% of a profile
-        # of 64-sequence decoding). Process-wide and cheap to repeat.
+        # of 64-sequence decoding). Process-wide and cheap to repeat; undone at exit, so
+        # that the interpreter's last collection still finalizes those objects.
         gc.freeze()
+        _unfreeze_at_exit()
 
     # ------------------------------------------------------------------ lifecycle
 
