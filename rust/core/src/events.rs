@@ -127,9 +127,19 @@ mod tests {
         assert_eq!(cols.finish_reasons, [1, 0, 2, 3]);
         assert_eq!(cols.num_finished, 3);
         assert_eq!(cols.len(), 4);
+        assert!(!cols.is_empty());
         assert_eq!(cols.iter().collect::<Vec<_>>(), ROWS);
         assert_eq!(ROWS.iter().copied().collect::<StepEvents>(), cols);
         assert!(StepEvents::default().is_empty());
+    }
+
+    #[test]
+    fn with_capacity_reserves_every_column() {
+        let cols = StepEvents::with_capacity(8);
+        assert!(cols.is_empty());
+        assert!(cols.slots.capacity() >= 8);
+        assert!(cols.token_ids.capacity() >= 8);
+        assert!(cols.finish_reasons.capacity() >= 8);
     }
 
     #[test]
