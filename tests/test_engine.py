@@ -160,6 +160,34 @@ def test_requests_that_come_and_go_each_get_exactly_their_own_tokens(depth: int)
     assert {"abort", "stop", "length"} <= set(reasons)
 
 
+class LookaheadAlphabet(TextMockBackend):
+    """Three decode steps per call, like a remote worker: the token at position p is letter
+    p % 26, so a prompt "abc" continues "defghij..."."""
+
+    steps_per_call = 3
+
+    def __init__(self) -> None:
+        super().__init__(token_latency_us=0)
+
+    def execute(self, batch):  # type: ignore[no-untyped-def]
+        pos = batch.positions[batch.sample_indices]
+        return (pos[:, None] + np.arange(1, 4)) % 26
+
+
+def test_a_stop_string_matched_mid_lookahead_drops_the_rest_of_the_call() -> None:
+    llm = LLM(backend=LookaheadAlphabet())
+    outs = llm.generate(["abc", "abcdefghijk", "abc"], [
+        SamplingParams(max_new_tokens=10, stop=["fg"]),  # "def", then "g" ends it: "hi" dropped
+        SamplingParams(max_new_tokens=4, stop=["m"]),  # "l", then "m" ends it: "n" dropped
+        SamplingParams(max_new_tokens=5),
+    ])
+    assert [(o.text, o.finish_reason) for o in outs] == [
+        ("de", "stop"), ("l", "stop"), ("defgh", "length")]
+    assert [len(o.token_ids) for o in outs] == [4, 2, 5]
+    assert llm.engine.stats.scheduler["free_blocks"] == llm.engine.config.total_kv_blocks
+    assert llm.engine.stats.scheduler["running"] == 0
+
+
 class LostKV(BackendError):
     invalidates_kv = True
 
