@@ -1,5 +1,10 @@
-"""Scheduler step cost from Python (schedule + commit, numpy batch included), steady state:
-every sequence decodes; each finished one is replaced by a new request.
+"""Scheduler step cost from Python (schedule + commit, numpy batch and events included),
+steady state: every sequence decodes; each finished one is replaced by a new request.
+
+The events are consumed as the engine consumes them: per-request state is looked up by the
+handle ``add_request`` returned, the per-token part works on whole columns (here: each
+request's count of generated tokens), and Python objects are touched only for the requests
+that finished (their id is looked up, the request retired and replaced).
 
     pytest benches/test_scheduler_bench.py --benchmark-only
 """
@@ -20,31 +25,58 @@ class Steady:
         self.ids = itertools.count()
         self.prefill_per_step = prefill_per_step
         self.sampled = np.full(running + 1, 7, dtype=np.int64)
+        # Per handle: the request id, and its tokens so far.
+        self.by_handle: list[str | None] = []
+        self.num_tokens = np.zeros(0, dtype=np.int64)
+        self.completed = 0
         for i in range(running):
             self.add(64 + (i * 7) % 192)
         for _ in range(300):
             self.step()
 
+    def track(self, handle: int, request_id: str) -> None:
+        if handle >= len(self.by_handle):
+            grow = handle + 1 - len(self.by_handle)
+            self.by_handle.extend([None] * grow)
+            self.num_tokens = np.concatenate([self.num_tokens, np.zeros(grow, np.int64)])
+        self.by_handle[handle] = request_id
+        self.num_tokens[handle] = 0
+
     def add(self, max_new: int) -> None:
         n = next(self.ids)
-        self.s.add_request(f"req-{n}", np.arange(n, n + 16, dtype=np.int64), max_new)
+        rid = f"req-{n}"
+        self.track(self.s.add_request(rid, np.arange(n, n + 16, dtype=np.int64), max_new), rid)
 
     def step(self) -> None:
         if self.prefill_per_step:
             n = next(self.ids)
-            self.s.add_request(f"pre-{n}", np.arange(n, n + self.prefill_per_step), 1)
+            rid = f"pre-{n}"
+            self.track(self.s.add_request(rid, np.arange(n, n + self.prefill_per_step), 1), rid)
         b = self.s.schedule()
         events = self.s.commit(b, self.sampled[: b.sample_indices.shape[0]])
-        for rid, _tok, done, _reason in events:
-            if done and rid.startswith("req"):
-                self.add(192)
+        handles = events.handles
+        # One event per token here (no lookahead): a handle appears at most once.
+        self.num_tokens[handles] += events.token_ids >= 0
+        if events.num_finished:
+            by_handle = self.by_handle
+            for h in handles[events.finished].tolist():
+                rid = by_handle[h]
+                by_handle[h] = None
+                self.completed += 1
+                if rid is not None and rid.startswith("req"):
+                    self.add(192)
 
 
 @pytest.mark.parametrize("running", [16, 256, 1024])
 def test_decode_step(benchmark, running: int) -> None:
     w = Steady(running)
+    done = w.completed
     benchmark(w.step)
     assert w.s.num_running + w.s.num_waiting == running
+    assert w.completed > done
+    live = [h for h, rid in enumerate(w.by_handle) if rid is not None]
+    assert len(live) == running and all(0 <= w.num_tokens[h] <= 192 for h in live)
+    assert w.num_tokens[live].sum() > running * 32
 
 
 def test_mixed_step_256_decodes_plus_512_prefill(benchmark) -> None:

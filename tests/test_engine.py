@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import TextMockBackend, wait_for
 from iron_batch import LLM, Engine, SamplingParams, SchedulerConfig
-from iron_batch.backends.base import Backend
+from iron_batch.backends.base import Backend, BackendError
 from iron_batch.backends.mock import MockBackend
 from iron_batch.engine import TokenEvent
 
@@ -95,6 +96,140 @@ def test_eos_and_stop_token_ids() -> None:
         [[1, 2, 3]], SamplingParams(max_new_tokens=8, stop_token_ids=[stop_at])
     )[0]
     assert by_param.token_ids == first.token_ids[:4]
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_requests_that_come_and_go_each_get_exactly_their_own_tokens(depth: int) -> None:
+    """Requests added, stopped, aborted and their ids reused while others run, in a pool
+    small enough to preempt: every request's events carry its own tokens, indexed from 0,
+    and end once (the engine finds each event's request by its scheduler handle, which the
+    scheduler recycles)."""
+    rng = random.Random(depth)
+    work = []
+    for i, prompt in enumerate(prompts(40, 6)):
+        params = SamplingParams(max_new_tokens=rng.randrange(0, 14))
+        work.append((f"r{i % 7}", prompt, params))
+    reference = [o.token_ids for o in LLM(backend=fast_mock()).generate(
+        [p for _, p, _ in work], [params for _, _, params in work])]
+    # Half of them stop on their third token (when they get that far).
+    for k, (_, _, params) in enumerate(work):
+        if k % 2 and len(reference[k]) > 3:
+            params.stop_token_ids = [reference[k][2]]
+            reference[k] = reference[k][: reference[k].index(reference[k][2]) + 1]
+    engine = Engine(fast_mock(), SchedulerConfig(total_kv_blocks=20, kv_block_size=2,
+                                                 max_running_seqs=5, max_batch_tokens=16),
+                    overlap_depth=depth)
+    live: dict[str, int] = {}  # request id -> index into work
+    got: dict[int, list[TokenEvent]] = {}
+    aborted: set[int] = set()
+    todo = list(range(len(work)))
+    while todo or engine.has_unfinished():
+        for _ in range(rng.randrange(0, 3)):
+            if todo and work[todo[0]][0] not in live:
+                k = todo.pop(0)
+                rid, prompt, params = work[k]
+                live[rid] = k
+                got[k] = []
+                engine.add_request(rid, prompt, params)
+        if live and rng.random() < 0.08:
+            rid = rng.choice(sorted(live))
+            aborted.add(live[rid])
+            engine.abort(rid)
+        for event in engine.step():
+            k = live[event.request_id]
+            assert not got[k] or not got[k][-1].finished
+            got[k].append(event)
+            if event.finished:
+                del live[event.request_id]
+    assert not live and engine.stats.scheduler["preemptions"] > 0
+    assert engine.stats.scheduler["free_blocks"] == 20
+    reasons: list[str | None] = []
+    for k, events in got.items():
+        tokens = [e.token_id for e in events if e.token_id is not None]
+        assert [e.index for e in events if e.token_id is not None] == list(range(len(tokens)))
+        assert events[-1].finished and sum(e.finished for e in events) == 1
+        reason = events[-1].finish_reason
+        reasons.append(reason)
+        if reason == "abort":
+            assert k in aborted and tokens == reference[k][: len(tokens)]
+        else:
+            assert tokens == reference[k]
+            stops = work[k][2].stop_token_ids
+            assert reason == ("stop" if tokens and tokens[-1] in stops else "length")
+    assert len(got) == len(work)
+    assert {"abort", "stop", "length"} <= set(reasons)
+
+
+class LookaheadAlphabet(TextMockBackend):
+    """Three decode steps per call, like a remote worker: the token at position p is letter
+    p % 26, so a prompt "abc" continues "defghij..."."""
+
+    steps_per_call = 3
+
+    def __init__(self) -> None:
+        super().__init__(token_latency_us=0)
+
+    def execute(self, batch):  # type: ignore[no-untyped-def]
+        pos = batch.positions[batch.sample_indices]
+        return (pos[:, None] + np.arange(1, 4)) % 26
+
+
+def test_a_stop_string_matched_mid_lookahead_drops_the_rest_of_the_call() -> None:
+    llm = LLM(backend=LookaheadAlphabet())
+    outs = llm.generate(["abc", "abcdefghijk", "abc"], [
+        SamplingParams(max_new_tokens=10, stop=["fg"]),  # "def", then "g" ends it: "hi" dropped
+        SamplingParams(max_new_tokens=4, stop=["m"]),  # "l", then "m" ends it: "n" dropped
+        SamplingParams(max_new_tokens=5),
+    ])
+    assert [(o.text, o.finish_reason) for o in outs] == [
+        ("de", "stop"), ("l", "stop"), ("defgh", "length")]
+    assert [len(o.token_ids) for o in outs] == [4, 2, 5]
+    assert llm.engine.stats.scheduler["free_blocks"] == llm.engine.config.total_kv_blocks
+    assert llm.engine.stats.scheduler["running"] == 0
+
+
+class LostKV(BackendError):
+    invalidates_kv = True
+
+
+class KVLosingBackend(MockBackend):
+    def __init__(self) -> None:
+        super().__init__(0, 0)
+        self.fail_at = -1
+
+    def execute(self, batch):  # type: ignore[no-untyped-def]
+        if self.steps == self.fail_at:
+            self.steps += 1
+            raise LostKV("worker gone")
+        return super().execute(batch)
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_a_backend_that_loses_its_kv_fails_everything_and_a_fresh_scheduler_goes_on(
+    depth: int,
+) -> None:
+    backend = KVLosingBackend()
+    engine = Engine(backend, SchedulerConfig(total_kv_blocks=64), overlap_depth=depth)
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, [1, 2, 3], SamplingParams(max_new_tokens=8))
+    engine.step()
+    engine.step()
+    backend.fail_at = backend.steps
+    failed: list[TokenEvent] = []
+    while engine.has_unfinished():
+        failed.extend(engine.step())
+    assert {e.request_id for e in failed if e.finished} == {"a", "b", "c"}
+    assert {e.finish_reason for e in failed if e.finished} == {"error"}
+    engine.add_request("d", [1, 2, 3], SamplingParams(max_new_tokens=5))
+    engine.add_request("a", [4, 5, 6], SamplingParams(max_new_tokens=3))
+    after: dict[str, list[TokenEvent]] = {"a": [], "d": []}
+    while engine.has_unfinished():
+        for event in engine.step():
+            after[event.request_id].append(event)
+    assert [e.index for e in after["d"]] == [0, 1, 2, 3, 4]
+    assert [e.index for e in after["a"]] == [0, 1, 2]
+    assert after["d"][-1].finish_reason == after["a"][-1].finish_reason == "length"
+    assert engine.stats.scheduler["free_blocks"] == 64
 
 
 class FailingBackend(MockBackend):

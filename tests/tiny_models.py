@@ -233,8 +233,10 @@ def run_scheduler(
             inflight.append((batch, be.submit(batch)))
         if len(inflight) > overlap_depth or not sched.has_work():
             batch, handle = inflight.popleft()
-            for rid, token, finished, _reason in sched.commit(batch, be.wait(handle)):
-                if token is not None:
+            events = sched.commit(batch, be.wait(handle))
+            for rid, token, finished in zip(events.request_ids, events.token_ids.tolist(),
+                                            events.finished.tolist(), strict=True):
+                if token >= 0:
                     outputs[rid].append(token)
                 if finished:
                     be.remove_request(rid)

@@ -6,6 +6,7 @@ Importing this package never imports torch: the torch backend loads on first use
 from __future__ import annotations
 
 from iron_batch._core import (
+    FINISH_REASONS,
     AllocatorError,
     Batch,
     BatchMismatch,
@@ -16,6 +17,7 @@ from iron_batch._core import (
     RequestRejected,
     Scheduler,
     SchedulerConfig,
+    StepEvents,
     UnknownRequest,
 )
 from iron_batch._core import __version__ as __version__
@@ -24,6 +26,7 @@ from iron_batch.llm import LLM, RequestOutput
 from iron_batch.sampling_params import SamplingParams
 
 __all__ = [
+    "FINISH_REASONS",
     "AllocatorError",
     "Batch",
     "BatchMismatch",
@@ -38,6 +41,7 @@ __all__ = [
     "SamplingParams",
     "Scheduler",
     "SchedulerConfig",
+    "StepEvents",
     "TokenEvent",
     "UnknownRequest",
 ]

@@ -106,11 +106,39 @@ class Batch:
     def num_computed_before(self) -> npt.NDArray[np.int32]:
         """[num_seqs] tokens already in the KV cache before this step."""
 
-class StepEvent:
-    request_id: str
-    token_id: int | None
-    finished: bool
-    finish_reason: str | None
+FINISH_REASONS: tuple[None, str, str, str]
+"""``FINISH_REASONS[code]`` names a ``StepEvents.finish_reasons`` code:
+``(None, "length", "stop", "abort")``. 0 (None) is an event whose request goes on; commit
+never reports "abort" (an aborted request has no more events)."""
+
+class StepEvents:
+    """One commit's events as columns: event ``i`` is row ``i`` of each array. The arrays
+    are owned by numpy (moved from Rust, no copy); no Python object is made per event.
+
+    Order: requests that ended without model work (``max_new_tokens == 0``) first, then the
+    batch's rows in order; with lookahead, a request's tokens are consecutive rows."""
+
+    @property
+    def handles(self) -> npt.NDArray[np.int64]:
+        """[N] the handle of each event's request, as ``Scheduler.add_request`` returned it."""
+    @property
+    def token_ids(self) -> npt.NDArray[np.int64]:
+        """[N] the accepted token, or -1 for an event without one (a request that ended
+        without producing a token)."""
+    @property
+    def finish_reasons(self) -> npt.NDArray[np.uint8]:
+        """[N] 0 while the request goes on; else the code of why it ended (see
+        ``FINISH_REASONS``): 1 length, 2 stop. The scheduler has freed its blocks."""
+    @property
+    def finished(self) -> npt.NDArray[np.bool_]:
+        """[N] ``finish_reasons != 0`` (a new array on every access)."""
+    @property
+    def num_finished(self) -> int:
+        """Events that end their request."""
+    @property
+    def request_ids(self) -> list[str]:
+        """[N] request id of each event (a list built on every access)."""
+    def __len__(self) -> int: ...
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None: ...
@@ -126,8 +154,14 @@ class Scheduler:
         priority: int = 0,
         cache_salt: str | None = None,
         skip_prefix_cache: bool = False,
-    ) -> None:
-        """Queue a request. Raises RequestRejected or DuplicateRequest, changing nothing.
+    ) -> int:
+        """Queue a request; returns its handle, the small int that names it in
+        ``StepEvents.handles``. Raises RequestRejected or DuplicateRequest, changing nothing.
+
+        A handle is the request's slot: it names the request from here until the first
+        ``schedule`` after the commit (or abort, or finish) that ended it; only a request
+        added after that ``schedule`` may get the same handle. So a list indexed by handle,
+        set here and cleared when the request ends, names the request of every event.
 
         ``priority``: lower runs first; the waiting queue and the choice of preemption
         victim follow (priority, arrival). ``cache_salt``: requests with different salts
@@ -148,12 +182,13 @@ class Scheduler:
         open batches are discarded (they can no longer be committed)."""
     def commit(
         self, batch: Batch, sampled: Sequence[int] | npt.NDArray[np.integer]
-    ) -> list[tuple[str, int | None, bool, str | None]]:
+    ) -> StepEvents:
         """Apply the sampled tokens: 1-D, one per sample row; or 2-D ``[num_samples, K]``
-        for a lookahead batch (tokens past a stop condition are discarded). Returns events
-        ``(request_id, token_id or None, finished, finish_reason or None)``, one per
-        accepted token. Requests with ``max_new_tokens == 0`` finish through an event with
-        no token."""
+        for a lookahead batch (tokens past a stop condition are discarded). Returns the
+        step's events as columns, one event per accepted token. Requests with
+        ``max_new_tokens == 0`` finish through an event with no token (-1). Rows of requests
+        aborted or finished since ``schedule`` are dropped; a request preempted since (by a
+        later ``schedule(overlap=True)``) still gets its token."""
     def abort(self, request_id: str) -> bool:
         """Free everything the request holds; False if it is not live (already ended)."""
     def finish(self, request_id: str) -> bool:

@@ -2,7 +2,10 @@
 
 One step: drain pending adds/aborts -> ``scheduler.schedule()`` -> ``backend.submit(batch)``
 -> ``backend.wait`` -> ``scheduler.commit(batch, sampled)`` -> hand the step's token events
-to each asyncio loop in a single ``call_soon_threadsafe``.
+to each asyncio loop in a single ``call_soon_threadsafe``. The commit's events come as
+columns (:class:`iron_batch.StepEvents`); the engine finds each event's request by its
+scheduler handle in a list, and makes no Python object per event beyond the
+:class:`TokenEvent` its stream gets.
 
 Overlap (``overlap_depth`` >= 1, the default): the engine keeps steps in flight on the
 backend. While step N runs it schedules step N+1 (decodes whose input is N's token, not
@@ -39,7 +42,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from iron_batch._core import IronBatchError, Scheduler, SchedulerConfig
+from iron_batch._core import (
+    FINISH_REASONS,
+    IronBatchError,
+    Scheduler,
+    SchedulerConfig,
+    StepEvents,
+)
 from iron_batch.backends.base import BackendError, ExecutedStep, ExecuteOnly, FatalBackendError
 from iron_batch.openmp import release_thread_pool
 from iron_batch.sampling_params import SamplingParams
@@ -107,6 +116,7 @@ class _Request:
         "num_tokens",
         "num_cached",
         "started",
+        "handle",
     )
 
     def __init__(
@@ -129,6 +139,8 @@ class _Request:
         self.num_cached: int | None = None
         # First token out (or ended without one): its prompt no longer counts as waiting.
         self.started = False
+        # The scheduler's handle (slot) while the request is live there; None before.
+        self.handle: int | None = None
 
     def decode(self, token_id: int, finished: bool) -> tuple[str | None, bool]:
         """The text ``token_id`` completes (None without a tokenizer) and whether it
@@ -180,6 +192,8 @@ class Engine:
         self.stats = EngineStats()
         self._refresh_stats()
         self._requests: dict[str, _Request] = {}
+        # The live requests by scheduler handle: how a commit's events find their request.
+        self._by_handle: list[_Request | None] = []
         self._cond = threading.Condition(threading.Lock())
         self._inbox: list[_Command] = []
         self._stopping = False
@@ -463,9 +477,9 @@ class Engine:
                     return
                 self._failed_steps = 0
             extras = self._sample_extras(batch, sampled, handle) if batch.num_samples else None
-            raw = scheduler.commit(batch, sampled)
-            if raw:
-                self._on_commit(raw, out, extras)
+            events = scheduler.commit(batch, sampled)
+            if len(events):
+                self._on_commit(events, out, extras)
 
     def _collect_inflight(self) -> set[str]:
         """Wait out every step in flight, ignoring its result (so the backend's replies
@@ -496,6 +510,7 @@ class Engine:
             # prefix-cache entry points at KV that no longer exists.
             self._fail_requests(set(self._requests), f"backend error: {exc}", out)
             self.scheduler = Scheduler(self.config)
+            self._by_handle = []
         self._check_fatal(exc, f"backend error: {exc}", out)
 
     def _sample_extras(
@@ -536,55 +551,75 @@ class Engine:
 
     def _on_commit(
         self,
-        raw: list[tuple[str, int | None, bool, str | None]],
+        events: StepEvents,
         out: list[tuple[_Request, TokenEvent]],
         extras: dict[str, Logprobs] | None = None,
     ) -> None:
         now = time.perf_counter()
         stats = self.stats
         ttft = stats.ttft
-        itl = stats.itl
-        requests = self._requests
+        by_handle = self._by_handle
+        reasons = FINISH_REASONS
         tokens = 0
         # Requests that also got a token last step share the same gap: count gaps per
         # previous timestamp and observe each distinct one once (one log() per step).
+        # Events of requests with the same previous timestamp mostly come in runs.
         gaps: dict[float, int] = {}
-        for request_id, token_id, finished, reason in raw:
-            req = requests.get(request_id)
+        run_last = 0.0
+        run = 0
+        for handle, token, code in zip(
+            events.handles.tolist(), events.token_ids.tolist(),
+            events.finish_reasons.tolist(), strict=True,
+        ):
+            req = by_handle[handle]
             if req is None:
-                # Already retired earlier in this list: a stop string matched on one of the
+                # Already retired earlier in this step: a stop string matched on one of the
                 # request's several lookahead tokens; the rest are discarded.
                 continue
-            text: str | None = None
+            finished = code != 0
+            reason = reasons[code]
             index = req.num_tokens
-            if token_id is not None:
+            if token < 0:
+                # Ended without a token (max_new_tokens == 0).
+                event = TokenEvent(req.request_id, index, None, None, finished, reason)
+            else:
                 req.num_tokens = index + 1
                 tokens += 1
                 last = req.last_time
                 if last is None:
                     ttft.observe(now - req.arrival)
                     self._mark_started(req)
+                elif last == run_last:
+                    run += 1
                 else:
-                    gaps[last] = gaps.get(last, 0) + 1
+                    if run:
+                        gaps[run_last] = gaps.get(run_last, 0) + run
+                    run_last = last
+                    run = 1
                 req.last_time = now
-                text, stop_matched = req.decode(token_id, finished)
-                if stop_matched:
-                    if not finished:
-                        # The scheduler only knows token ids; a stop string is ours to
-                        # enforce, from this thread, before the next schedule().
-                        self.scheduler.finish(request_id)
-                        finished = True
-                    reason = "stop"
-            event = TokenEvent(request_id, index, token_id, text, finished, reason)
-            if extras and token_id is not None:
-                event.logprobs = extras.get(request_id)
-            if index == 0 and token_id is not None and req.params.prompt_logprobs is not None:
-                event.prompt_logprobs = self.backend.take_prompt_logprobs(request_id)
+                text: str | None = None
+                if req.detok is not None:
+                    text, stop_matched = req.decode(token, finished)
+                    if stop_matched:
+                        if not finished:
+                            # The scheduler only knows token ids; a stop string is ours to
+                            # enforce, from this thread, before the next schedule().
+                            self.scheduler.finish(req.request_id)
+                            finished = True
+                        reason = "stop"
+                event = TokenEvent(req.request_id, index, token, text, finished, reason)
+                if extras:
+                    event.logprobs = extras.get(req.request_id)
+                if index == 0 and req.params.prompt_logprobs is not None:
+                    event.prompt_logprobs = self.backend.take_prompt_logprobs(req.request_id)
             if finished:
                 stats.requests_completed += 1
                 event.num_cached_tokens = req.num_cached or 0
                 self._retire(req)
             out.append((req, event))
+        if run:
+            gaps[run_last] = gaps.get(run_last, 0) + run
+        itl = stats.itl
         for last, n in gaps.items():
             itl.observe_many(now - last, n)
         stats.tokens_generated += tokens
@@ -631,7 +666,7 @@ class Engine:
             self._reject(req, str(exc), "ValueError", out)
             return
         try:
-            self.scheduler.add_request(
+            handle = self.scheduler.add_request(
                 request_id, req.prompt_token_ids, params.max_new_tokens, stop_ids,
                 priority=params.priority, cache_salt=params.cache_salt,
                 # A cached block has KV but no logits: score the whole prompt.
@@ -642,6 +677,11 @@ class Engine:
             self._reject(req, str(exc), type(exc).__name__, out)
             return
         self._requests[request_id] = req
+        req.handle = handle
+        by_handle = self._by_handle
+        if handle >= len(by_handle):
+            by_handle.extend([None] * (handle + 1 - len(by_handle)))
+        by_handle[handle] = req
         self._uncounted.add(request_id)
         if self._tokenizer is not None:
             from iron_batch.tokenizer import IncrementalDetokenizer
@@ -687,6 +727,12 @@ class Engine:
     def _retire(self, req: _Request) -> None:
         self._mark_started(req)
         self._requests.pop(req.request_id, None)
+        handle = req.handle
+        if handle is not None:
+            req.handle = None
+            by_handle = self._by_handle
+            if handle < len(by_handle) and by_handle[handle] is req:
+                by_handle[handle] = None
         self._uncounted.discard(req.request_id)
         try:
             self.backend.remove_request(req.request_id)

@@ -5,10 +5,22 @@ mod batch;
 mod convert;
 mod decoder;
 mod errors;
+mod events;
 mod kernels;
 mod scheduler;
 
 use pyo3::prelude::*;
+
+/// `FINISH_REASONS[code]`: the name of each `StepEvents.finish_reasons` code (None for 0).
+fn finish_reasons() -> Vec<Option<&'static str>> {
+    std::iter::once(None)
+        .chain(
+            iron_batch_core::FinishReason::ALL
+                .iter()
+                .map(|r| Some(r.as_str())),
+        )
+        .collect()
+}
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -17,6 +29,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::SchedulerConfig>()?;
     m.add_class::<scheduler::Scheduler>()?;
     m.add_class::<batch::Batch>()?;
+    m.add_class::<events::StepEvents>()?;
+    m.add(
+        "FINISH_REASONS",
+        pyo3::types::PyTuple::new(m.py(), finish_reasons())?,
+    )?;
     m.add_class::<allocator::BlockAllocator>()?;
     m.add_class::<decoder::DecoderStack>()?;
     m.add_function(wrap_pyfunction!(kernels::_paged_decode_attention, m)?)?;

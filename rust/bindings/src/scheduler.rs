@@ -10,11 +10,12 @@ use std::sync::{Mutex, MutexGuard};
 
 use iron_batch_core as core;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyString};
 
 use crate::batch::Batch;
 use crate::convert::token_ids;
 use crate::errors::{alloc_err, new_err, sched_err, Kind};
+use crate::events::StepEvents;
 
 #[pyclass(module = "iron_batch._core", get_all, set_all, eq, from_py_object)]
 #[derive(Clone, PartialEq)]
@@ -98,21 +99,11 @@ pub struct Scheduler {
     inner: Mutex<Inner>,
     config: SchedulerConfig,
     owner: usize,
-    reasons: [Py<PyString>; 3],
 }
 
 impl Scheduler {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn reason(&self, py: Python<'_>, r: core::FinishReason) -> Py<PyString> {
-        let i = match r {
-            core::FinishReason::Length => 0,
-            core::FinishReason::Stop => 1,
-            core::FinishReason::Abort => 2,
-        };
-        self.reasons[i].clone_ref(py)
     }
 }
 
@@ -126,7 +117,7 @@ fn lookup_id(py: Python<'_>, inner: &Inner, slot: usize) -> Py<PyString> {
 #[pymethods]
 impl Scheduler {
     #[new]
-    fn new(py: Python<'_>, config: SchedulerConfig) -> PyResult<Self> {
+    fn new(config: SchedulerConfig) -> PyResult<Self> {
         let core = core::Scheduler::new(config.to_core()).map_err(|e| {
             pyo3::exceptions::PyValueError::new_err(e.to_string().replace("request rejected: ", ""))
         })?;
@@ -137,11 +128,6 @@ impl Scheduler {
             }),
             config,
             owner: NEXT_OWNER.fetch_add(1, Ordering::Relaxed),
-            reasons: [
-                PyString::intern(py, "length").unbind(),
-                PyString::intern(py, "stop").unbind(),
-                PyString::intern(py, "abort").unbind(),
-            ],
         })
     }
 
@@ -162,7 +148,7 @@ impl Scheduler {
         priority: i64,
         cache_salt: Option<&str>,
         skip_prefix_cache: bool,
-    ) -> PyResult<()> {
+    ) -> PyResult<usize> {
         let prompt = token_ids(prompt_token_ids, "prompt_token_ids")?;
         let stops = match stop_token_ids {
             Some(s) => token_ids(s, "stop_token_ids")?,
@@ -194,7 +180,7 @@ impl Scheduler {
             inner.py_ids.resize_with(slot + 1, || None);
         }
         inner.py_ids[slot] = Some(request_id.clone().unbind());
-        Ok(())
+        Ok(slot)
     }
 
     /// Plan the next step. The core work runs without the GIL. With `overlap`, steps
@@ -222,14 +208,14 @@ impl Scheduler {
         Batch::new(py, batch, ids, self.owner)
     }
 
-    /// Apply one sampled token per sample row; returns the step's events as tuples
-    /// `(request_id, token_id | None, finished, finish_reason | None)`.
-    fn commit<'py>(
+    /// Apply one sampled token per sample row; returns the step's events as columns
+    /// (`StepEvents`: handles, token ids, finish-reason codes).
+    fn commit(
         &self,
-        py: Python<'py>,
+        py: Python<'_>,
         batch: &Batch,
-        sampled: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyList>> {
+        sampled: &Bound<'_, PyAny>,
+    ) -> PyResult<StepEvents> {
         if batch.owner != self.owner {
             return Err(new_err(
                 Kind::BatchMismatch,
@@ -242,25 +228,15 @@ impl Scheduler {
             .core
             .commit_steps(&batch.core, &sampled, steps)
             .map_err(sched_err)?;
-        let none = py.None();
-        let out = PyList::empty(py);
-        for e in &events {
-            let id = lookup_id(py, inner, e.slot);
-            let tok = match e.token {
-                Some(t) => t.into_pyobject(py)?.into_any().unbind(),
-                None => none.clone_ref(py),
-            };
-            let (fin, reason) = match e.finish {
-                Some(r) => (true, self.reason(py, r).into_any()),
-                None => (false, none.clone_ref(py)),
-            };
-            let fin = pyo3::types::PyBool::new(py, fin)
-                .to_owned()
-                .into_any()
-                .unbind();
-            out.append(PyTuple::new(py, [id.into_any(), tok, fin, reason])?)?;
-        }
-        Ok(out)
+        let ids = events
+            .iter()
+            .map(|e| lookup_id(py, inner, e.slot))
+            .collect();
+        Ok(StepEvents::new(
+            py,
+            core::StepEvents::from(&events[..]),
+            ids,
+        ))
     }
 
     fn abort(&self, request_id: &str) -> bool {

@@ -8,16 +8,8 @@ use crate::batch::Batch;
 use crate::block_hash::{hash_block, hash_salt, BlockHasher};
 use crate::config::SchedulerConfig;
 use crate::error::{AllocError, SchedulerError};
+pub use crate::events::StepEvent;
 use crate::sequence::{FinishReason, RequestOptions, SeqState, Sequence};
-
-/// What happened to one request in a step. `Scheduler::request_id(slot)` names the request
-/// until the next `schedule` (slots are reused only from then on).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StepEvent {
-    pub slot: usize,
-    pub token: Option<u32>,
-    pub finish: Option<FinishReason>,
-}
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SchedulerStats {

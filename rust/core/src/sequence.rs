@@ -19,6 +19,28 @@ pub enum FinishReason {
 }
 
 impl FinishReason {
+    /// Every reason, in the order of their codes (1, 2, 3).
+    pub const ALL: [FinishReason; 3] = [
+        FinishReason::Length,
+        FinishReason::Stop,
+        FinishReason::Abort,
+    ];
+
+    /// The reason's code in `StepEvents::finish_reasons`: 1 length, 2 stop, 3 abort (0 is
+    /// an event whose request goes on).
+    pub fn code(self) -> u8 {
+        match self {
+            FinishReason::Length => 1,
+            FinishReason::Stop => 2,
+            FinishReason::Abort => 3,
+        }
+    }
+
+    /// The reason of a code; None for 0 (not finished) or an unknown code.
+    pub fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.get(usize::from(code).checked_sub(1)?).copied()
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             FinishReason::Length => "length",
