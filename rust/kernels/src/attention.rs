@@ -512,19 +512,39 @@ mod avx512_bf16 {
         let mut inv_sum = vec![0f32; group];
         // Per head, the scores of the padded context, then their exponentials.
         let mut probs: Vec<f32> = Vec::new();
+        // The rows of this item and of the next one (whose first tile is fetched early).
         let mut offsets: Vec<usize> = Vec::new();
+        let mut upcoming: Vec<usize> = Vec::new();
+        let items = out.len() / (group * hd);
+        if items == 0 {
+            return;
+        }
         let lines = (hd * 2).div_ceil(64);
+        // Item `item`'s attended rows, the last tile filled up with copies of the last row
+        // (scored, then masked out); the number of real ones.
+        let rows_of = |item: usize, rows: &mut Vec<usize>| {
+            let (seq, head) = (item / s.num_kv_heads, item % s.num_kv_heads);
+            let (n, runs) = job.runs(seq, head);
+            rows.clear();
+            for (at, count) in runs {
+                rows.extend((0..count).map(|i| at + i * stride));
+            }
+            rows.resize(n.next_multiple_of(TILE), rows[n - 1]);
+            n
+        };
+        let mut upcoming_n = rows_of(first, &mut upcoming);
+        prefetch(kp, vp, &upcoming[..TILE], lines);
         for (k, item_out) in out.chunks_exact_mut(group * hd).enumerate() {
             let item = first + k;
             let (seq, head) = (item / s.num_kv_heads, item % s.num_kv_heads);
-            let (n, runs) = job.runs(seq, head);
-            offsets.clear();
-            for (at, count) in runs {
-                offsets.extend((0..count).map(|i| at + i * stride));
+            std::mem::swap(&mut offsets, &mut upcoming);
+            let n = upcoming_n;
+            let padded = offsets.len();
+            if k + 1 < items {
+                upcoming_n = rows_of(item + 1, &mut upcoming);
+            } else {
+                upcoming.clear();
             }
-            // The last tile is filled up with copies of the last row: scored, then masked.
-            let padded = n.next_multiple_of(TILE);
-            offsets.resize(padded, offsets[n - 1]);
             let qp = job.q.as_ptr().add((seq * s.num_heads + head * group) * hd) as *const u16;
             for (i, q) in query.iter_mut().enumerate() {
                 *q = _mm512_loadu_si512(qp.add(i * 32) as *const _);
@@ -533,12 +553,13 @@ mod avx512_bf16 {
             probs.resize(group * padded, 0.0);
             let pp = probs.as_mut_ptr();
             top.fill(_mm512_set1_ps(f32::NEG_INFINITY));
-            prefetch(kp, vp, &offsets[..TILE], lines);
             for (t, rows) in offsets.chunks_exact(TILE).enumerate() {
                 // One kv head's rows are strided and the blocks scattered: fetch the next
-                // tile's K and V rows while this one is scored.
-                if let Some(next) = offsets.get((t + 1) * TILE..(t + 2) * TILE) {
-                    prefetch(kp, vp, next, lines);
+                // tile's K and V rows while this one is scored (after the last tile, the
+                // next item's first).
+                match offsets.get((t + 1) * TILE..(t + 2) * TILE) {
+                    Some(next) => prefetch(kp, vp, next, lines),
+                    None => prefetch(kp, vp, upcoming.get(..TILE).unwrap_or(&[]), lines),
                 }
                 let valid = (n - t * TILE).min(TILE);
                 let live: __mmask16 = if valid == TILE {
