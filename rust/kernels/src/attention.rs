@@ -233,8 +233,10 @@ pub fn paged_decode_attention_on<T: Element>(
     let items = s.num_seqs * s.num_kv_heads;
     let cost = |item: usize| job.span(item / s.num_kv_heads).1 as u64 + 8;
     let total: u64 = (0..items).map(cost).sum();
-    // Below ~32k key reads a call is done in microseconds: a thread would cost more.
-    let wanted = ((total * s.num_kv_heads as u64) / 32_768).max(1) as usize;
+    // Below ~32k (key, query head) scores a call is done in microseconds: a thread would
+    // cost more. (Each key row read is scored against the `group` query heads of its kv
+    // head; `total` already counts every kv head's rows.)
+    let wanted = ((total * group as u64) / 32_768).max(1) as usize;
     let parts = threads.clamp(1, items).min(wanted);
     if parts == 1 {
         run_items(&job, 0, out);
