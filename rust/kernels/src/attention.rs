@@ -534,8 +534,19 @@ mod avx512_bf16 {
             rows.resize(n.next_multiple_of(TILE), rows[n - 1]);
             n
         };
+        // Lines to fetch per row: an item of kv head 0 fetches whole positions (the rows of
+        // every kv head, contiguous in the cache), so that its sequence's other items find
+        // them in the caches. From DRAM, where a call's cache is after the other layers',
+        // that is 10-15% faster than each item fetching its own rows.
+        let reach = |item: usize| {
+            if item.is_multiple_of(s.num_kv_heads) {
+                lines * s.num_kv_heads
+            } else {
+                lines
+            }
+        };
         let mut upcoming_n = rows_of(first, &mut upcoming);
-        prefetch(kp, vp, &upcoming[..TILE], lines);
+        prefetch(kp, vp, &upcoming[..TILE], reach(first));
         for (k, item_out) in out.chunks_exact_mut(group * hd).enumerate() {
             let item = first + k;
             let (seq, head) = (item / s.num_kv_heads, item % s.num_kv_heads);
@@ -560,8 +571,11 @@ mod avx512_bf16 {
                 // tile's K and V rows while this one is scored (after the last tile, the
                 // next item's first).
                 match offsets.get((t + 1) * TILE..(t + 2) * TILE) {
-                    Some(next) => prefetch(kp, vp, next, lines),
-                    None => prefetch(kp, vp, upcoming.get(..TILE).unwrap_or(&[]), lines),
+                    Some(next) => prefetch(kp, vp, next, reach(item)),
+                    None => {
+                        let next = upcoming.get(..TILE).unwrap_or(&[]);
+                        prefetch(kp, vp, next, reach(item + 1))
+                    }
                 }
                 let valid = (n - t * TILE).min(TILE);
                 let live: __mmask16 = if valid == TILE {
