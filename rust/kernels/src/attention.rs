@@ -476,7 +476,7 @@ mod avx512 {
 ///    sums would take 128. The tiles and heads are independent of each other, so the
 ///    out-of-order core overlaps them; the maximum is kept lane-wise.
 /// 2. The softmax in f32, 16 scores at a time.
-/// 3. The values, summed with f32 FMAs in one sweep over the rows per (up to 4 or 8) heads,
+/// 3. The values, summed with f32 FMAs in one sweep over the rows per 4 heads (or fewer),
 ///    the sums in registers throughout: a 64-byte load of 32 bf16 gives the even elements
 ///    by a shift and the odd ones by a mask, so the sums are kept as (even, odd) pairs and
 ///    put back in order only when rounded to bf16.
@@ -537,7 +537,7 @@ mod avx512_bf16 {
         // Lines to fetch per row: an item of kv head 0 fetches whole positions (the rows of
         // every kv head, contiguous in the cache), so that its sequence's other items find
         // them in the caches. From DRAM, where a call's cache is after the other layers',
-        // that is 10-15% faster than each item fetching its own rows.
+        // that was 5-12% faster than each item fetching its own rows.
         let reach = |item: usize| {
             if item.is_multiple_of(s.num_kv_heads) {
                 lines * s.num_kv_heads
@@ -609,7 +609,7 @@ mod avx512_bf16 {
             let mut h0 = 0;
             while h0 < group {
                 // Up to 4 heads per sweep over the rows.
-                let heads = group - h0;
+                let heads = (group - h0).min(4);
                 let sweep = Sweep {
                     probs: pp.add(h0 * padded),
                     padded,
@@ -619,13 +619,13 @@ mod avx512_bf16 {
                     out: op.add(h0 * hd),
                     hd,
                 };
-                h0 += match heads {
+                match heads {
                     1 => sweep.run::<1>(),
                     2 => sweep.run::<2>(),
                     3 => sweep.run::<3>(),
-                    4 => sweep.run::<4>(),
                     _ => sweep.run::<4>(),
-                };
+                }
+                h0 += heads;
             }
         }
     }
@@ -733,26 +733,21 @@ mod avx512_bf16 {
     }
 
     impl Sweep<'_> {
-        /// Heads `0..H` (or 4 of them, if `H` is more): their weighted sums of the value
-        /// rows, into `out`. Returns how many heads it did.
+        /// Heads `0..H`: their weighted sums of the value rows, into `out`. Two chunks
+        /// of the row at a time where there are two: `4 * H` independent sums (up to 16 in
+        /// registers), to hide the FMAs' latency.
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw")]
-        unsafe fn run<const H: usize>(&self) -> usize {
+        unsafe fn run<const H: usize>(&self) {
             let chunks = self.hd / 32;
             let mut c = 0;
-            while c < chunks {
-                // Two chunks at a time where there are two: up to 16 independent sums, to
-                // hide the FMAs' latency.
-                let two = c + 2 <= chunks;
-                match (H >= 4, two) {
-                    (true, true) => self.chunks::<4, 2>(c),
-                    (true, false) => self.chunks::<4, 1>(c),
-                    (false, true) => self.chunks::<H, 2>(c),
-                    (false, false) => self.chunks::<H, 1>(c),
-                }
-                c += if two { 2 } else { 1 };
+            while c + 2 <= chunks {
+                self.chunks::<H, 2>(c);
+                c += 2;
             }
-            H.min(4)
+            if c < chunks {
+                self.chunks::<H, 1>(c);
+            }
         }
 
         /// Heads `0..H`, chunks `c0..c0 + C` of the row: all rows in one sweep, the
