@@ -64,7 +64,102 @@ pub fn paged_decode_attention<T: Element>(
     threads: usize,
     parallel: &dyn Parallel,
 ) -> Result<(), KernelError> {
+    paged_decode_attention_on(
+        AttentionPath::Auto,
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        shape,
+        scale,
+        threads,
+        parallel,
+    )
+}
+
+/// The implementations of [`paged_decode_attention`]; `Auto` picks the fastest one the CPU
+/// and the call allow. The others are there so that the tests can check each of them.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionPath {
+    Auto,
+    /// Plain Rust, built for baseline x86-64 (or whatever the target is).
+    Portable,
+    /// The plain Rust built with AVX2 and FMA.
+    Avx2,
+    /// f32 vectors per 16 elements of a row, one horizontal sum per score.
+    Avx512,
+    /// bf16 only: `vdpbf16ps` dot products over tiles of 16 keys, an online softmax.
+    Avx512Bf16,
+}
+
+impl AttentionPath {
+    /// Whether this CPU can run the path for elements `T` and rows of `head_dim`.
+    pub fn available<T: Element>(self, head_dim: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            let avx512 = has!("avx512f") && has!("avx512bw");
+            match self {
+                AttentionPath::Auto | AttentionPath::Portable => true,
+                AttentionPath::Avx2 => has!("avx2") && has!("fma"),
+                AttentionPath::Avx512 => {
+                    avx512 && head_dim.is_multiple_of(16) && head_dim <= 16 * avx512::MAX_CHUNKS
+                }
+                AttentionPath::Avx512Bf16 => {
+                    T::BF16
+                        && avx512
+                        && has!("avx512bf16")
+                        && head_dim.is_multiple_of(32)
+                        && head_dim <= 32 * avx512_bf16::MAX_CHUNKS
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = head_dim;
+            matches!(self, AttentionPath::Auto | AttentionPath::Portable)
+        }
+    }
+
+    /// The path `Auto` stands for.
+    fn resolve<T: Element>(self, head_dim: usize) -> AttentionPath {
+        if self != AttentionPath::Auto {
+            return self;
+        }
+        [
+            AttentionPath::Avx512Bf16,
+            AttentionPath::Avx512,
+            AttentionPath::Avx2,
+        ]
+        .into_iter()
+        .find(|p| p.available::<T>(head_dim))
+        .unwrap_or(AttentionPath::Portable)
+    }
+}
+
+/// [`paged_decode_attention`] on a given path; an error if this CPU cannot run it.
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention_on<T: Element>(
+    path: AttentionPath,
+    out: &mut [T],
+    q: &[T],
+    k_cache: &[T],
+    v_cache: &[T],
+    block_tables: &[i32],
+    seq_lens: &[i32],
+    shape: &DecodeShape,
+    scale: f32,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
     let s = *shape;
+    check(path.available::<T>(s.head_dim), || {
+        format!("{path:?} cannot run here (head_dim {})", s.head_dim)
+    })?;
     check(
         s.num_kv_heads > 0 && s.head_dim > 0 && s.block_size > 0,
         || "kv heads, head_dim and block_size must be positive".into(),
@@ -131,14 +226,17 @@ pub fn paged_decode_attention<T: Element>(
         seq_lens,
         shape: s,
         scale,
+        path: path.resolve::<T>(s.head_dim),
     };
     let group = s.num_heads / s.num_kv_heads;
     let per_item = group * s.head_dim;
     let items = s.num_seqs * s.num_kv_heads;
     let cost = |item: usize| job.span(item / s.num_kv_heads).1 as u64 + 8;
     let total: u64 = (0..items).map(cost).sum();
-    // Below ~32k key reads a call is done in microseconds: a thread would cost more.
-    let wanted = ((total * s.num_kv_heads as u64) / 32_768).max(1) as usize;
+    // Below ~32k (key, query head) scores a call is done in microseconds: a thread would
+    // cost more. (Each key row read is scored against the `group` query heads of its kv
+    // head; `total` already counts every kv head's rows.)
+    let wanted = ((total * group as u64) / 32_768).max(1) as usize;
     let parts = threads.clamp(1, items).min(wanted);
     if parts == 1 {
         run_items(&job, 0, out);
@@ -200,6 +298,8 @@ struct Job<'a, T> {
     seq_lens: &'a [i32],
     shape: DecodeShape,
     scale: f32,
+    /// Never `Auto`.
+    path: AttentionPath,
 }
 
 impl<T: Element> Job<'_, T> {
@@ -234,29 +334,19 @@ impl<T: Element> Job<'_, T> {
     }
 }
 
-/// Items `first..` (one (sequence, kv head) each) into `out`, with the widest SIMD the CPU
-/// has; the arithmetic is the same plain Rust either way.
+/// Items `first..` (one (sequence, kv head) each) into `out`, on the job's path.
 fn run_items<T: Element>(job: &Job<'_, T>, first: usize, out: &mut [T]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let hd = job.shape.head_dim;
-        if hd.is_multiple_of(16)
-            && hd <= 16 * avx512::MAX_CHUNKS
-            && std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-        {
-            // SAFETY: the CPU supports the features the function is compiled for.
-            unsafe { avx512::run_items(job, first, out) };
-            return;
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: as above.
-            unsafe { run_items_avx2(job, first, out) };
-            return;
-        }
+    match job.path {
+        // SAFETY (all three): `available` checked the CPU features and the row width the
+        // functions are compiled for before the job was made.
+        #[cfg(target_arch = "x86_64")]
+        AttentionPath::Avx512Bf16 => unsafe { avx512_bf16::run_items(job, first, out) },
+        #[cfg(target_arch = "x86_64")]
+        AttentionPath::Avx512 => unsafe { avx512::run_items(job, first, out) },
+        #[cfg(target_arch = "x86_64")]
+        AttentionPath::Avx2 => unsafe { run_items_avx2(job, first, out) },
+        _ => run_items_generic::<T, false>(job, first, out),
     }
-    run_items_generic::<T, false>(job, first, out);
 }
 
 /// The same computation in AVX-512 registers: a 16-wide f32 vector per 16 elements of a
@@ -371,6 +461,330 @@ mod avx512 {
             }
             for (o, &r) in item_out.iter_mut().zip(&result) {
                 *o = T::from_f32(r);
+            }
+        }
+    }
+}
+
+/// bf16 with AVX-512 BF16, in three steps per (sequence, kv head):
+///
+/// 1. Scores, by tiles of 16 keys (any 16 attended rows in order, across block boundaries).
+///    For each query head of the group, `vdpbf16ps` takes the bf16 query against each of
+///    the tile's key rows into one f32 vector per key (bf16 products are exact in f32: only
+///    the order of the sums differs from the other paths), and one transpose-reduce folds
+///    the 16 vectors into the tile's 16 scores: 45 shuffles and adds where 16 horizontal
+///    sums would take 128. The tiles and heads are independent of each other, so the
+///    out-of-order core overlaps them; the maximum is kept lane-wise.
+/// 2. The softmax in f32, 16 scores at a time.
+/// 3. The values, summed with f32 FMAs in one sweep over the rows per 4 heads (or fewer),
+///    the sums in registers throughout: a 64-byte load of 32 bf16 gives the even elements
+///    by a shift and the odd ones by a mask, so the sums are kept as (even, odd) pairs and
+///    put back in order only when rounded to bf16.
+#[cfg(target_arch = "x86_64")]
+mod avx512_bf16 {
+    use std::arch::x86_64::*;
+    use std::mem::transmute;
+
+    use super::{Job, EXP_C, LN2_HI, LN2_LO, LOG2E};
+    use crate::element::Element;
+
+    /// Keys per tile: one score per f32 lane.
+    const TILE: usize = 16;
+    /// Rows up to 8 vectors of 32 bf16 (head_dim 256).
+    pub(super) const MAX_CHUNKS: usize = 8;
+    /// The bf16 half of an f32's bits.
+    const HIGH: i32 = 0xffff_0000_u32 as i32;
+
+    /// SAFETY: AVX-512 F, BW and BF16 are present; `T` is bf16; `head_dim` is a multiple
+    /// of 32 and at most `32 * MAX_CHUNKS`; the job was validated by
+    /// `paged_decode_attention_on`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn run_items<T: Element>(job: &Job<'_, T>, first: usize, out: &mut [T]) {
+        debug_assert!(T::BF16);
+        let s = job.shape;
+        let hd = s.head_dim;
+        let chunks = hd / 32;
+        let group = s.num_heads / s.num_kv_heads;
+        let stride = s.num_kv_heads * hd;
+        let kp = job.k_cache.as_ptr() as *const u16;
+        let vp = job.v_cache.as_ptr() as *const u16;
+        let scale = _mm512_set1_ps(job.scale);
+        let mut query = vec![_mm512_setzero_si512(); group * chunks];
+        let mut top = vec![_mm512_setzero_ps(); group];
+        let mut inv_sum = vec![0f32; group];
+        // Per head, the scores of the padded context, then their exponentials.
+        let mut probs: Vec<f32> = Vec::new();
+        // The rows of this item and of the next one (whose first tile is fetched early).
+        let mut offsets: Vec<usize> = Vec::new();
+        let mut upcoming: Vec<usize> = Vec::new();
+        let items = out.len() / (group * hd);
+        if items == 0 {
+            return;
+        }
+        let lines = (hd * 2).div_ceil(64);
+        // Item `item`'s attended rows, the last tile filled up with copies of the last row
+        // (scored, then masked out); the number of real ones.
+        let rows_of = |item: usize, rows: &mut Vec<usize>| {
+            let (seq, head) = (item / s.num_kv_heads, item % s.num_kv_heads);
+            let (n, runs) = job.runs(seq, head);
+            rows.clear();
+            for (at, count) in runs {
+                rows.extend((0..count).map(|i| at + i * stride));
+            }
+            rows.resize(n.next_multiple_of(TILE), rows[n - 1]);
+            n
+        };
+        // Lines to fetch per row: an item of kv head 0 fetches whole positions (the rows of
+        // every kv head, contiguous in the cache), so that its sequence's other items find
+        // them in the caches. From DRAM, where a call's cache is after the other layers',
+        // that was 5-12% faster than each item fetching its own rows.
+        let reach = |item: usize| {
+            if item.is_multiple_of(s.num_kv_heads) {
+                lines * s.num_kv_heads
+            } else {
+                lines
+            }
+        };
+        let mut upcoming_n = rows_of(first, &mut upcoming);
+        prefetch(kp, vp, &upcoming[..TILE], reach(first));
+        for (k, item_out) in out.chunks_exact_mut(group * hd).enumerate() {
+            let item = first + k;
+            let (seq, head) = (item / s.num_kv_heads, item % s.num_kv_heads);
+            std::mem::swap(&mut offsets, &mut upcoming);
+            let n = upcoming_n;
+            let padded = offsets.len();
+            if k + 1 < items {
+                upcoming_n = rows_of(item + 1, &mut upcoming);
+            } else {
+                upcoming.clear();
+            }
+            let qp = job.q.as_ptr().add((seq * s.num_heads + head * group) * hd) as *const u16;
+            for (i, q) in query.iter_mut().enumerate() {
+                *q = _mm512_loadu_si512(qp.add(i * 32) as *const _);
+            }
+            probs.clear();
+            probs.resize(group * padded, 0.0);
+            let pp = probs.as_mut_ptr();
+            top.fill(_mm512_set1_ps(f32::NEG_INFINITY));
+            for (t, rows) in offsets.chunks_exact(TILE).enumerate() {
+                // One kv head's rows are strided and the blocks scattered: fetch the next
+                // tile's K and V rows while this one is scored (after the last tile, the
+                // next item's first).
+                match offsets.get((t + 1) * TILE..(t + 2) * TILE) {
+                    Some(next) => prefetch(kp, vp, next, reach(item)),
+                    None => {
+                        let next = upcoming.get(..TILE).unwrap_or(&[]);
+                        prefetch(kp, vp, next, reach(item + 1))
+                    }
+                }
+                let valid = (n - t * TILE).min(TILE);
+                let live: __mmask16 = if valid == TILE {
+                    0xffff
+                } else {
+                    (1 << valid) - 1
+                };
+                let rows: &[usize; TILE] = rows.try_into().unwrap();
+                for (g, top) in top.iter_mut().enumerate() {
+                    let q = &query[g * chunks..(g + 1) * chunks];
+                    let scores = _mm512_mul_ps(tile_scores(q, kp, rows), scale);
+                    let scores =
+                        _mm512_mask_mov_ps(_mm512_set1_ps(f32::NEG_INFINITY), live, scores);
+                    *top = _mm512_max_ps(*top, scores);
+                    _mm512_storeu_ps(pp.add(g * padded + t * TILE), scores);
+                }
+            }
+            for (g, (top, inv)) in top.iter().zip(inv_sum.iter_mut()).enumerate() {
+                let max = _mm512_set1_ps(_mm512_reduce_max_ps(*top));
+                let mut sum = _mm512_setzero_ps();
+                for t in 0..padded / TILE {
+                    let at = pp.add(g * padded + t * TILE);
+                    let p = exp(_mm512_sub_ps(_mm512_loadu_ps(at), max));
+                    sum = _mm512_add_ps(sum, p);
+                    _mm512_storeu_ps(at, p);
+                }
+                *inv = 1.0 / _mm512_reduce_add_ps(sum);
+            }
+            let rows = &offsets[..n];
+            let op = item_out.as_mut_ptr() as *mut u16;
+            let mut h0 = 0;
+            while h0 < group {
+                // Up to 4 heads per sweep over the rows.
+                let heads = (group - h0).min(4);
+                let sweep = Sweep {
+                    probs: pp.add(h0 * padded),
+                    padded,
+                    inv_sum: &inv_sum[h0..],
+                    vp,
+                    rows,
+                    out: op.add(h0 * hd),
+                    hd,
+                };
+                match heads {
+                    1 => sweep.run::<1>(),
+                    2 => sweep.run::<2>(),
+                    3 => sweep.run::<3>(),
+                    _ => sweep.run::<4>(),
+                }
+                h0 += heads;
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn prefetch(kp: *const u16, vp: *const u16, rows: &[usize], lines: usize) {
+        for &row in rows {
+            for line in 0..lines {
+                _mm_prefetch::<_MM_HINT_T0>((kp.add(row) as *const i8).add(line * 64));
+                _mm_prefetch::<_MM_HINT_T0>((vp.add(row) as *const i8).add(line * 64));
+            }
+        }
+    }
+
+    /// The dot products of one head's query (`chunks` vectors of 32 bf16) with the 16 key
+    /// rows at `rows`, unscaled.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn tile_scores(q: &[__m512i], kp: *const u16, rows: &[usize; TILE]) -> __m512 {
+        let mut dots = [_mm512_setzero_ps(); TILE];
+        for (c, &qc) in q.iter().enumerate() {
+            let qc: __m512bh = transmute(qc);
+            for (d, &row) in dots.iter_mut().zip(rows) {
+                let k: __m512bh = transmute(_mm512_loadu_si512(kp.add(row + c * 32) as *const _));
+                *d = _mm512_dpbf16_ps(*d, qc, k);
+            }
+        }
+        transpose_sum(&dots)
+    }
+
+    /// Lane `i` of the result is the sum of the 16 lanes of `v[i]`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn transpose_sum(v: &[__m512; TILE]) -> __m512 {
+        // Within each 128-bit lane: pairs (a, b) to [a, b, a, b] partial sums...
+        let mut two = [_mm512_setzero_ps(); 8];
+        for (i, t) in two.iter_mut().enumerate() {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            *t = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        }
+        // ...then to four whole sums of that 128-bit lane, for keys 4i..4i + 4.
+        let mut four = [_mm512_setzero_ps(); 4];
+        for (i, f) in four.iter_mut().enumerate() {
+            let a = _mm512_castps_pd(two[2 * i]);
+            let b = _mm512_castps_pd(two[2 * i + 1]);
+            *f = _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+            );
+        }
+        // Across the 128-bit lanes: lanes (0, 2) plus (1, 3), twice.
+        let fold = |a, b| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+            )
+        };
+        fold(fold(four[0], four[1]), fold(four[2], four[3]))
+    }
+
+    /// e^x lane by lane for x <= 0: `exp_nonpositive`'s reduction and polynomial, with FMAs.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn exp(x: __m512) -> __m512 {
+        let floor = _mm512_set1_ps(-87.0);
+        let small = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, floor);
+        let x = _mm512_max_ps(x, floor);
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+        let mut p = _mm512_set1_ps(EXP_C[0]);
+        for c in &EXP_C[1..] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
+        }
+        _mm512_maskz_mov_ps(!small, _mm512_scalef_ps(p, n))
+    }
+
+    /// `Bf16::from_f32` lane by lane, the bf16 in the upper half of each lane.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn round_bf16(x: __m512) -> __m512i {
+        let bits = _mm512_castps_si512(x);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+        let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+        let quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x0040_0000));
+        _mm512_mask_mov_epi32(rounded, nan, quiet)
+    }
+
+    /// The value sums of one item from the first heads of `probs` on.
+    struct Sweep<'a> {
+        /// Per head `padded` weights (exponentials), heads one after another.
+        probs: *const f32,
+        padded: usize,
+        /// Per head, 1 / the sum of its weights.
+        inv_sum: &'a [f32],
+        vp: *const u16,
+        rows: &'a [usize],
+        /// The first head's output row; the others follow every `hd` elements.
+        out: *mut u16,
+        hd: usize,
+    }
+
+    impl Sweep<'_> {
+        /// Heads `0..H`: their weighted sums of the value rows, into `out`. Two chunks
+        /// of the row at a time where there are two: `4 * H` independent sums (up to 16 in
+        /// registers), to hide the FMAs' latency.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw")]
+        unsafe fn run<const H: usize>(&self) {
+            let chunks = self.hd / 32;
+            let mut c = 0;
+            while c + 2 <= chunks {
+                self.chunks::<H, 2>(c);
+                c += 2;
+            }
+            if c < chunks {
+                self.chunks::<H, 1>(c);
+            }
+        }
+
+        /// Heads `0..H`, chunks `c0..c0 + C` of the row: all rows in one sweep, the
+        /// `2 * H * C` sums in registers.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw")]
+        unsafe fn chunks<const H: usize, const C: usize>(&self, c0: usize) {
+            let high = _mm512_set1_epi32(HIGH);
+            let mut even = [[_mm512_setzero_ps(); C]; H];
+            let mut odd = [[_mm512_setzero_ps(); C]; H];
+            let vp = self.vp.add(c0 * 32);
+            for (j, &row) in self.rows.iter().enumerate() {
+                let mut ve = [_mm512_setzero_ps(); C];
+                let mut vo = [_mm512_setzero_ps(); C];
+                for c in 0..C {
+                    let v = _mm512_loadu_si512(vp.add(row + c * 32) as *const _);
+                    ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+                    vo[c] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+                }
+                for h in 0..H {
+                    let w = _mm512_set1_ps(*self.probs.add(h * self.padded + j));
+                    for c in 0..C {
+                        even[h][c] = _mm512_fmadd_ps(w, ve[c], even[h][c]);
+                        odd[h][c] = _mm512_fmadd_ps(w, vo[c], odd[h][c]);
+                    }
+                }
+            }
+            for h in 0..H {
+                let inv = _mm512_set1_ps(self.inv_sum[h]);
+                for c in 0..C {
+                    let e = round_bf16(_mm512_mul_ps(even[h][c], inv));
+                    let o = round_bf16(_mm512_mul_ps(odd[h][c], inv));
+                    let packed =
+                        _mm512_or_si512(_mm512_and_si512(o, high), _mm512_srli_epi32::<16>(e));
+                    let at = self.out.add(h * self.hd + (c0 + c) * 32);
+                    _mm512_storeu_si512(at as *mut _, packed);
+                }
             }
         }
     }
@@ -494,27 +908,36 @@ fn axpy<const FMA: bool>(acc: &mut [f32], p: f32, x: &[f32]) {
     }
 }
 
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+/// ln 2 in two parts: `n * LN2_HI` is exact for the `n` an f32 exponent can take.
+const LN2_HI: f32 = 0.693_145_75;
+const LN2_LO: f32 = 1.428_606_8e-6;
+/// e^r = 1 + r + r^2 / 2 + ... + r^7 / 7!, highest power first (Horner).
+const EXP_C: [f32; 8] = [
+    1.0 / 5040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
+
 /// e^x for x <= 0 (softmax after subtracting the maximum), within 2 ulp, branch-free so it
 /// vectorizes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial,
 /// 2^n through the exponent bits. Below -87 (where e^x leaves the normal range) it is 0.
 #[inline(always)]
 fn exp_nonpositive(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
     let small = x < -87.0;
     let x = x.max(-87.0);
     let n = (x * LOG2E + ROUND) - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
-    let p = 1.0 / 5040.0;
-    let p = p * r + 1.0 / 720.0;
-    let p = p * r + 1.0 / 120.0;
-    let p = p * r + 1.0 / 24.0;
-    let p = p * r + 1.0 / 6.0;
-    let p = p * r + 0.5;
-    let p = p * r + 1.0;
-    let p = p * r + 1.0;
+    let mut p = EXP_C[0];
+    for c in &EXP_C[1..] {
+        p = p * r + c;
+    }
     let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
     if small {
         0.0
@@ -539,6 +962,105 @@ mod tests {
         assert_eq!(exp_nonpositive(0.0), 1.0);
         assert_eq!(exp_nonpositive(-100.0), 0.0);
         assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn has_avx512() -> bool {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_exp_matches_std_within_two_ulp() {
+        use std::arch::x86_64::*;
+        if !has_avx512() {
+            return;
+        }
+        let mut xs: Vec<f32> = (0..6400).map(|i| -87.5 + i as f32 * 0.0137).collect();
+        xs.extend([0.0, -0.0, -86.99, -87.0, -87.01, -100.0, f32::NEG_INFINITY]);
+        xs.resize(xs.len().next_multiple_of(16), 0.0);
+        for x in xs.chunks_exact(16) {
+            let mut got = [0f32; 16];
+            // SAFETY: AVX-512 F is present.
+            unsafe {
+                _mm512_storeu_ps(
+                    got.as_mut_ptr(),
+                    avx512_bf16::exp(_mm512_loadu_ps(x.as_ptr())),
+                )
+            };
+            for (&x, &got) in x.iter().zip(&got) {
+                let want = if x < -87.0 { 0.0 } else { x.exp() };
+                let ulps = (got.to_bits() as i64 - want.to_bits() as i64).abs();
+                assert!(ulps <= 2, "exp({x}) = {got}, std says {want} ({ulps} ulp)");
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_bf16_rounding_is_the_scalar_one() {
+        use std::arch::x86_64::*;
+        if !has_avx512() {
+            return;
+        }
+        let mut xs = vec![
+            0.0f32,
+            -0.0,
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7f80_0001), // signalling NaN
+            f32::MAX,
+            f32::from_bits(1),
+        ];
+        let mut bits = 0x1234_5678u32;
+        while xs.len() < 4096 {
+            bits ^= bits << 13;
+            bits ^= bits >> 17;
+            bits ^= bits << 5;
+            xs.push(f32::from_bits(bits));
+        }
+        for x in xs.chunks_exact(16) {
+            let mut got = [0u32; 16];
+            // SAFETY: AVX-512 F is present.
+            unsafe {
+                _mm512_storeu_si512(
+                    got.as_mut_ptr() as *mut _,
+                    avx512_bf16::round_bf16(_mm512_loadu_ps(x.as_ptr())),
+                )
+            };
+            for (&x, &got) in x.iter().zip(&got) {
+                let want = crate::element::Bf16::from_f32(x).0;
+                assert_eq!((got >> 16) as u16, want, "{x:e} ({:#x})", x.to_bits());
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn transpose_sum_adds_up_each_vector() {
+        use std::arch::x86_64::*;
+        if !has_avx512() {
+            return;
+        }
+        // Small integers: every order of the additions gives the same sums.
+        let rows: Vec<[f32; 16]> = (0..16)
+            .map(|i| {
+                std::array::from_fn(|l| (i * 16 + l) as f32 * if l % 3 == 0 { -1.0 } else { 1.0 })
+            })
+            .collect();
+        let mut got = [0f32; 16];
+        // SAFETY: AVX-512 F is present.
+        unsafe {
+            let v: [__m512; 16] = std::array::from_fn(|i| _mm512_loadu_ps(rows[i].as_ptr()));
+            _mm512_storeu_ps(got.as_mut_ptr(), avx512_bf16::transpose_sum(&v));
+        }
+        for (i, row) in rows.iter().enumerate() {
+            assert_eq!(got[i], row.iter().sum::<f32>(), "vector {i}");
+        }
     }
 
     #[test]

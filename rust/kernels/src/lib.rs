@@ -9,7 +9,10 @@ mod gemv;
 mod prefetch;
 mod quant;
 
-pub use attention::{paged_decode_attention, DecodeShape, KernelError, Parallel, ScopedThreads};
+pub use attention::{
+    paged_decode_attention, paged_decode_attention_on, AttentionPath, DecodeShape, KernelError,
+    Parallel, ScopedThreads,
+};
 pub use decoder::{
     decode_layers, exp, silu_mul, DecodeInputs, DecoderLayer, LayerCache, Matrix, Projection,
 };

@@ -1,7 +1,10 @@
 //! The kernels against plain references. Paged decode attention: gather each sequence's context by its
 //! block table, softmax in f64, weighted sum of values.
 
-use iron_batch_kernels::{paged_decode_attention, Bf16, DecodeShape, Element, ScopedThreads};
+use iron_batch_kernels::{
+    paged_decode_attention, paged_decode_attention_on, AttentionPath, Bf16, DecodeShape, Element,
+    ScopedThreads,
+};
 
 mod common;
 
@@ -17,7 +20,23 @@ struct Case {
 }
 
 fn case(rng: &mut Rng, seqs: usize, heads: usize, kv_heads: usize, window: usize) -> Case {
-    let (head_dim, block_size, max_blocks) = (64, 16, 9);
+    let lens: Vec<usize> = (0..seqs).map(|_| 1 + rng.below(9 * 16)).collect();
+    case_with(rng, heads, kv_heads, 64, 16, &lens, window)
+}
+
+/// A case with the given row width, block size and context lengths; the tables are as wide
+/// as the longest context needs, plus one.
+fn case_with(
+    rng: &mut Rng,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    lens: &[usize],
+    window: usize,
+) -> Case {
+    let seqs = lens.len();
+    let max_blocks = lens.iter().max().unwrap().div_ceil(block_size) + 1;
     let num_blocks = seqs * max_blocks + 3;
     let shape = DecodeShape {
         num_seqs: seqs,
@@ -35,9 +54,7 @@ fn case(rng: &mut Rng, seqs: usize, heads: usize, kv_heads: usize, window: usize
     for i in (1..ids.len()).rev() {
         ids.swap(i, rng.below(i + 1));
     }
-    let lens: Vec<i32> = (0..seqs)
-        .map(|_| 1 + rng.below(max_blocks * block_size) as i32)
-        .collect();
+    let lens: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
     // Unused table entries hold garbage the kernel must never follow.
     let tables: Vec<i32> = (0..seqs * max_blocks)
         .map(|i| {
@@ -103,9 +120,14 @@ fn reference(c: &Case, q: &[f32], k: &[f32], v: &[f32], scale: f32) -> Vec<f32> 
 }
 
 fn run<T: Element>(c: &Case, threads: usize) -> Vec<f32> {
+    run_on::<T>(AttentionPath::Auto, c, 0.125, threads)
+}
+
+fn run_on<T: Element>(path: AttentionPath, c: &Case, scale: f32, threads: usize) -> Vec<f32> {
     let cast = |x: &[f32]| x.iter().map(|&v| T::from_f32(v)).collect::<Vec<T>>();
     let mut out = vec![T::from_f32(0.0); c.q.len()];
-    paged_decode_attention(
+    paged_decode_attention_on(
+        path,
         &mut out,
         &cast(&c.q),
         &cast(&c.k),
@@ -113,12 +135,23 @@ fn run<T: Element>(c: &Case, threads: usize) -> Vec<f32> {
         &c.tables,
         &c.lens,
         &c.shape,
-        0.125,
+        scale,
         threads,
         &ScopedThreads,
     )
     .unwrap();
     out.iter().map(|x| x.to_f32()).collect()
+}
+
+const PATHS: [AttentionPath; 4] = [
+    AttentionPath::Portable,
+    AttentionPath::Avx2,
+    AttentionPath::Avx512,
+    AttentionPath::Avx512Bf16,
+];
+
+fn round_bf16(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| Bf16::from_f32(v).to_f32()).collect()
 }
 
 fn max_err(a: &[f32], b: &[f32]) -> f32 {
@@ -166,6 +199,98 @@ fn bf16_matches_the_reference_on_bf16_inputs() {
     let got = run::<Bf16>(&c, 2);
     let err = max_err(&got, &want);
     assert!(err < 8e-3, "bf16 error {err}");
+}
+
+/// Every path this CPU has, for f32 and bf16, over the shapes the tiled bf16 path splits
+/// differently: GQA groups of 1, 3, 5 (4 heads per value sweep, then 1), 7 and 8; rows of
+/// 32, 64, 96 (an odd chunk) and 128 (80: the f32 vector paths only); blocks of 16 and of 5
+/// (tiles of 16 keys across several blocks); contexts of 1 and around multiples of 16;
+/// sliding windows that start inside a block; scores large enough to underflow e^x.
+#[test]
+fn every_path_matches_the_reference_over_tiles_blocks_groups_and_rows() {
+    let mut rng = Rng(0x5eed);
+    let mut checked = [0usize; 4];
+    for (heads, kv_heads, head_dim, block_size, lens, window, scale) in [
+        (4, 4, 64, 16, vec![1, 15, 16, 17], 0, 0.125),
+        (9, 3, 64, 16, vec![208, 33, 31, 48], 0, 0.125),
+        (14, 2, 64, 16, vec![208, 1, 100], 0, 0.125),
+        (14, 2, 128, 5, vec![77, 16, 300], 0, 0.088),
+        (9, 3, 128, 16, vec![129, 64], 50, 0.088),
+        (10, 2, 96, 16, vec![40, 17], 0, 0.1),
+        (8, 1, 32, 5, vec![63, 2], 21, 0.17),
+        (6, 2, 80, 16, vec![45], 0, 0.11),
+        (7, 1, 64, 16, vec![500, 3], 0, 2.0),
+    ] {
+        let c = case_with(
+            &mut rng, heads, kv_heads, head_dim, block_size, &lens, window,
+        );
+        let want = reference(&c, &c.q, &c.k, &c.v, scale);
+        let want_bf16 = reference(
+            &c,
+            &round_bf16(&c.q),
+            &round_bf16(&c.k),
+            &round_bf16(&c.v),
+            scale,
+        );
+        for (i, path) in PATHS.into_iter().enumerate() {
+            let what =
+                format!("{path:?} {heads}/{kv_heads}x{head_dim} b{block_size} {lens:?} w{window}");
+            if path.available::<f32>(head_dim) {
+                let got = run_on::<f32>(path, &c, scale, 2);
+                let err = max_err(&got, &want);
+                assert!(err < 2e-5, "f32 {what}: error {err}");
+                checked[i] += 1;
+            }
+            if path.available::<Bf16>(head_dim) {
+                let got = run_on::<Bf16>(path, &c, scale, 2);
+                // Within the output's rounding to bf16 (half a unit in the last place, 2^-9
+                // relative) and a little more for the f32 sums.
+                for (k, (g, w)) in got.iter().zip(&want_bf16).enumerate() {
+                    let tol = w.abs() / 256.0 + 1e-5;
+                    assert!(
+                        (g - w).abs() <= tol,
+                        "bf16 {what}: element {k}: {g} against {w}"
+                    );
+                }
+                let one = run_on::<Bf16>(path, &c, scale, 1);
+                assert_eq!(
+                    one,
+                    run_on::<Bf16>(path, &c, scale, 5),
+                    "bf16 {what}: threads"
+                );
+                checked[i] += 1;
+            }
+        }
+    }
+    // The portable path runs everywhere; the tiled bf16 one wherever the CPU has AVX-512 BF16.
+    assert!(checked[0] > 0);
+    if AttentionPath::Avx512Bf16.available::<Bf16>(64) {
+        assert_eq!(checked[3], 8, "the bf16 path skipped a case it should take");
+    }
+}
+
+#[test]
+fn paths_the_cpu_or_the_shape_rules_out_are_errors() {
+    let mut rng = Rng(5);
+    let c = case_with(&mut rng, 4, 2, 80, 16, &[20], 0);
+    let mut out = vec![0f32; c.q.len()];
+    // The tiled path takes bf16 rows of a multiple of 32 only.
+    let r = paged_decode_attention_on(
+        AttentionPath::Avx512Bf16,
+        &mut out,
+        &c.q,
+        &c.k,
+        &c.v,
+        &c.tables,
+        &c.lens,
+        &c.shape,
+        0.125,
+        1,
+        &ScopedThreads,
+    );
+    assert!(r.unwrap_err().0.contains("cannot run here"));
+    assert!(!AttentionPath::Avx512Bf16.available::<Bf16>(80));
+    assert!(!AttentionPath::Avx512Bf16.available::<f32>(64));
 }
 
 #[test]
