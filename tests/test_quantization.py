@@ -216,9 +216,13 @@ def _last_logits(net: LlamaModel, prompt: list[int]) -> torch.Tensor:
 
 
 #: Largest |logit difference| against transformers' float32 model on the same dequantized
-#: weights. bf16 activations alone account for it: our dense bf16 path measures 0.30-0.59 on
-#: these prompts, the Q4_1/Q8_0 kernels 0.33-0.57.
-SMOL_LOGIT_TOLERANCE = 0.75
+#: weights (logits span about +-25). bf16 activations alone account for it, and where it
+#: lands depends on the bf16 route: with SDPA for the prompt's attention, the dense path
+#: measured 0.30-0.59 on these prompts and the Q4_1/Q8_0 kernels 0.33-0.57; with prompt rows
+#: through the attention kernel, Q4_1/Q8_0 give 0.28-0.93 (over 12 prompts: mean 0.39
+#: against SDPA's 0.37, the same argmax on all 12). The kernel itself is exact: in float32
+#: it is 5e-5 from transformers on these prompts.
+SMOL_LOGIT_TOLERANCE = 1.0
 
 
 def test_smollm2_gguf_blocks_match_transformers_logits(smol_reference: Any) -> None:

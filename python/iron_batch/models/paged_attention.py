@@ -49,6 +49,22 @@ class _Decodes:
     sliding_window: int | None = None
 
 
+@dataclass
+class _EveryRow:
+    """Every token row as its own query for the Rust kernel (bf16 on CPU): row t attends
+    its sequence's first ``lens[t]`` positions, read in place from the cache, so prompt
+    chunks (fresh, or behind cached context) and decodes take one call per layer."""
+
+    tables: np.ndarray  # int32 [T, width]: the block table of each row's sequence
+    lens: np.ndarray  # int32 [T]: positions each row attends (its own included)
+    sliding_window: int | None
+
+
+#: Most block-table entries (rows x width) an :class:`_EveryRow` plan may hold; longer
+#: chunks keep SDPA (their per-row tables would take more memory than the step's K/V).
+_EVERY_ROW_MAX_ENTRIES = 1 << 22
+
+
 class AttentionPlan:
     """Per-forward batch layout, shared by all layers."""
 
@@ -72,7 +88,14 @@ class AttentionPlan:
         self.prefills: list[_Prefill] = []
         self.fresh: _FreshPrefills | None = None
         self.decodes: _Decodes | None = None
+        self.every_row: _EveryRow | None = None
         q_lens = np.diff(query_start_loc)
+        if use_cpu_kernel and (q_lens > 1).any() and cpu_attention.prefill_kernel_enabled(dtype):
+            every = _every_row(query_start_loc, q_lens, seq_lens, num_computed_before,
+                               block_tables, block_size, sliding_window)
+            if every is not None:
+                self.every_row = every
+                return
         tables = torch.from_numpy(block_tables.astype(np.int64))
         offsets = torch.arange(block_size, dtype=torch.int64)
         decode_seqs = np.nonzero(q_lens == 1)[0]
@@ -142,6 +165,28 @@ class AttentionPlan:
             self.prefills.append(_Prefill(slice(start, end), gather, mask))
 
 
+def _every_row(
+    query_start_loc: np.ndarray,
+    q_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    num_computed_before: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+    sliding_window: int | None,
+) -> _EveryRow | None:
+    num_tokens = int(query_start_loc[-1])
+    width = -(-int(seq_lens.max()) // block_size)
+    if num_tokens * width > _EVERY_ROW_MAX_ENTRIES:
+        return None
+    seq_of = np.repeat(np.arange(len(q_lens)), q_lens)
+    offset = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], q_lens)
+    return _EveryRow(
+        tables=np.ascontiguousarray(block_tables[seq_of, :width], dtype=np.int32),
+        lens=(num_computed_before[seq_of] + offset + 1).astype(np.int32),
+        sliding_window=sliding_window,
+    )
+
+
 def _fresh_layout(
     query_start_loc: np.ndarray,
     q_lens: np.ndarray,
@@ -186,6 +231,10 @@ def paged_attention(
     kv_heads = cache.shape[-2]
     group = num_heads // kv_heads
     flat = cache.view(2, -1, kv_heads, head_dim)
+    if plan.every_row is not None:
+        e = plan.every_row
+        return cpu_attention.paged_decode_attention(q, cache, e.tables, e.lens, scale,
+                                                    e.sliding_window)
     d = plan.decodes
     fresh = plan.fresh
     if d is not None and d.all_rows and not plan.prefills and fresh is None:
