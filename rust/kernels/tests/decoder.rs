@@ -120,6 +120,21 @@ struct Layer {
     down: Proj,
 }
 
+impl Layer {
+    fn view(&self) -> DecoderLayer<'_> {
+        DecoderLayer {
+            input_norm: &self.input_norm,
+            qkv: self.qkv.view(),
+            q_norm: self.q_norm.as_deref(),
+            k_norm: self.k_norm.as_deref(),
+            o: self.o.view(),
+            post_norm: &self.post_norm,
+            gate_up: self.gate_up.view(),
+            down: self.down.view(),
+        }
+    }
+}
+
 fn layer(rng: &mut Rng, kinds: [&str; 4], qk_norm: bool, bias: bool) -> Layer {
     let norm = |rng: &mut Rng, len| bf16s(rng, len, 0.5, 1.0);
     Layer {
@@ -168,6 +183,21 @@ struct Step {
     cos: Vec<Bf16>,
     sin: Vec<Bf16>,
     window: usize,
+}
+
+impl Step {
+    fn shape(&self) -> DecodeShape {
+        DecodeShape {
+            num_seqs: self.lens.len(),
+            num_heads: HEADS,
+            num_kv_heads: KV_HEADS,
+            head_dim: HD,
+            block_size: BLOCK,
+            max_blocks: self.width,
+            num_blocks: BLOCKS,
+            sliding_window: self.window,
+        }
+    }
 }
 
 fn step(window: usize) -> Step {
@@ -301,19 +331,7 @@ fn run_case(window: usize) {
 
     let mut h = h0.clone();
     let mut owned = caches.clone();
-    let views: Vec<DecoderLayer<'_>> = layers
-        .iter()
-        .map(|l| DecoderLayer {
-            input_norm: &l.input_norm,
-            qkv: l.qkv.view(),
-            q_norm: l.q_norm.as_deref(),
-            k_norm: l.k_norm.as_deref(),
-            o: l.o.view(),
-            post_norm: &l.post_norm,
-            gate_up: l.gate_up.view(),
-            down: l.down.view(),
-        })
-        .collect();
+    let views: Vec<DecoderLayer<'_>> = layers.iter().map(Layer::view).collect();
     let mut cache_views: Vec<LayerCache<'_>> =
         owned.iter_mut().map(|(k, v)| LayerCache { k, v }).collect();
     let inputs = DecodeInputs {
@@ -322,16 +340,7 @@ fn run_case(window: usize) {
         slots: &s.slots,
         block_tables: &s.tables,
         seq_lens: &s.lens,
-        shape: DecodeShape {
-            num_seqs: rows,
-            num_heads: HEADS,
-            num_kv_heads: KV_HEADS,
-            head_dim: HD,
-            block_size: BLOCK,
-            max_blocks: s.width,
-            num_blocks: BLOCKS,
-            sliding_window: window,
-        },
+        shape: s.shape(),
         scale: 1.0 / (HD as f32).sqrt(),
         eps: EPS,
     };
@@ -378,27 +387,8 @@ fn bad_steps_are_errors_and_write_nothing() {
     let mut v = bf16s(&mut rng, cache_len, 1.0, 0.0);
     let (k0, v0) = (k.clone(), v.clone());
     let h0 = bf16s(&mut rng, 2 * HIDDEN, 1.0, 0.0);
-    let l = &layers[0];
-    let views = [DecoderLayer {
-        input_norm: &l.input_norm,
-        qkv: l.qkv.view(),
-        q_norm: None,
-        k_norm: None,
-        o: l.o.view(),
-        post_norm: &l.post_norm,
-        gate_up: l.gate_up.view(),
-        down: l.down.view(),
-    }];
-    let shape = DecodeShape {
-        num_seqs: 2,
-        num_heads: HEADS,
-        num_kv_heads: KV_HEADS,
-        head_dim: HD,
-        block_size: BLOCK,
-        max_blocks: s.width,
-        num_blocks: BLOCKS,
-        sliding_window: 0,
-    };
+    let views = [layers[0].view()];
+    let shape = s.shape();
     let bad_block = vec![3, 5, 0, 1, 60, 2];
     let bad_slot = vec![s.slots[0], (BLOCKS * BLOCK) as i64];
     let too_long = vec![7, 13];
