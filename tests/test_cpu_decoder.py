@@ -117,7 +117,7 @@ def test_the_stack_refuses_bad_calls_and_leaves_the_cache_alone(
         assert torch.equal(c, b)
 
 
-def test_float32_and_tensor_parallel_models_keep_the_python_path() -> None:
+def test_float32_models_keep_the_python_path() -> None:
     assert not cpu_decoder.enabled(torch.device("cpu"), torch.float32)
     be = TorchBackend.from_model(str(checkpoint("llama")), device="cpu", dtype="float32",
                                  total_kv_blocks=32, kv_block_size=4)
