@@ -5,7 +5,11 @@
     python benches/torch_throughput.py --model smollm2-135m --prefix-cache
 
 Every figure of one invocation comes from the same run, so ratios hold even on a noisy
-machine. Both engines load the same plain checkpoint in the same dtype: a GGUF model is
+machine: each of ``--rounds`` rounds measures ours and transformers' figures back to back,
+and the table gives the median of the rounds' ratios with their range. The batch-1 floor
+(weight bytes / copy bandwidth) is taken from copy-bandwidth samples right before and after
+the run it is compared with, since this machine's memory bandwidth moves by 2x between
+minutes. Both engines load the same plain checkpoint in the same dtype: a GGUF model is
 first dequantized by transformers (``GgufConfig(dequantize=True)``) and saved as a plain
 safetensors checkpoint, because transformers' own GGUF path keeps the weights packed and
 computes through float32 casts, which is not its best setting.
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import itertools
 import json
 import statistics
 import subprocess
@@ -183,28 +189,45 @@ def ours_engine_thread_ms(llm: LLM, prompt: np.ndarray, new: int) -> float:
     return (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) * 1e3
 
 
-def server_run(model: str, dtype: str, vocab: int, args: argparse.Namespace,
-               extra: list[str] | None = None) -> dict[str, float]:
-    """Output tok/s of W and batch-1 ms/token through ``python -m iron_batch.server``
-    (``extra``: more server arguments)."""
-    import httpx
+class Server:
+    """``python -m iron_batch.server`` in a subprocess, measured with
+    ``iron_batch.bench_client`` (distinct random prompts, ``ignore_eos``)."""
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "iron_batch.server", "--backend", "torch", "--model", model,
-           "--dtype", dtype, "--device", "cpu", "--addr", f"127.0.0.1:{port}",
-           "--max-batch-tokens", str(args.max_batch_tokens), *(extra or [])]
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    def __init__(self, model: str, dtype: str, vocab: int, args: argparse.Namespace,
+                 extra: list[str] | None = None) -> None:
+        import httpx
 
-    def client(concurrency: int, total: int, new: int, seed: int) -> dict[str, Any]:
+        self.args, self.vocab = args, vocab
+        self.url = f"http://127.0.0.1:{free_port()}"
+        cmd = [sys.executable, "-m", "iron_batch.server", "--backend", "torch", "--model",
+               model, "--dtype", dtype, "--device", "cpu",
+               "--addr", self.url.removeprefix("http://"),
+               "--max-batch-tokens", str(args.max_batch_tokens), *(extra or [])]
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                self.log.seek(0)
+                tail = self.log.read()[-2000:].decode(errors="replace")
+                raise SystemExit(f"server did not start: {' '.join(cmd)}\n{tail}")
+            time.sleep(0.2)
+
+    def client(self, concurrency: int, total: int, seed: int) -> dict[str, Any]:
+        args = self.args
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             subprocess.run(
-                [sys.executable, "-m", "iron_batch.bench_client", "--url", url, "--no-progress",
-                 "--concurrency", str(concurrency), "--total-requests", str(total),
-                 "--prompt-tokens", str(args.prompt_tokens), "--max-new-tokens", str(new),
-                 "--random-prompts", str(vocab - 100), "--seed", str(seed), "--ignore-eos",
-                 "--json", out.name],
+                [sys.executable, "-m", "iron_batch.bench_client", "--url", self.url,
+                 "--no-progress", "--concurrency", str(concurrency), "--total-requests",
+                 str(total), "--prompt-tokens", str(args.prompt_tokens), "--max-new-tokens",
+                 str(args.new_tokens), "--random-prompts", str(self.vocab - 100), "--seed",
+                 str(seed), "--ignore-eos", "--json", out.name],
                 check=True, stdout=subprocess.DEVNULL,
             )
             result = dict(json.loads(Path(out.name).read_text()))
@@ -212,28 +235,34 @@ def server_run(model: str, dtype: str, vocab: int, args: argparse.Namespace,
             raise SystemExit(f"server run failed: {result['errors']}")
         return result
 
+    def throughput(self, seed: int) -> float:
+        """Output tok/s of W (fresh prompts: ``seed`` must differ between runs)."""
+        n = self.args.requests
+        return float(self.client(n, n, seed)["tokens_per_sec"])
+
+    def ms_per_token(self, seed: int) -> float:
+        """Batch-1 inter-token p50 over three requests in a row."""
+        return float(self.client(1, 3, seed)["itl_p50_ms"])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def server_run(model: str, dtype: str, vocab: int, args: argparse.Namespace,
+               extra: list[str] | None = None) -> dict[str, float]:
+    """One warmed-up measurement of W tok/s and batch-1 ms/token through the server
+    (``extra``: more server arguments)."""
+    server = Server(model, dtype, vocab, args, extra)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                tail = log.read()[-2000:].decode(errors="replace")
-                raise SystemExit(f"server did not start: {' '.join(cmd)}\n{tail}")
-            time.sleep(0.2)
         end = time.monotonic() + args.warmup_s
-        while time.monotonic() < end:  # the measured workload itself, other prompts
-            client(args.requests, args.requests, args.new_tokens, seed=1)
-        w = client(args.requests, args.requests, args.new_tokens, seed=2)
-        b1 = client(1, 3, args.new_tokens, seed=3)
+        seed = 100
+        while time.monotonic() < end:
+            seed += 1
+            server.throughput(seed)
+        return {"tok_s": server.throughput(2), "ms_per_token_b1": server.ms_per_token(3)}
     finally:
-        proc.terminate()
-        proc.wait(30)
-    return {"tok_s": float(w["tokens_per_sec"]), "ms_per_token_b1": float(b1["itl_p50_ms"])}
+        server.stop()
 
 
 def prefix_cache_run(model: str, dtype: str, caching: bool, n: int = 64) -> dict[str, float]:
@@ -277,6 +306,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--hf-batches", default="16,64")
     ap.add_argument("--warmup-s", type=float, default=8.0)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="measure every figure this many times, ours and transformers' "
+                    "alternating; report the median of each round's ratio")
     ap.add_argument("--max-batch-tokens", type=int, default=8192,
                     help="iron-batch's token budget per step (the server's default)")
     ap.add_argument("--server", action="store_true",
@@ -305,7 +337,6 @@ def main() -> None:
         model = plain_checkpoint(args.model, dtype, Path(tmp.name))
     else:
         ap.error("give --model or --shape")
-    bandwidth = copy_bandwidth_gbs()
     llm = LLM(model=model, dtype=args.dtype, device="cpu", max_batch_tokens=args.max_batch_tokens)
     backend: TorchBackend = llm.backend  # type: ignore[assignment]
     net = backend.model
@@ -315,61 +346,100 @@ def main() -> None:
     )
     vocab = net.config.vocab_size
     rng = np.random.default_rng(0)
-    prompts = rng.integers(100, vocab - 100, (args.requests, args.prompt_tokens), dtype=np.int64)
     new = args.new_tokens
 
-    # Warm-up runs the measured workload's shapes on other prompts: the same prompts would
-    # be served from the prefix cache in the measured run.
-    others = rng.integers(100, vocab - 100, prompts.shape, dtype=np.int64)
-    warm(lambda: ours_throughput(llm, others, new), args.warmup_s)
-    ours = ours_throughput(llm, prompts, new)
-    ours_ms, overhead = ours_ms_per_token(llm, prompts[0], new)
-    thread_ms = ours_engine_thread_ms(llm, prompts[1], new)
-    llm = None  # free our model before loading the reference
-    server = server_run(model, args.dtype, vocab, args) if args.server else None
+    def fresh() -> np.ndarray:
+        # New prompts for every run: the same ones would come from the prefix cache.
+        return rng.integers(100, vocab - 100, (args.requests, args.prompt_tokens),
+                            dtype=np.int64)
 
+    def floor(measure: Any) -> tuple[float, float]:
+        """(measure(), the bandwidth floor in ms per token): the floor from the better of
+        two copy-bandwidth samples taken right before and right after, so that both sides
+        of the ratio see the same state of this shared machine's memory system."""
+        before = copy_bandwidth_gbs()
+        value = measure()
+        best = max(before, copy_bandwidth_gbs())
+        return value, weight_bytes / (best * 1e9) * 1e3
+
+    server = Server(model, args.dtype, vocab, args) if args.server else None
     hf = hf_model(model, dtype)
-    hf_rows = {}
-    for b in [int(x) for x in args.hf_batches.split(",")]:
-        hf_static(hf, prompts[:b], b, new)  # warm-up with this batch's shapes
-        hf_rows[b] = hf_static(hf, prompts, b, new)
-    hf_ms = hf_ms_per_token(hf, prompts[0], new)
-    # Measured again after the runs; the best figure makes the strictest floor.
-    bandwidth = max(bandwidth, copy_bandwidth_gbs())
-    floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
-    best_hf = max(hf_rows.values())
-    result = {
-        "model": args.shape or model, "dtype": args.dtype, "requests": args.requests,
-        "prompt_tokens": args.prompt_tokens, "new_tokens": new,
-        "copy_bandwidth_gbs": bandwidth, "weight_bytes": weight_bytes,
-        "iron_batch_tok_s": ours, "hf_static_tok_s": hf_rows,
-        "iron_batch_ms_per_token_b1": ours_ms, "python_overhead_share_b1": overhead,
-        "iron_batch_engine_thread_ms_per_token_b1": thread_ms, "server": server,
-        "hf_ms_per_token_b1": hf_ms, "bandwidth_floor_ms": floor_ms,
-    }
+    batches = [int(x) for x in args.hf_batches.split(",")]
+    warm(lambda: ours_throughput(llm, fresh(), new), args.warmup_s)
+    for b in batches:  # transformers' warm-up, with each batch's shapes
+        hf_static(hf, fresh()[:b], b, new)
+    seeds = itertools.count(1000)  # the server's prompts: fresh for every run
+    rounds: list[dict[str, Any]] = []
+    for r in range(args.rounds):
+        # One round measures every figure once, ours and transformers' back to back.
+        row: dict[str, Any] = {}
+        row["ours_tok_s"] = ours_throughput(llm, fresh(), new)
+        (row["ours_ms"], row["overhead"]), row["ours_floor_ms"] = floor(
+            functools.partial(ours_ms_per_token, llm, fresh()[0], new))
+        row["thread_ms"] = ours_engine_thread_ms(llm, fresh()[0], new)
+        if server is not None:
+            if r == 0:
+                warm(lambda: server.throughput(next(seeds)), args.warmup_s)
+            row["server_tok_s"] = server.throughput(next(seeds))
+            row["server_ms"], row["server_floor_ms"] = floor(
+                functools.partial(server.ms_per_token, next(seeds)))
+        row["hf_tok_s"] = {b: hf_static(hf, fresh(), b, new) for b in batches}
+        row["hf_ms"] = hf_ms_per_token(hf, fresh()[0], new)
+        best_hf = max(row["hf_tok_s"].values())
+        row["ratios"] = {
+            "ours_vs_hf_tok_s": row["ours_tok_s"] / best_hf,
+            "ours_ms_vs_hf": row["ours_ms"] / row["hf_ms"],
+            "ours_ms_vs_floor": row["ours_ms"] / row["ours_floor_ms"],
+        }
+        if server is not None:
+            row["ratios"].update({
+                "server_vs_hf_tok_s": row["server_tok_s"] / best_hf,
+                "server_ms_vs_hf": row["server_ms"] / row["hf_ms"],
+                "server_ms_vs_floor": row["server_ms"] / row["server_floor_ms"],
+            })
+        rounds.append(row)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["ratios"].items()),
+              flush=True)
+    if server is not None:
+        server.stop()
+
+    def med(key: str) -> float:
+        return statistics.median(row[key] for row in rounds)
+
+    def ratio(key: str) -> str:
+        values = sorted(row["ratios"][key] for row in rounds)
+        spread = f" ({values[0]:.2f}-{values[-1]:.2f})" if len(values) > 1 else ""
+        return f"{statistics.median(values):.2f}x{spread}"
+
+    result = {"model": args.shape or model, "dtype": args.dtype, "requests": args.requests,
+              "prompt_tokens": args.prompt_tokens, "new_tokens": new,
+              "weight_bytes": weight_bytes, "rounds": rounds}
     name = args.shape or args.model
-    print(f"\n{name} {args.dtype}, {args.requests} x {args.prompt_tokens} in x {new} out; "
-          f"copy bandwidth {bandwidth:.1f} GB/s, weights {weight_bytes / 1e6:.0f} MB")
+    print(f"\n{name} {args.dtype}, {args.requests} x {args.prompt_tokens} in x {new} out, "
+          f"weights {weight_bytes / 1e6:.0f} MB; medians of {len(rounds)} rounds, each ratio "
+          "taken within its round (its range in brackets)")
     print("| engine | output tok/s | vs best transformers |")
     print("|---|---|---|")
     if server is not None:
-        print(f"| iron-batch server (HTTP, {args.requests} streams) | {server['tok_s']:.1f} | "
-              f"{server['tok_s'] / best_hf:.2f}x |")
-    print(f"| iron-batch in process (LLM) | {ours:.1f} | {ours / best_hf:.2f}x |")
-    for b, v in hf_rows.items():
-        print(f"| transformers generate, static batch {b} | {v:.1f} | {v / best_hf:.2f}x |")
+        print(f"| iron-batch server (HTTP, {args.requests} streams) | {med('server_tok_s'):.1f} "
+              f"| {ratio('server_vs_hf_tok_s')} |")
+    print(f"| iron-batch in process (LLM) | {med('ours_tok_s'):.1f} | "
+          f"{ratio('ours_vs_hf_tok_s')} |")
+    for b in batches:
+        v = statistics.median(row["hf_tok_s"][b] for row in rounds)
+        print(f"| transformers generate, static batch {b} | {v:.1f} | |")
     print("| batch-1 decode | ms/token | vs transformers | vs bandwidth floor |")
     print("|---|---|---|---|")
     if server is not None:
-        s_ms = server["ms_per_token_b1"]
-        print(f"| iron-batch server (HTTP, inter-token p50) | {s_ms:.1f} | {s_ms / hf_ms:.2f}x | "
-              f"{s_ms / floor_ms:.2f}x |")
-    print(f"| iron-batch engine thread | {thread_ms:.1f} | {thread_ms / hf_ms:.2f}x | "
-          f"{thread_ms / floor_ms:.2f}x |")
-    print(f"| iron-batch caller's thread (LLM) | {ours_ms:.1f} | {ours_ms / hf_ms:.2f}x | "
-          f"{ours_ms / floor_ms:.2f}x (outside forward: {overhead:.0%}) |")
-    print(f"| transformers | {hf_ms:.1f} | 1.00x | {hf_ms / floor_ms:.2f}x |")
-    print(f"| floor (weights / copy bandwidth) | {floor_ms:.1f} | | 1.00x |")
+        print(f"| iron-batch server (HTTP, inter-token p50) | {med('server_ms'):.1f} | "
+              f"{ratio('server_ms_vs_hf')} | {ratio('server_ms_vs_floor')} |")
+    print(f"| iron-batch engine thread | {med('thread_ms'):.1f} | | |")
+    print(f"| iron-batch caller's thread (LLM) | {med('ours_ms'):.1f} | "
+          f"{ratio('ours_ms_vs_hf')} | {ratio('ours_ms_vs_floor')} "
+          f"(outside forward: {med('overhead'):.0%}) |")
+    print(f"| transformers | {med('hf_ms'):.1f} | 1.00x | |")
+    print(f"| floor (weights / copy bandwidth, next to our run) | {med('ours_floor_ms'):.1f} "
+          "| | 1.00x |")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

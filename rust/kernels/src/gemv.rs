@@ -46,26 +46,20 @@ pub fn gemv_bf16(
     let out_addr = out.as_mut_ptr() as usize;
     let task = |part: usize| {
         let (lo, hi) = (n * part / parts, n * (part + 1) / parts);
-        let mut results = [[0f32; 4]; 2];
-        let mut row = lo;
-        while row < hi {
-            // Four weight rows at a time where the SIMD path has them: four independent
-            // streams in flight and one activation load per four rows.
-            let take = if hi - row >= 4 { 4 } else { 1 };
-            let w = &weight[row * k..(row + take) * k];
-            prefetch_ahead(w.as_ptr() as *const u8, take * k * 2);
-            dot_rows(&xf, w, rows, k, take, &mut results);
-            for (r, values) in results.iter().enumerate().take(rows) {
-                for (t, value) in values.iter().enumerate().take(take) {
-                    let b = bias.map_or(0.0, |b| b[row + t].to_f32());
-                    // SAFETY: parts own disjoint column ranges [lo, hi) of each output
-                    // row, and `out` (rows * n elements) outlives the call.
-                    unsafe {
-                        *(out_addr as *mut Bf16).add(r * n + row + t) = Bf16::from_f32(value + b);
-                    }
+        for row in lo..hi {
+            // One weight row at a time: a single sequential stream per thread, which keeps
+            // more of its reads in flight than four rows read side by side did.
+            let w = &weight[row * k..(row + 1) * k];
+            prefetch_ahead(w.as_ptr() as *const u8, k * 2);
+            let dots = dot_row(&xf, w, rows, k);
+            let b = bias.map_or(0.0, |b| b[row].to_f32());
+            for (r, dot) in dots.iter().enumerate().take(rows) {
+                // SAFETY: parts own disjoint column ranges [lo, hi) of each output row,
+                // and `out` (rows * n elements) outlives the call.
+                unsafe {
+                    *(out_addr as *mut Bf16).add(r * n + row) = Bf16::from_f32(dot + b);
                 }
             }
-            row += take;
         }
     };
     if parts == 1 {
@@ -76,49 +70,42 @@ pub fn gemv_bf16(
     Ok(())
 }
 
-/// `results[r][t]` = activation row `r` . weight row `t`, for the `take` (1 or 4) weight
-/// rows in `w`.
-fn dot_rows(
-    xf: &[f32],
-    w: &[Bf16],
-    rows: usize,
-    k: usize,
-    take: usize,
-    results: &mut [[f32; 4]; 2],
-) {
+/// Activation row `r` . the weight row `w`, for `r` in `0..rows` (1 or 2).
+fn dot_row(xf: &[f32], w: &[Bf16], rows: usize, k: usize) -> [f32; 2] {
     #[cfg(target_arch = "x86_64")]
     {
         if k.is_multiple_of(32)
             && std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bw")
         {
-            // SAFETY: features checked; k is a multiple of 32; `w` holds `take` rows of k
-            // and `xf` `rows` rows of k.
-            unsafe { avx512::dot_rows(xf, w, rows, k, take, results) };
-            return;
-        }
-    }
-    for t in 0..take {
-        let wt = &w[t * k..(t + 1) * k];
-        for r in 0..rows {
-            let x = &xf[r * k..(r + 1) * k];
-            let mut lanes = [0f32; 16];
-            let whole = k / 16 * 16;
-            for (xs, ws) in x[..whole]
-                .chunks_exact(16)
-                .zip(wt[..whole].chunks_exact(16))
-            {
-                for i in 0..16 {
-                    lanes[i] += xs[i] * ws[i].to_f32();
+            // SAFETY: features checked; k is a multiple of 32; `w` holds k values and `xf`
+            // `rows` rows of k.
+            return unsafe {
+                if rows == 2 {
+                    avx512::dot_row::<2>(xf, w, k)
+                } else {
+                    let [d] = avx512::dot_row::<1>(xf, w, k);
+                    [d, 0.0]
                 }
-            }
-            let mut sum: f32 = lanes.iter().sum();
-            for i in whole..k {
-                sum += x[i] * wt[i].to_f32();
-            }
-            results[r][t] = sum;
+            };
         }
     }
+    let mut dots = [0f32; 2];
+    for (r, dot) in dots.iter_mut().enumerate().take(rows) {
+        let x = &xf[r * k..(r + 1) * k];
+        let mut lanes = [0f32; 16];
+        let whole = k / 16 * 16;
+        for (xs, ws) in x[..whole].chunks_exact(16).zip(w[..whole].chunks_exact(16)) {
+            for i in 0..16 {
+                lanes[i] += xs[i] * ws[i].to_f32();
+            }
+        }
+        *dot = lanes.iter().sum();
+        for i in whole..k {
+            *dot += x[i] * w[i].to_f32();
+        }
+    }
+    dots
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -139,49 +126,28 @@ mod avx512 {
         )
     }
 
-    #[allow(clippy::needless_range_loop)]
-    /// SAFETY: AVX-512 F/BW present; `k % 32 == 0`; `w.len() >= take * k` (take 1 or 4),
-    /// `xf.len() >= rows * k` (rows 1 or 2).
+    /// SAFETY: AVX-512 F/BW present; `k % 32 == 0`; `w.len() >= k`,
+    /// `xf.len() >= ROWS * k`.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn dot_rows(
+    pub(super) unsafe fn dot_row<const ROWS: usize>(
         xf: &[f32],
         w: &[Bf16],
-        rows: usize,
         k: usize,
-        take: usize,
-        results: &mut [[f32; 4]; 2],
-    ) {
+    ) -> [f32; ROWS] {
         let wp = w.as_ptr() as *const u16;
         let xp = xf.as_ptr();
-        let zero = _mm512_setzero_ps();
-        // acc[r][t]: two vectors per (activation row, weight row), summed at the end.
-        let mut acc = [[[zero; 2]; 4]; 2];
+        // Two accumulators per activation row (the first and second 16 of every 32
+        // values), summed at the end.
+        let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
         let mut i = 0;
         while i < k {
-            let x0 = [_mm512_loadu_ps(xp.add(i)), _mm512_loadu_ps(xp.add(i + 16))];
-            let x1 = if rows == 2 {
-                [
-                    _mm512_loadu_ps(xp.add(k + i)),
-                    _mm512_loadu_ps(xp.add(k + i + 16)),
-                ]
-            } else {
-                [zero; 2]
-            };
-            for t in 0..take {
-                let (w0, w1) = widen(wp.add(t * k + i));
-                acc[0][t][0] = _mm512_fmadd_ps(x0[0], w0, acc[0][t][0]);
-                acc[0][t][1] = _mm512_fmadd_ps(x0[1], w1, acc[0][t][1]);
-                if rows == 2 {
-                    acc[1][t][0] = _mm512_fmadd_ps(x1[0], w0, acc[1][t][0]);
-                    acc[1][t][1] = _mm512_fmadd_ps(x1[1], w1, acc[1][t][1]);
-                }
+            let (w0, w1) = widen(wp.add(i));
+            for (r, a) in acc.iter_mut().enumerate() {
+                a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(xp.add(r * k + i)), w0, a[0]);
+                a[1] = _mm512_fmadd_ps(_mm512_loadu_ps(xp.add(r * k + i + 16)), w1, a[1]);
             }
             i += 32;
         }
-        for r in 0..rows {
-            for t in 0..take {
-                results[r][t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]));
-            }
-        }
+        acc.map(|a| _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1])))
     }
 }
