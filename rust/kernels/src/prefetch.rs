@@ -9,6 +9,20 @@
 /// How far ahead of the row being multiplied the weights are requested (bytes).
 pub(crate) const AHEAD: usize = 8 * 1024;
 
+/// Asks the caches for the 64-byte line [`AHEAD`] bytes after `at`: called once per line
+/// a kernel reads, it keeps the requests spread evenly through the loop.
+#[inline(always)]
+pub(crate) fn prefetch_line_ahead(at: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: a prefetch is a hint; it does not access memory architecturally.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(AHEAD) as *const i8) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = at;
+}
+
 /// Asks the caches for the `len` bytes that start [`AHEAD`] bytes after `at`. A hint:
 /// addresses past the end of the matrix are never read and cannot fault.
 #[inline(always)]
