@@ -42,6 +42,7 @@ pub fn gemv_bf16(
         )));
     }
     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let simd = simd_available(k);
     let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
     let out_addr = out.as_mut_ptr() as usize;
     let task = |part: usize| {
@@ -50,7 +51,7 @@ pub fn gemv_bf16(
             // One weight row at a time: a single sequential stream per thread, which keeps
             // more of its reads in flight than four rows read side by side did. Each
             // 64-byte line read requests the one a fixed distance ahead (see `dot_row`).
-            let dots = dot_row(&xf, &weight[row * k..(row + 1) * k], rows, k);
+            let dots = dot_row(&xf, &weight[row * k..(row + 1) * k], rows, k, simd);
             let b = bias.map_or(0.0, |b| b[row].to_f32());
             for (r, dot) in dots.iter().enumerate().take(rows) {
                 // SAFETY: parts own disjoint column ranges [lo, hi) of each output row,
@@ -69,26 +70,40 @@ pub fn gemv_bf16(
     Ok(())
 }
 
-/// Activation row `r` . the weight row `w`, for `r` in `0..rows` (1 or 2).
-fn dot_row(xf: &[f32], w: &[Bf16], rows: usize, k: usize) -> [f32; 2] {
+/// Whether [`dot_row`] may take the AVX-512 path for rows of `k` values (checked once per
+/// call, not per row).
+fn simd_available(k: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        if k.is_multiple_of(32)
+        k.is_multiple_of(32)
             && std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bw")
-        {
-            // SAFETY: features checked; k is a multiple of 32; `w` holds k values and `xf`
-            // `rows` rows of k.
-            return unsafe {
-                if rows == 2 {
-                    avx512::dot_row::<2>(xf, w, k)
-                } else {
-                    let [d] = avx512::dot_row::<1>(xf, w, k);
-                    [d, 0.0]
-                }
-            };
-        }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = k;
+        false
+    }
+}
+
+/// Activation row `r` . the weight row `w`, for `r` in `0..rows` (1 or 2); `simd` from
+/// [`simd_available`].
+fn dot_row(xf: &[f32], w: &[Bf16], rows: usize, k: usize, simd: bool) -> [f32; 2] {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` means AVX-512 F/BW and k a multiple of 32; `w` holds k values and
+        // `xf` `rows` rows of k.
+        return unsafe {
+            if rows == 2 {
+                avx512::dot_row::<2>(xf, w, k)
+            } else {
+                let [d] = avx512::dot_row::<1>(xf, w, k);
+                [d, 0.0]
+            }
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = simd;
     prefetch_ahead(w.as_ptr() as *const u8, std::mem::size_of_val(w));
     let mut dots = [0f32; 2];
     for (r, dot) in dots.iter_mut().enumerate().take(rows) {
