@@ -4,8 +4,8 @@
 //! alive as long as the stack, because the stack holds their addresses, not the tensors.
 
 use iron_batch_kernels::{
-    decode_layers, DecodeInputs, DecodeShape, DecoderLayer, KernelError, LayerCache, Matrix,
-    Projection,
+    decode_layers, run_in_team, DecodeInputs, DecodeShape, DecoderLayer, KernelError, LayerCache,
+    Matrix, Projection,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -234,14 +234,11 @@ impl DecoderStack {
                     scale,
                     eps,
                 };
-                decode_layers(
-                    slice_mut(h, rows * self.hidden),
-                    &layers,
-                    &mut caches,
-                    &inputs,
-                    threads,
-                    parallel,
-                )
+                let h = slice_mut(h, rows * self.hidden);
+                // One parallel region for the whole step (see `run_in_team`).
+                run_in_team(threads, parallel, |team| {
+                    decode_layers(h, &layers, &mut caches, &inputs, threads, team)
+                })
             }
         })
     }

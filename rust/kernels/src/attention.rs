@@ -233,10 +233,13 @@ pub fn paged_decode_attention_on<T: Element>(
     let items = s.num_seqs * s.num_kv_heads;
     let cost = |item: usize| job.span(item / s.num_kv_heads).1 as u64 + 8;
     let total: u64 = (0..items).map(cost).sum();
-    // Below ~32k (key, query head) scores a call is done in microseconds: a thread would
-    // cost more. (Each key row read is scored against the `group` query heads of its kv
-    // head; `total` already counts every kv head's rows.)
-    let wanted = ((total * group as u64) / 32_768).max(1) as usize;
+    // Below ~32k (key, query head) scores a call is done in microseconds: waking a thread
+    // would cost more. A team already spinning in its region (`Parallel::waiting`) takes a
+    // part in well under a microsecond, so there a few hundred scores are worth a part.
+    // (Each key row read is scored against the `group` query heads of its kv head; `total`
+    // already counts every kv head's rows.)
+    let per_part = if parallel.waiting() { 512 } else { 32_768 };
+    let wanted = ((total * group as u64) / per_part).max(1) as usize;
     let parts = threads.clamp(1, items).min(wanted);
     if parts == 1 {
         run_items(&job, 0, out);
@@ -274,6 +277,12 @@ pub fn paged_decode_attention_on<T: Element>(
 /// time on several threads, returning when all are done.
 pub trait Parallel: Sync {
     fn run(&self, parts: usize, task: &(dyn Fn(usize) + Sync));
+
+    /// Whether the threads are already running and waiting for parts, so that a part is
+    /// handed over in well under a microsecond (kernels then split smaller calls).
+    fn waiting(&self) -> bool {
+        false
+    }
 }
 
 /// One scoped OS thread per part but the first, which runs on the caller's thread.

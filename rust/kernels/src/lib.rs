@@ -8,6 +8,7 @@ mod elementwise;
 mod gemv;
 mod prefetch;
 mod quant;
+mod team;
 
 pub use attention::{
     paged_decode_attention, paged_decode_attention_on, AttentionPath, DecodeShape, KernelError,
@@ -20,3 +21,4 @@ pub use element::{Bf16, Element, F16};
 pub use elementwise::{add_rms_norm, rope_store_kv};
 pub use gemv::gemv_bf16;
 pub use quant::{dequantize_bf16, gemv_quant, q4_nibble, QMatrix, MAX_ROWS, Q4, Q8, QBLOCK};
+pub use team::run_in_team;

@@ -4,8 +4,9 @@
 //! with their own block tables, and a sliding window.
 
 use iron_batch_kernels::{
-    decode_layers, exp, q4_nibble, silu_mul, Bf16, DecodeInputs, DecodeShape, DecoderLayer,
-    Element, LayerCache, Matrix, Projection, QMatrix, ScopedThreads, F16, Q4, Q8, QBLOCK,
+    decode_layers, exp, q4_nibble, run_in_team, silu_mul, Bf16, DecodeInputs, DecodeShape,
+    DecoderLayer, Element, LayerCache, Matrix, Projection, QMatrix, ScopedThreads, F16, Q4, Q8,
+    QBLOCK,
 };
 
 mod common;
@@ -309,16 +310,38 @@ fn max_abs(v: &[f64]) -> f64 {
     v.iter().fold(0.0, |m, x| m.max(x.abs()))
 }
 
-fn run_case(window: usize) {
+/// How a test runs the step: `decode_layers` on some `Parallel`.
+type Runner = fn(&mut [Bf16], &[DecoderLayer<'_>], &mut [LayerCache<'_>], &DecodeInputs<'_>);
+
+fn scoped(h: &mut [Bf16], l: &[DecoderLayer<'_>], c: &mut [LayerCache<'_>], i: &DecodeInputs<'_>) {
+    decode_layers(h, l, c, i, 2, &ScopedThreads).unwrap();
+}
+
+/// The whole step in one parallel region of three threads (`run_in_team`), as the
+/// bindings run it.
+fn in_team(h: &mut [Bf16], l: &[DecoderLayer<'_>], c: &mut [LayerCache<'_>], i: &DecodeInputs<'_>) {
+    run_in_team(3, &ScopedThreads, |team| decode_layers(h, l, c, i, 3, team)).unwrap();
+}
+
+/// A layer's K and V cache.
+type BfCache = (Vec<Bf16>, Vec<Bf16>);
+
+struct Case {
+    layers: [Layer; 2],
+    step: Step,
+    h0: Vec<Bf16>,
+    caches: Vec<BfCache>,
+}
+
+fn case(window: usize) -> Case {
     let mut rng = Rng(0x5eed_0000 + window as u64);
     let layers = [
         layer(&mut rng, ["bf16", "bf16", "q4", "q8"], false, false),
         layer(&mut rng, ["q8", "q4", "bf16", "q8"], true, true),
     ];
-    let s = step(window);
-    let rows = s.lens.len();
+    let step = step(window);
     let cache_len = BLOCKS * BLOCK * KV_ROW;
-    let caches: Vec<(Vec<Bf16>, Vec<Bf16>)> = (0..2)
+    let caches = (0..2)
         .map(|_| {
             (
                 bf16s(&mut rng, cache_len, 1.0, 0.0),
@@ -326,12 +349,21 @@ fn run_case(window: usize) {
             )
         })
         .collect();
-    let h0 = bf16s(&mut rng, rows * HIDDEN, 1.0, 0.0);
-    let (want_h, want_caches) = reference(&layers, &h0, &caches, &s);
+    let h0 = bf16s(&mut rng, step.lens.len() * HIDDEN, 1.0, 0.0);
+    Case {
+        layers,
+        step,
+        h0,
+        caches,
+    }
+}
 
-    let mut h = h0.clone();
-    let mut owned = caches.clone();
-    let views: Vec<DecoderLayer<'_>> = layers.iter().map(Layer::view).collect();
+/// The residual stream and the caches after one step run by `run`.
+fn run_step(c: &Case, run: Runner) -> (Vec<Bf16>, Vec<BfCache>) {
+    let s = &c.step;
+    let mut h = c.h0.clone();
+    let mut owned = c.caches.clone();
+    let views: Vec<DecoderLayer<'_>> = c.layers.iter().map(Layer::view).collect();
     let mut cache_views: Vec<LayerCache<'_>> =
         owned.iter_mut().map(|(k, v)| LayerCache { k, v }).collect();
     let inputs = DecodeInputs {
@@ -344,7 +376,15 @@ fn run_case(window: usize) {
         scale: 1.0 / (HD as f32).sqrt(),
         eps: EPS,
     };
-    decode_layers(&mut h, &views, &mut cache_views, &inputs, 2, &ScopedThreads).unwrap();
+    run(&mut h, &views, &mut cache_views, &inputs);
+    drop(cache_views);
+    (h, owned)
+}
+
+fn run_case(window: usize) {
+    let c = case(window);
+    let (want_h, want_caches) = reference(&c.layers, &c.h0, &c.caches, &c.step);
+    let (h, owned) = run_step(&c, scoped);
 
     // bf16 rounds every intermediate (about 3 significant digits): a wiring mistake (a
     // wrong half, slot, sign or head) moves values by their own size instead.
@@ -363,6 +403,21 @@ fn run_case(window: usize) {
                 max_abs(&err) <= 0.02 * max_abs(want),
                 "window {window}: cache error"
             );
+        }
+    }
+}
+
+#[test]
+fn a_step_in_one_team_region_gives_the_same_bits() {
+    // In a team the attention splits even this small step across threads, and the
+    // projections' parts land on whichever thread claims them: no value may change.
+    for window in [0, 5] {
+        let c = case(window);
+        let (h, caches) = run_step(&c, scoped);
+        for _ in 0..20 {
+            let (team_h, team_caches) = run_step(&c, in_team);
+            assert_eq!(team_h, h, "window {window}: residual stream");
+            assert!(team_caches == caches, "window {window}: caches");
         }
     }
 }

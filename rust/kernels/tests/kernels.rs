@@ -1,9 +1,11 @@
 //! The kernels against plain references. Paged decode attention: gather each sequence's context by its
 //! block table, softmax in f64, weighted sum of values.
 
+use std::sync::Mutex;
+
 use iron_batch_kernels::{
-    paged_decode_attention, paged_decode_attention_on, AttentionPath, Bf16, DecodeShape, Element,
-    ScopedThreads,
+    paged_decode_attention, paged_decode_attention_on, run_in_team, AttentionPath, Bf16,
+    DecodeShape, Element, Parallel, ScopedThreads,
 };
 
 mod common;
@@ -300,6 +302,62 @@ fn results_do_not_depend_on_the_thread_count() {
     let one = run::<f32>(&c, 1);
     assert_eq!(one, run::<f32>(&c, 2));
     assert_eq!(one, run::<f32>(&c, 16));
+}
+
+#[test]
+fn threads_already_waiting_split_one_sequence_with_the_same_results() {
+    // One sequence of 160 positions, 3 kv heads: below the split size of a call that has
+    // to wake threads, above that of threads already waiting (a team in its region).
+    // Each part must still give exactly the values one thread gives.
+    let mut rng = Rng(11);
+    let c = case_with(&mut rng, 9, 3, 64, 16, &[160], 0);
+    let cast = |x: &[f32]| x.iter().map(|&v| Bf16::from_f32(v)).collect::<Vec<Bf16>>();
+    let (q, k, v) = (cast(&c.q), cast(&c.k), cast(&c.v));
+    for path in PATHS.into_iter().filter(|p| p.available::<Bf16>(64)) {
+        let one = run_on::<Bf16>(path, &c, 0.125, 1);
+        for waiting in [false, true] {
+            let recorder = Recorder {
+                waiting,
+                calls: Mutex::new(Vec::new()),
+            };
+            let mut out = vec![Bf16::from_f32(0.0); c.q.len()];
+            paged_decode_attention_on(
+                path, &mut out, &q, &k, &v, &c.tables, &c.lens, &c.shape, 0.125, 2, &recorder,
+            )
+            .unwrap();
+            let got: Vec<f32> = out.iter().map(|x| x.to_f32()).collect();
+            assert_eq!(got, one, "{path:?}, waiting {waiting}");
+            let calls = recorder.calls.into_inner().unwrap();
+            assert_eq!(calls, if waiting { vec![2] } else { vec![] }, "{path:?}");
+        }
+        // And in a real team.
+        let mut out = vec![Bf16::from_f32(0.0); c.q.len()];
+        run_in_team(2, &ScopedThreads, |team| {
+            paged_decode_attention_on(
+                path, &mut out, &q, &k, &v, &c.tables, &c.lens, &c.shape, 0.125, 2, team,
+            )
+        })
+        .unwrap();
+        let got: Vec<f32> = out.iter().map(|x| x.to_f32()).collect();
+        assert_eq!(got, one, "{path:?} in a team");
+    }
+}
+
+/// Scoped threads that say whether they are `waiting` and record each call's part count.
+struct Recorder {
+    waiting: bool,
+    calls: Mutex<Vec<usize>>,
+}
+
+impl Parallel for Recorder {
+    fn run(&self, parts: usize, task: &(dyn Fn(usize) + Sync)) {
+        self.calls.lock().unwrap().push(parts);
+        ScopedThreads.run(parts, task)
+    }
+
+    fn waiting(&self) -> bool {
+        self.waiting
+    }
 }
 
 #[test]
