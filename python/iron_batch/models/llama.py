@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from iron_batch.models import cpu_attention, cpu_decoder, cpu_fused, quant
+from iron_batch.models import cpu_attention, cpu_decoder, cpu_fused, huge_pages, quant
 from iron_batch.models.config import ModelConfig
 from iron_batch.models.paged_attention import AttentionPlan, paged_attention, write_kv
 from iron_batch.models.quant import QuantWeight
@@ -169,6 +169,8 @@ class LlamaModel:
                     down_bias=opt(m + "down_proj.bias", c.mlp_bias),
                 )
             )
+        if quantization is None and huge_pages.enabled(device):
+            self._weights_to_huge_pages()
         # Which CPU kernels this model uses, decided once (the environment switches are
         # read at load, not per step).
         self.cpu_attention_kernel = cpu_attention.kernel_enabled(device, dtype)
@@ -197,12 +199,29 @@ class LlamaModel:
         self.block_size = 0
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def _weights_to_huge_pages(self) -> None:
+        """The projections and the LM head, which a decode step streams from memory, moved
+        into one allocation on 2 MiB pages (see ``huge_pages``): the same values."""
+        names = [(layer, n) for layer in self.layers for n in _PROJECTIONS]
+        assert isinstance(self.lm_head, torch.Tensor)
+        tensors = [getattr(layer, n) for layer, n in names] + [self.lm_head]
+        *projections, head = huge_pages.gather([t.contiguous() for t in tensors])
+        for (layer, n), t in zip(names, projections, strict=True):
+            setattr(layer, n, t)
+        if self.embed is self.lm_head:
+            self.embed = head
+        self.lm_head = head
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.config
         shape = (2, num_blocks, block_size, self.num_kv_heads, c.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)
-        ]
+        if huge_pages.enabled(self.device):
+            self.kv_caches = [huge_pages.zeros(shape, self.dtype) for _ in range(c.num_layers)]
+        else:
+            self.kv_caches = [
+                torch.zeros(shape, dtype=self.dtype, device=self.device)
+                for _ in range(c.num_layers)
+            ]
         self.block_size = block_size
         if self.decoder is not None:
             self.decoder.set_caches(self.kv_caches, block_size)

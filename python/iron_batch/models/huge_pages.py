@@ -1,0 +1,114 @@
+"""CPU weights and KV cache in memory backed by 2 MiB pages, where Linux gives them.
+
+At batch 1 a decode step streams every weight from DRAM once. On 4 KiB pages that stream
+crosses a page every 64 cache lines: a TLB miss and a page walk each time, and the
+hardware prefetchers, which do not cross a page, start over. Linux backs an anonymous
+range with 2 MiB pages ("transparent huge pages") when the range is marked
+``MADV_HUGEPAGE`` before it is first touched and the system's mode is ``madvise`` or
+``always`` (``/sys/kernel/mm/transparent_hugepage/enabled``).
+
+Everything here is a hint: where the call is missing (not Linux), refused or the mode is
+``never``, the tensors are the same, on ordinary pages. ``IRON_BATCH_HUGE_PAGES=0`` turns
+it off, for comparison.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+
+#: Linux's ``MADV_HUGEPAGE``.
+_MADV_HUGEPAGE = 14
+_HUGE = 2 << 20
+#: Each tensor placed by :func:`gather` starts on a 4 KiB boundary.
+_ALIGN = 4096
+
+
+def enabled(device: torch.device) -> bool:
+    return (
+        device.type == "cpu"
+        and sys.platform.startswith("linux")
+        and os.environ.get("IRON_BATCH_HUGE_PAGES", "1") != "0"
+    )
+
+
+def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D CPU tensor of ``numel`` elements, uninitialized, whose whole 2 MiB pages are
+    marked for huge pages before anything is written to them."""
+    item = torch.empty((), dtype=dtype).element_size()
+    pad = _HUGE // item
+    raw = torch.empty(numel + pad, dtype=dtype)
+    addr = raw.data_ptr()
+    start = -(-addr // _HUGE) * _HUGE
+    offset = (start - addr) // item
+    # Only whole huge pages inside this allocation: the hint never reaches other memory.
+    length = (addr + raw.numel() * item - start) // _HUGE * _HUGE
+    madvise = _madvise()
+    if madvise is not None and length > 0:
+        madvise(start, length, _MADV_HUGEPAGE)  # a refusal leaves ordinary pages
+    return raw[offset : offset + numel]
+
+
+def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return empty(numel, dtype).zero_().view(*shape)
+
+
+def gather(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` (contiguous CPU tensors of one dtype) placed one after another
+    in a single huge-page allocation, each starting on a 4 KiB boundary."""
+    if not tensors:
+        return []
+    dtype = tensors[0].dtype
+    item = tensors[0].element_size()
+    step = _ALIGN // item
+    offsets = []
+    total = 0
+    for t in tensors:
+        if t.dtype != dtype:
+            raise ValueError("gather takes tensors of one dtype")
+        offsets.append(total)
+        total += -(-t.numel() // step) * step
+    arena = empty(total, dtype)
+    placed = []
+    for t, at in zip(tensors, offsets, strict=True):
+        view = arena[at : at + t.numel()].view(t.shape)
+        view.copy_(t)
+        placed.append(view)
+    return placed
+
+
+def backed_by_huge_pages(t: torch.Tensor) -> bool:
+    """Whether the memory under ``t`` lies in 2 MiB pages (reads ``/proc/self/smaps``;
+    False where that is not available)."""
+    addr = t.data_ptr()
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    inside = False
+    for line in lines:
+        head = line.split()[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) > 0
+    return False

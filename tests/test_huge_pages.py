@@ -1,0 +1,78 @@
+"""CPU weights and KV cache on 2 MiB pages (``models/huge_pages.py``): the model keeps
+the same values and gives the same tokens and logits with the placement on and off; the
+memory is in huge pages wherever this Linux offers them (``madvise`` or ``always`` mode)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from iron_batch.backends.torch_backend import TorchBackend
+from iron_batch.models import huge_pages
+from test_cpu_decoder import _logits_run
+from tiny_models import FAMILIES, checkpoint, random_prompts
+
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _system_gives_huge_pages() -> bool:
+    """What the kernel says it does for an madvised range (the bracketed mode)."""
+    try:
+        mode = _THP.read_text()
+    except OSError:
+        return False
+    return "[always]" in mode or "[madvise]" in mode
+
+
+def test_gather_copies_each_tensor_to_its_own_aligned_place_in_one_allocation() -> None:
+    torch.manual_seed(0)
+    tensors = [torch.randn(n, 96).to(torch.bfloat16) for n in (3, 700, 1, 2048)]
+    placed = huge_pages.gather(tensors)
+    assert len(placed) == len(tensors)
+    storages = {t.untyped_storage().data_ptr() for t in placed}
+    assert len(storages) == 1
+    for src, dst in zip(tensors, placed, strict=True):
+        assert dst.shape == src.shape and dst.dtype == src.dtype and dst.is_contiguous()
+        assert dst.data_ptr() % 4096 == 0
+        assert torch.equal(dst, src)
+    # Views of one arena do not overlap: writing one leaves the others alone.
+    placed[1].zero_()
+    assert torch.equal(placed[0], tensors[0]) and torch.equal(placed[2], tensors[2])
+    with pytest.raises(ValueError, match="one dtype"):
+        huge_pages.gather([torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16)])
+
+
+def test_memory_is_on_huge_pages_where_the_system_offers_them() -> None:
+    t = huge_pages.zeros((3, 2 << 20), torch.bfloat16)  # 12 MiB: whole huge pages inside
+    assert t.shape == (3, 2 << 20) and int(t.count_nonzero()) == 0
+    assert huge_pages.backed_by_huge_pages(t) == _system_gives_huge_pages()
+    if _system_gives_huge_pages() and "[madvise]" in _THP.read_text():
+        # In this mode an ordinary tensor is not: the marking is what makes the difference.
+        plain = torch.ones(6 << 20, dtype=torch.bfloat16)
+        assert not huge_pages.backed_by_huge_pages(plain)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_model_gives_the_same_tokens_and_logits_with_and_without_huge_pages(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = random_prompts(5, [33, 6])
+    runs = []
+    for on in (True, False):
+        monkeypatch.setenv("IRON_BATCH_HUGE_PAGES", "1" if on else "0")
+        be = TorchBackend.from_model(str(checkpoint(name)), device="cpu", dtype="bfloat16",
+                                     total_kv_blocks=96, kv_block_size=4)
+        model = be.model
+        weights = [getattr(layer, n) for layer in model.layers
+                   for n in ("qkv", "o", "gate_up", "down")] + [model.lm_head]
+        arenas = {w.untyped_storage().data_ptr() for w in weights}
+        # On: every projection and the head in one allocation; off: as loaded.
+        assert (len(arenas) == 1) == on
+        if model.config.tie_word_embeddings:
+            assert model.embed is model.lm_head
+        rows: list[int] = []
+        runs.append([_logits_run(be, [p], rows) for p in prompts])
+    for (tokens_on, logits_on), (tokens_off, logits_off) in zip(*runs, strict=True):
+        assert tokens_on == tokens_off
+        torch.testing.assert_close(logits_on, logits_off, rtol=0, atol=0)
