@@ -10,6 +10,7 @@ import pytest
 import torch
 from iron_batch.backends.torch_backend import TorchBackend
 from iron_batch.models import huge_pages
+from iron_batch.models.quant import QuantWeight
 from test_cpu_decoder import _logits_run
 from tiny_models import FAMILIES, checkpoint, random_prompts
 
@@ -39,8 +40,10 @@ def test_gather_copies_each_tensor_to_its_own_aligned_place_in_one_allocation() 
     # Views of one arena do not overlap: writing one leaves the others alone.
     placed[1].zero_()
     assert torch.equal(placed[0], tensors[0]) and torch.equal(placed[2], tensors[2])
-    with pytest.raises(ValueError, match="one dtype"):
-        huge_pages.gather([torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16)])
+    # Any mix of dtypes: each keeps its own.
+    mixed = huge_pages.gather([torch.arange(5, dtype=torch.uint8), torch.full((3, 2), 1.5)])
+    assert mixed[0].tolist() == list(range(5)) and mixed[1].dtype == torch.float32
+    assert torch.equal(mixed[1], torch.full((3, 2), 1.5)) and mixed[1].data_ptr() % 4096 == 0
 
 
 def test_memory_is_on_huge_pages_where_the_system_offers_them() -> None:
@@ -53,24 +56,32 @@ def test_memory_is_on_huge_pages_where_the_system_offers_them() -> None:
         assert not huge_pages.backed_by_huge_pages(plain)
 
 
+@pytest.mark.parametrize("quantization", [None, "int4"])
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_model_gives_the_same_tokens_and_logits_with_and_without_huge_pages(
-    name: str, monkeypatch: pytest.MonkeyPatch
+    name: str, quantization: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prompts = random_prompts(5, [33, 6])
     runs = []
     for on in (True, False):
         monkeypatch.setenv("IRON_BATCH_HUGE_PAGES", "1" if on else "0")
         be = TorchBackend.from_model(str(checkpoint(name)), device="cpu", dtype="bfloat16",
-                                     total_kv_blocks=96, kv_block_size=4)
+                                     total_kv_blocks=96, kv_block_size=4,
+                                     quantization=quantization)
         model = be.model
         weights = [getattr(layer, n) for layer in model.layers
                    for n in ("qkv", "o", "gate_up", "down")] + [model.lm_head]
-        arenas = {w.untyped_storage().data_ptr() for w in weights}
-        # On: every projection and the head in one allocation; off: as loaded.
+        tensors = [t for w in weights
+                   for t in ([w.quants, w.scale] + ([w.min] if w.min is not None else [])
+                             if isinstance(w, QuantWeight) else [w])]
+        arenas = {t.untyped_storage().data_ptr() for t in tensors}
+        # On: every projection and the head (each of a quantized one's tensors) in one
+        # allocation; off: as loaded.
         assert (len(arenas) == 1) == on
-        if model.config.tie_word_embeddings:
-            assert model.embed is model.lm_head
+        if quantization is not None:
+            assert any(isinstance(w, QuantWeight) for w in weights)
+        if model.config.tie_word_embeddings and quantization is None:
+            assert model.embed is model.lm_head  # still one tensor, read by both
         rows: list[int] = []
         runs.append([_logits_run(be, [p], rows) for p in prompts])
     for (tokens_on, logits_on), (tokens_off, logits_off) in zip(*runs, strict=True):

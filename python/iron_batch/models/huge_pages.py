@@ -71,24 +71,18 @@ def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 
 def gather(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``tensors`` (contiguous CPU tensors of one dtype) placed one after another
+    """Copies of ``tensors`` (contiguous CPU tensors, any dtypes) placed one after another
     in a single huge-page allocation, each starting on a 4 KiB boundary."""
-    if not tensors:
-        return []
-    dtype = tensors[0].dtype
-    item = tensors[0].element_size()
-    step = _ALIGN // item
     offsets = []
     total = 0
     for t in tensors:
-        if t.dtype != dtype:
-            raise ValueError("gather takes tensors of one dtype")
         offsets.append(total)
-        total += -(-t.numel() // step) * step
-    arena = empty(total, dtype)
+        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    arena = empty(total, torch.uint8)
     placed = []
     for t, at in zip(tensors, offsets, strict=True):
-        view = arena[at : at + t.numel()].view(t.shape)
+        nbytes = t.numel() * t.element_size()
+        view = arena[at : at + nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
         placed.append(view)
     return placed

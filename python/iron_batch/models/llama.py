@@ -8,7 +8,7 @@ decodes; only the rows that will be sampled reach the final norm and the LM head
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -169,7 +169,7 @@ class LlamaModel:
                     down_bias=opt(m + "down_proj.bias", c.mlp_bias),
                 )
             )
-        if quantization is None and huge_pages.enabled(device):
+        if huge_pages.enabled(device):
             self._weights_to_huge_pages()
         # Which CPU kernels this model uses, decided once (the environment switches are
         # read at load, not per step).
@@ -202,12 +202,15 @@ class LlamaModel:
     def _weights_to_huge_pages(self) -> None:
         """The projections and the LM head, which a decode step streams from memory, moved
         into one allocation on 2 MiB pages (see ``huge_pages``): the same values."""
-        names = [(layer, n) for layer in self.layers for n in _PROJECTIONS]
-        assert isinstance(self.lm_head, torch.Tensor)
-        tensors = [getattr(layer, n) for layer, n in names] + [self.lm_head]
-        *projections, head = huge_pages.gather([t.contiguous() for t in tensors])
-        for (layer, n), t in zip(names, projections, strict=True):
-            setattr(layer, n, t)
+        slots = [(layer, n) for layer in self.layers for n in _PROJECTIONS]
+        weights = [getattr(layer, n) for layer, n in slots] + [self.lm_head]
+        parts = [_tensors_of(w) for w in weights]
+        placed = iter(huge_pages.gather([t.contiguous() for p in parts for t in p]))
+        moved = [_with_tensors(w, [next(placed) for _ in p])
+                 for w, p in zip(weights, parts, strict=True)]
+        *projections, head = moved
+        for (layer, n), w in zip(slots, projections, strict=True):
+            setattr(layer, n, w)
         if self.embed is self.lm_head:
             self.embed = head
         self.lm_head = head
@@ -421,6 +424,21 @@ def _vocab_parallel_embedding(
     h.masked_fill_(outside.unsqueeze(-1), 0)
     shard.all_reduce(h)
     return h
+
+
+def _tensors_of(w: Weight) -> list[torch.Tensor]:
+    """The tensors that hold a weight's values."""
+    if isinstance(w, QuantWeight):
+        return [w.quants, w.scale] + ([w.min] if w.min is not None else [])
+    return [w]
+
+
+def _with_tensors(w: Weight, tensors: list[torch.Tensor]) -> Weight:
+    """``w`` over ``tensors`` (copies of :func:`_tensors_of`'s, in its order)."""
+    if isinstance(w, QuantWeight):
+        low = tensors[2] if w.min is not None else None
+        return replace(w, quants=tensors[0], scale=tensors[1], min=low)
+    return tensors[0]
 
 
 def _require(get: TensorSource, name: str) -> torch.Tensor:
