@@ -15,7 +15,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from iron_batch.models import cpu_attention, cpu_decoder, cpu_fused, huge_pages, quant
+from iron_batch.models import (
+    cpu_attention,
+    cpu_decoder,
+    cpu_fused,
+    cpu_malloc,
+    huge_pages,
+    quant,
+)
 from iron_batch.models.config import ModelConfig
 from iron_batch.models.paged_attention import AttentionPlan, paged_attention, write_kv
 from iron_batch.models.quant import QuantWeight
@@ -169,6 +176,8 @@ class LlamaModel:
                     down_bias=opt(m + "down_proj.bias", c.mlp_bias),
                 )
             )
+        if device.type == "cpu":
+            cpu_malloc.keep_freed_memory()
         if huge_pages.enabled(device):
             self._weights_to_huge_pages()
         # Which CPU kernels this model uses, decided once (the environment switches are
