@@ -24,6 +24,8 @@ import os
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD = 32 << 20
+#: Blocks up to this size are meant to come from the heap (under the threshold, with room).
+HEAP_BLOCK = 24 << 20
 _TRIM_THRESHOLD = 1 << 30
 
 _done = False

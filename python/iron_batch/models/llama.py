@@ -176,8 +176,13 @@ class LlamaModel:
                     down_bias=opt(m + "down_proj.bias", c.mlp_bias),
                 )
             )
+        #: The most rows the MLP takes at once (CPU; None: any number), so that its widest
+        #: activation stays a heap block (see ``_mlp``).
+        self.mlp_rows: int | None = None
         if device.type == "cpu":
             cpu_malloc.keep_freed_memory()
+            width = 2 * c.intermediate_size * torch.empty((), dtype=dtype).element_size()
+            self.mlp_rows = max(64, cpu_malloc.HEAP_BLOCK // width // 64 * 64)
         if huge_pages.enabled(device):
             self._weights_to_huge_pages()
         # Which CPU kernels this model uses, decided once (the environment switches are
@@ -383,8 +388,7 @@ class LlamaModel:
             else:
                 h = h + o
                 x = _rms_norm(h, layer.post_norm, eps)
-            gate, up = lin(x, layer, "gate_up").chunk(2, dim=-1)
-            mlp = lin(F.silu(gate) * up, layer, "down")
+            mlp = self._mlp(x, layer, lin)
             if shard is not None:
                 shard.all_reduce(mlp)
             if fused and i + 1 < len(layers):
@@ -392,6 +396,21 @@ class LlamaModel:
             else:
                 h = h + mlp
         return self._logits(h, sample_indices)
+
+    def _mlp(
+        self, x: torch.Tensor, layer: LayerWeights,
+        lin: Callable[[torch.Tensor, LayerWeights, str], torch.Tensor],
+    ) -> torch.Tensor:
+        """The gated MLP, on CPU in runs of at most ``mlp_rows`` rows: a long prompt
+        step's gate/up output would be one block above glibc's 32 MiB limit for heap
+        allocations (8192 x 9728 bf16 is 160 MB), mapped fresh from the kernel, faulted in
+        and zeroed in every layer of every such step (see ``cpu_malloc``)."""
+        rows = self.mlp_rows
+        if rows is None or x.shape[0] <= rows:
+            gate, up = lin(x, layer, "gate_up").chunk(2, dim=-1)
+            return lin(F.silu(gate) * up, layer, "down")
+        return torch.cat([self._mlp(x[i : i + rows], layer, lin)
+                          for i in range(0, x.shape[0], rows)])
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.shard is not None:

@@ -1,0 +1,84 @@
+"""CPU activations kept off fresh kernel pages (``models/cpu_malloc.py``): once a CPU model
+is loaded, an activation-sized block comes from the heap and, freed, stays there for the
+next step instead of going back to the kernel (to be faulted in and zeroed again); with the
+switch off, glibc maps such a block on its own. A long prompt step runs the MLP in runs of
+rows small enough to stay such blocks, with the same logits as in one piece."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from iron_batch.backends.torch_backend import TorchBackend
+from test_cpu_decoder import _logits_run
+from tiny_models import checkpoint, random_prompts
+
+_PROBE = """
+import ctypes, json, sys
+import torch
+from iron_batch.backends.torch_backend import TorchBackend
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = MallInfo2
+TorchBackend.from_model(sys.argv[1], device="cpu", dtype="bfloat16",
+                        total_kv_blocks=16, kv_block_size=4)
+before = mallinfo2()
+block = torch.full((10 << 20,), 1.0, dtype=torch.bfloat16)  # 20 MiB, a prompt chunk's
+alive = mallinfo2()
+del block
+freed = mallinfo2()
+print(json.dumps({"mapped_alone": alive.hblkhd - before.hblkhd,
+                  "kept_free": freed.fordblks - before.fordblks}))
+"""
+
+
+def _probe(keep: bool) -> dict[str, int]:
+    env = dict(os.environ, IRON_BATCH_KEEP_FREED_MEMORY="1" if keep else "0")
+    out = subprocess.run([sys.executable, "-c", _PROBE, str(checkpoint("llama"))],
+                         env=env, capture_output=True, text=True, timeout=300, check=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc only")
+def test_a_freed_activation_block_stays_with_the_allocator() -> None:
+    block = 20 << 20
+    kept = _probe(keep=True)
+    assert kept["mapped_alone"] < block, kept
+    # Freed, it stays in the heap (less whatever small allocation took a piece since).
+    assert kept["kept_free"] >= block // 2, kept
+    default = _probe(keep=False)
+    assert default["mapped_alone"] >= block, default
+    assert default["kept_free"] < block // 2, default
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_mlp_in_runs_of_rows_gives_the_same_logits(dtype: str) -> None:
+    be = TorchBackend.from_model(str(checkpoint("qwen2")), device="cpu", dtype=dtype,
+                                 total_kv_blocks=96, kv_block_size=4)
+    model = be.model
+    c = model.config
+    item = torch.empty((), dtype=model.dtype).element_size()
+    # Sized from the model: its widest MLP block stays under the heap's limit.
+    assert model.mlp_rows is not None
+    assert model.mlp_rows * 2 * c.intermediate_size * item <= 24 << 20
+    prompts = random_prompts(9, [37, 50, 21])
+    runs = []
+    for rows in (None, 16):  # 16: every prompt step split, the last run partial
+        model.mlp_rows = rows
+        runs.append([_logits_run(be, [p], []) for p in prompts])
+    for (tokens_whole, logits_whole), (tokens_runs, logits_runs) in zip(*runs, strict=True):
+        assert tokens_runs == tokens_whole
+        if dtype == "bfloat16":
+            # oneDNN's bf16 GEMM sums each output the same way whatever the row count.
+            torch.testing.assert_close(logits_runs, logits_whole, rtol=0, atol=0)
+        else:
+            # float32 GEMM may pick another kernel for 16 rows than for 50: rounding only.
+            torch.testing.assert_close(logits_runs, logits_whole, rtol=0, atol=1e-5)
