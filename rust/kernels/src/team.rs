@@ -27,8 +27,8 @@ const SPINS_BEFORE_YIELD: u32 = 1 << 14;
 /// `i + 1` with one compare-and-swap, so a claim can never land on a later job.
 struct Board {
     state: AtomicU64,
-    /// The current job's task, a `*const (dyn Fn(usize) + Sync)` split into its two words.
-    task: [AtomicUsize; 2],
+    /// The address of the current job's [`Task`] (a reference on the leader's stack).
+    task: AtomicUsize,
     finished: AtomicUsize,
     quit: AtomicBool,
     panicked: AtomicBool,
@@ -56,7 +56,7 @@ impl Board {
     fn new() -> Self {
         Self {
             state: AtomicU64::new(0),
-            task: [AtomicUsize::new(0), AtomicUsize::new(0)],
+            task: AtomicUsize::new(0),
             finished: AtomicUsize::new(0),
             quit: AtomicBool::new(false),
             panicked: AtomicBool::new(false),
@@ -80,14 +80,11 @@ impl Board {
             return true; // someone else moved the board: look again at once
         }
         // The claimed part is unfinished, so the leader is still inside `run` for this
-        // job and the task words are this job's.
-        let words = [
-            self.task[0].load(Ordering::Relaxed),
-            self.task[1].load(Ordering::Relaxed),
-        ];
-        // SAFETY: the words were written from a `Task` that `run` keeps alive until every
-        // part has finished, and this part has not.
-        let task: Task<'_> = unsafe { std::mem::transmute::<[usize; 2], Task<'_>>(words) };
+        // job and the address is this job's.
+        let at = self.task.load(Ordering::Relaxed) as *const Task<'_>;
+        // SAFETY: `run` stored the address of its `Task` and keeps it (and what it refers
+        // to) alive until every part has finished, and this part has not.
+        let task: Task<'_> = unsafe { *at };
         if catch_unwind(AssertUnwindSafe(|| task(next))).is_err() {
             self.panicked.store(true, Ordering::Relaxed);
         }
@@ -135,11 +132,12 @@ impl Parallel for Team<'_> {
             return;
         }
         let board = self.board;
-        // SAFETY: only the address is stored; it is read back (see `try_run_one`) only
+        // Only the address goes on the board: it is read back (see `try_run_one`) only
         // while a part of this job is unfinished, and this call waits for all of them.
-        let words = unsafe { std::mem::transmute::<Task<'_>, [usize; 2]>(task) };
-        board.task[0].store(words[0], Ordering::Relaxed);
-        board.task[1].store(words[1], Ordering::Relaxed);
+        let task: Task<'_> = task;
+        board
+            .task
+            .store(&task as *const Task<'_> as usize, Ordering::Relaxed);
         board.finished.store(0, Ordering::Relaxed);
         let (job, _, _) = unpack(board.state.load(Ordering::Relaxed));
         // Release: a helper that sees the new job also sees its task and the reset count.
