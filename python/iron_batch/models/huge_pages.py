@@ -15,6 +15,7 @@ it off, for comparison.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -49,43 +50,53 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A 1-D CPU tensor of ``numel`` elements, uninitialized, whose whole 2 MiB pages are
     marked for huge pages before anything is written to them."""
-    item = torch.empty((), dtype=dtype).element_size()
-    pad = _HUGE // item
-    raw = torch.empty(numel + pad, dtype=dtype)
+    item = dtype.itemsize
+    raw = torch.empty(numel + _HUGE // item, dtype=dtype)
     addr = raw.data_ptr()
     start = -(-addr // _HUGE) * _HUGE
-    offset = (start - addr) // item
     # Only whole huge pages inside this allocation: the hint never reaches other memory.
     length = (addr + raw.numel() * item - start) // _HUGE * _HUGE
     madvise = _madvise()
     if madvise is not None and length > 0:
         madvise(start, length, _MADV_HUGEPAGE)  # a refusal leaves ordinary pages
+    offset = (start - addr) // item
     return raw[offset : offset + numel]
 
 
 def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    numel = 1
-    for d in shape:
-        numel *= d
-    return empty(numel, dtype).zero_().view(*shape)
+    return empty(math.prod(shape), dtype).zero_().view(*shape)
+
+
+class Arena:
+    """One huge-page allocation of ``nbytes``, handed out as copies of tensors placed one
+    after another, each on a 4 KiB boundary. Placing tensors one by one lets the caller
+    drop each original as soon as its copy is made."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._memory = empty(nbytes, torch.uint8)
+        self._used = 0
+
+    @staticmethod
+    def size_of(t: torch.Tensor) -> int:
+        """The bytes :meth:`place` takes for ``t``."""
+        return -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` (contiguous, CPU) in the arena's next free bytes."""
+        at, nbytes = self._used, t.numel() * t.element_size()
+        if at + self.size_of(t) > self._memory.numel():
+            raise ValueError(f"arena of {self._memory.numel()} bytes is full")
+        view = self._memory[at : at + nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        self._used += self.size_of(t)
+        return view
 
 
 def gather(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of ``tensors`` (contiguous CPU tensors, any dtypes) placed one after another
     in a single huge-page allocation, each starting on a 4 KiB boundary."""
-    offsets = []
-    total = 0
-    for t in tensors:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    arena = empty(total, torch.uint8)
-    placed = []
-    for t, at in zip(tensors, offsets, strict=True):
-        nbytes = t.numel() * t.element_size()
-        view = arena[at : at + nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        placed.append(view)
-    return placed
+    arena = Arena(sum(Arena.size_of(t) for t in tensors))
+    return [arena.place(t) for t in tensors]
 
 
 def backed_by_huge_pages(t: torch.Tensor) -> bool:

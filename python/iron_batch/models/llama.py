@@ -181,7 +181,8 @@ class LlamaModel:
         self.mlp_rows: int | None = None
         if device.type == "cpu":
             cpu_malloc.keep_freed_memory()
-            width = 2 * c.intermediate_size * torch.empty((), dtype=dtype).element_size()
+            # This process's gate/up rows (a tensor-parallel rank holds a slice of them).
+            width = self.layers[0].gate_up.shape[0] * dtype.itemsize
             self.mlp_rows = max(64, cpu_malloc.HEAP_BLOCK // width // 64 * 64)
         if huge_pages.enabled(device):
             self._weights_to_huge_pages()
@@ -215,30 +216,34 @@ class LlamaModel:
 
     def _weights_to_huge_pages(self) -> None:
         """The projections and the LM head, which a decode step streams from memory, moved
-        into one allocation on 2 MiB pages (see ``huge_pages``): the same values."""
+        into one allocation on 2 MiB pages (see ``huge_pages``): the same values. Each
+        weight is replaced as soon as it is copied, so nothing here keeps its original."""
         slots = [(layer, n) for layer in self.layers for n in _PROJECTIONS]
-        weights = [getattr(layer, n) for layer, n in slots] + [self.lm_head]
-        parts = [_tensors_of(w) for w in weights]
-        placed = iter(huge_pages.gather([t.contiguous() for p in parts for t in p]))
-        moved = [_with_tensors(w, [next(placed) for _ in p])
-                 for w, p in zip(weights, parts, strict=True)]
-        *projections, head = moved
-        for (layer, n), w in zip(slots, projections, strict=True):
-            setattr(layer, n, w)
-        if self.embed is self.lm_head:
-            self.embed = head
-        self.lm_head = head
+        arena = huge_pages.Arena(sum(
+            huge_pages.Arena.size_of(t)
+            for w in [*(getattr(layer, n) for layer, n in slots), self.lm_head]
+            for t in _tensors_of(w)
+        ))
+
+        def moved(w: Weight) -> Weight:
+            return _with_tensors(w, [arena.place(t.contiguous()) for t in _tensors_of(w)])
+
+        for layer, n in slots:
+            setattr(layer, n, moved(getattr(layer, n)))
+        tied = self.embed is self.lm_head
+        self.lm_head = moved(self.lm_head)
+        if tied:
+            self.embed = self.lm_head
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.config
         shape = (2, num_blocks, block_size, self.num_kv_heads, c.head_dim)
-        if huge_pages.enabled(self.device):
-            self.kv_caches = [huge_pages.zeros(shape, self.dtype) for _ in range(c.num_layers)]
-        else:
-            self.kv_caches = [
-                torch.zeros(shape, dtype=self.dtype, device=self.device)
-                for _ in range(c.num_layers)
-            ]
+        huge = huge_pages.enabled(self.device)
+        self.kv_caches = [
+            huge_pages.zeros(shape, self.dtype) if huge
+            else torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(c.num_layers)
+        ]
         self.block_size = block_size
         if self.decoder is not None:
             self.decoder.set_caches(self.kv_caches, block_size)
