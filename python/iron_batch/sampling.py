@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from iron_batch.sampling_params import SamplingParams
@@ -108,14 +109,14 @@ class Sampler:
             assert self.grammar is not None
             self.grammar.apply(logits, constrained, [states[i].matcher for i in constrained])
         greedy = [s.params.is_greedy for s in states]
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         random_rows = [i for i, g in enumerate(greedy) if not g]
         if random_rows:
             rows = torch.tensor(random_rows, device=self.device)
             sub = [states[i].params for i in random_rows]
             probs = _filtered_probs(logits[rows], sub, self.device)
             noise = self._noise([states[i] for i in random_rows], probs.shape)
-            tokens[rows] = (probs / noise).argmax(dim=-1)
+            tokens[rows] = argmax_rows(probs / noise)
         if raw_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, tokens, want_logprobs)
         # Counts are updated where the token is, on the device: an overlapped engine
@@ -173,6 +174,16 @@ class Sampler:
                 g.manual_seed(mix_seed(s.params.seed, s.num_generated))
                 noise[i].exponential_(generator=g)
         return noise
+
+
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """int64 index of each row's largest value (the first one on ties; a NaN wins), as
+    ``scores.argmax(dim=-1)``. On the CPU through numpy: torch's CPU argmax is a scalar
+    loop (about 90 us for one row of a 152k vocabulary, 1 ms for 64 rows of 49k) where
+    numpy's is vectorized (7 us, 0.14 ms)."""
+    if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2:
+        return torch.from_numpy(scores.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return scores.argmax(dim=-1)
 
 
 def _filtered_probs(
