@@ -133,3 +133,24 @@ def test_logprobs_reported_per_sample_row() -> None:
     for (chosen, top), token in zip(rows, outs[0], strict=True):
         assert len(top) == 3 and top[0][0] == token and chosen == pytest.approx(top[0][1])
         assert chosen <= 0.0 and top[0][1] >= top[1][1] >= top[2][1]
+
+
+def test_greedy_picks_what_torch_argmax_picks_on_ties_nan_and_masked_rows() -> None:
+    """Greedy rows take the first largest logit (a NaN counts as largest), as torch's argmax
+    does, whatever computes it."""
+    sampler = Sampler(7, torch.device("cpu"))
+    ninf, nan = float("-inf"), float("nan")
+    logits = torch.tensor([
+        [0.0, 3.0, 1.0, 3.0, -2.0, 3.0, 0.5],  # a three-way tie: the first one
+        [1.0, nan, 2.0, nan, 9.0, 0.0, 0.0],  # a NaN wins, the first NaN
+        [ninf] * 7,  # every token masked
+        [ninf, ninf, ninf, ninf, ninf, -5.0, ninf],
+    ])
+    random = torch.randn(64, 7, generator=torch.Generator().manual_seed(3))
+    for rows in (logits, random, random[:, :5], random.t()[:, :40].t()):
+        states = [sampler.new_state([], SamplingParams()) for _ in range(len(rows))]
+        tokens, _ = sampler.sample(rows.clone(), states)
+        assert tokens.dtype == torch.int64
+        assert tokens.tolist() == rows.argmax(dim=-1).tolist()
+    assert sampler.sample(logits.clone(), [sampler.new_state([], SamplingParams())
+                                           for _ in range(4)])[0].tolist() == [1, 1, 0, 5]
