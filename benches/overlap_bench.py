@@ -4,11 +4,13 @@
     python benches/overlap_bench.py --model PATH --dtype bfloat16
 
 Runs the offline engine (``LLM.generate``) at batch 1 (one request) and batch W (W
-requests at once), with ``overlap_depth`` 0 (sequential steps) and 1 (the next step
-scheduled and submitted before the previous one is committed), alternating the two
-``--reps`` times so that machine noise hits both alike; prints the median tok/s of each
-and their ratio. Also reports the share of a decode step spent outside the model's
-forward (the CPU-side work that overlap could hide on an asynchronous device).
+requests at once), with ``overlap_depth`` 0 (sequential steps, the default on CPU) and 1
+(the next step scheduled and submitted before the previous one is committed), alternating
+the two ``--reps`` times so that machine noise hits both alike, with fresh prompts for
+every run (the prefix cache would serve repeated ones); prints the median tok/s of each
+and their ratio. Then the first-token latency of a request that joins W running ones, the
+same way. Also reports the share of a decode step spent outside the model's forward (the
+CPU-side work that overlap could hide on an asynchronous device).
 """
 
 from __future__ import annotations
@@ -51,6 +53,27 @@ def outside_forward_share(llm: LLM, prompt: list[int], new: int) -> float:
     return 1 - spent[0] / elapsed
 
 
+def first_token_ms(llm: LLM, prompts: list[list[int]], new: int) -> float:
+    """Milliseconds from adding one more request to its first token, while the others run
+    (their prefill done: the newcomer's prompt shares a step with their decodes)."""
+    engine = llm.engine
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    *running, newcomer = prompts
+    for i, prompt in enumerate(running):
+        engine.add_request(f"run-{i}", prompt, params)
+    for _ in range(4):
+        engine.step()
+    t = time.perf_counter()
+    engine.add_request("newcomer", newcomer, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    first = None
+    while engine.has_unfinished():
+        for event in engine.step():
+            if first is None and event.request_id == "newcomer" and event.token_id is not None:
+                first = time.perf_counter() - t
+    assert first is not None
+    return first * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -64,18 +87,28 @@ def main() -> None:
             for d in (0, 1)}
     vocab = llms[0].backend.vocab_size
     rng = np.random.default_rng(0)
+
+    def fresh(batch: int) -> list[list[int]]:
+        return [rng.integers(3, vocab, size=args.prompt_tokens).tolist() for _ in range(batch)]
+
+    for d in (0, 1):  # warm up
+        tok_s(llms[d], fresh(args.width), 8)
     for batch in (1, args.width):
-        prompts = [rng.integers(3, vocab, size=args.prompt_tokens).tolist()
-                   for _ in range(batch)]
-        tok_s(llms[0], prompts[:1], 8)  # warm up
-        tok_s(llms[1], prompts[:1], 8)
         runs: dict[int, list[float]] = {0: [], 1: []}
         for _ in range(args.reps):
             for d in (0, 1):
-                runs[d].append(tok_s(llms[d], prompts, args.new_tokens))
+                runs[d].append(tok_s(llms[d], fresh(batch), args.new_tokens))
         med = {d: statistics.median(v) for d, v in runs.items()}
         print(f"batch {batch:3}: no overlap {med[0]:8.1f} tok/s, overlap {med[1]:8.1f} tok/s, "
               f"ratio {med[1] / med[0]:.2f}x  (runs {runs})", flush=True)
+    waits: dict[int, list[float]] = {0: [], 1: []}
+    for _ in range(args.reps):
+        for d in (0, 1):
+            waits[d].append(first_token_ms(llms[d], fresh(args.width + 1), args.new_tokens))
+    med = {d: statistics.median(v) for d, v in waits.items()}
+    print(f"first token of a request joining {args.width}: no overlap {med[0]:.0f} ms, "
+          f"overlap {med[1]:.0f} ms  (runs {waits})", flush=True)
+    prompts = fresh(1)
     share = outside_forward_share(llms[0], prompts[0], args.new_tokens)
     print(f"batch 1: {share:.0%} of a step is spent outside the model forward", flush=True)
 

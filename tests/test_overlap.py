@@ -324,3 +324,42 @@ def test_tensor_parallel_broadcasts_placeholders_filled_in(monkeypatch: Any) -> 
     assert isinstance(sent[0]["input_ids"], np.ndarray)
     assert sent[0]["input_ids"].tolist() == [5, 7, 9]
     assert forwarded[0]["input_ids"].tolist() == [5, 7, 9]
+
+
+# ------------------------------------------------------ the default follows the backend
+
+
+def _first_token_step(engine: Engine, prompt: list[int], new: int) -> tuple[int, list[int]]:
+    """(the number of the step() call that returned the request's first token, its tokens)."""
+    engine.add_request("r", prompt, SamplingParams(max_new_tokens=new, ignore_eos=True))
+    steps, first, tokens = 0, 0, []
+    while engine.has_unfinished():
+        steps += 1
+        for event in engine.step():
+            if event.token_id is not None:
+                tokens.append(event.token_id)
+                first = first or steps
+    return first, tokens
+
+
+def test_a_cpu_backend_hands_each_token_out_from_the_step_that_computed_it() -> None:
+    """On CPU the torch backend runs a step when it is submitted, so by default the engine
+    keeps none in flight: the first token comes out of the prefill step itself, not a step
+    later, with the same tokens as with a step in flight (asked for explicitly)."""
+    prompt = random_prompts(61, [7])[0]
+    be = backend("llama")
+    assert be.asynchronous_submit is False
+    default = Engine(be, SchedulerConfig(total_kv_blocks=64, kv_block_size=4))
+    assert default.overlap_depth == 0
+    first, tokens = _first_token_step(default, prompt, 5)
+    in_flight = Engine(be, SchedulerConfig(total_kv_blocks=64, kv_block_size=4),
+                       overlap_depth=1)
+    first_overlapped, overlapped = _first_token_step(in_flight, prompt, 5)
+    assert (first, first_overlapped) == (1, 2)
+    assert tokens == overlapped == hf_greedy("llama", prompt, 5)
+
+
+def test_the_mock_backend_runs_its_steps_when_submitted_too() -> None:
+    engine = Engine(MockBackend(0, 0), SchedulerConfig(total_kv_blocks=16, kv_block_size=4))
+    assert engine.overlap_depth == 0
+    assert _first_token_step(engine, [1, 2, 3], 3)[0] == 1

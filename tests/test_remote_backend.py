@@ -290,9 +290,12 @@ def test_overlapped_mock_worker_honours_stop_tokens(worker_factory: list[WorkerP
     stops = sorted({toks[2] for toks in ref.values()})
     params = SamplingParams(ignore_eos=True, stop_token_ids=stops)
     expected, _ = _drive(Engine(MockBackend(0, 0), _config(), overlap_depth=0), reqs, params)
-    for depth in (1, 2):
+    for depth in (None, 1, 2):
         be = RemoteBackend(w.url)
         engine = Engine(be, _config(be), overlap_depth=depth)
+        # A remote step runs on the worker while the engine schedules: one in flight by
+        # default.
+        assert engine.overlap_depth == (depth or 1)
         got, _ = _drive(engine, reqs, params, prefix=f"d{depth}-")
         assert list(got.values()) == list(expected.values())
         assert all(len(t) <= 3 for t in got.values())

@@ -50,7 +50,10 @@ def test_overlap_flags_reach_the_engine() -> None:
     from iron_batch.server.cli import build_engine, build_parser
 
     parser = build_parser()
-    for argv, depth in (([], 1), (["--no-overlap"], 0), (["--overlap-depth", "2"], 2)):
+    # The default follows the backend: the mock runs a step when it is submitted (none in
+    # flight); the remote backend's default is checked against a worker in its own tests.
+    for argv, depth in (([], 0), (["--overlap-depth", "1"], 1), (["--no-overlap"], 0),
+                        (["--overlap-depth", "2"], 2)):
         engine = build_engine(parser.parse_args(argv), parser)
         assert engine.overlap_depth == depth, argv
 

@@ -42,7 +42,8 @@ class LLM:
     many local processes, or over torchrun's ranks, ``tp_timeout`` bounding each collective;
     see ``iron_batch.parallel``); or
     pass any ``backend`` (e.g. ``MockBackend()``). ``overlap_depth``: steps kept in flight
-    while the next is scheduled (0: none; see :mod:`iron_batch.engine`).
+    while the next is scheduled (0: none; None: one when the backend's ``submit`` returns
+    before the step is done, as on CUDA, else none; see :mod:`iron_batch.engine`).
     Scheduler options (``total_kv_blocks``, ``kv_block_size``, ``max_batch_tokens``,
     ``max_running_seqs``, ``enable_prefix_caching``) are keyword arguments.
     """
@@ -60,7 +61,7 @@ class LLM:
         quantization: str | None = None,
         tensor_parallel_size: int = 1,
         tp_timeout: float | None = None,
-        overlap_depth: int = 1,
+        overlap_depth: int | None = None,
         **scheduler_kwargs: Any,
     ) -> None:
         unknown = set(scheduler_kwargs) - set(_SCHEDULER_KEYS)

@@ -74,6 +74,11 @@ class Backend(Protocol):
     #: Whether ``add_request`` accepts ``params.grammar`` (constrained decoding needs the
     #: logits and the tokenizer where sampling happens); the server answers 400 otherwise.
     supports_structured_output: bool
+    #: Whether ``submit`` returns before its step's work is done (kernels queued on a CUDA
+    #: stream, a frame sent to a worker). Only then does a step in flight hide anything,
+    #: and the engine keeps one by default; a backend whose ``submit`` runs the step to the
+    #: end (CPU) would only hand each token out a step late. Read with a default of False.
+    asynchronous_submit: bool
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -166,6 +171,7 @@ class BackendBase:
     num_kv_blocks: int | None = None
     kv_block_size: int | None = None
     supports_structured_output: bool = False
+    asynchronous_submit: bool = False
 
     def describe(self) -> BackendInfo:
         return BackendInfo(kind=type(self).__name__)

@@ -89,6 +89,9 @@ def _tokenizer_from_info(info: dict[str, Any] | None) -> Tokenizer | None:
 class RemoteBackend(BackendBase):
     """Backend protocol over a worker connection; connects (and reads INFO) on creation."""
 
+    #: ``submit`` sends a frame and returns: the round trip hides behind a step in flight.
+    asynchronous_submit = True
+
     def __init__(
         self,
         url: str,

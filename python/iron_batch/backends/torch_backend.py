@@ -68,7 +68,8 @@ class TorchBackend(BackendBase):
     ``submit`` launches the step and keeps its sampled tokens on the device: the next
     step's placeholders are filled in from them there, with no copy to the host in between
     (on CUDA, kernels queue while the engine schedules; on CPU the work runs in ``submit``
-    itself). ``wait`` copies the tokens to the host.
+    itself, so the engine keeps no step in flight there by default). ``wait`` copies the
+    tokens to the host.
     """
 
     supports_prompt_logprobs = True
@@ -83,6 +84,8 @@ class TorchBackend(BackendBase):
         kv_block_size: int,
     ) -> None:
         self.model = model
+        # torch CPU ops run to the end when called; CUDA ones are queued on a stream.
+        self.asynchronous_submit = model.device.type == "cuda"
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.num_kv_blocks: int = num_kv_blocks

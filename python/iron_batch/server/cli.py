@@ -87,12 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-per-call", type=positive_int, default=1,
                    help="remote: decode steps the worker runs per call; K > 1 amortises the "
                    "network round trip, surplus tokens after a stop are discarded (default 1)")
-    p.add_argument("--overlap-depth", type=int, default=1, choices=range(0, 5),
+    p.add_argument("--overlap-depth", type=int, default=None, choices=range(0, 5),
                    metavar="N",
                    help="steps kept in flight on the backend while the engine schedules the "
                    "next one (placeholders for their tokens are filled in by the backend); 2 "
                    "hides a remote round trip longer than a step; ignored with "
-                   "--steps-per-call > 1 (default 1)")
+                   "--steps-per-call > 1 (default: 1 for the remote backend and torch on "
+                   "CUDA, whose steps run while the engine schedules; 0 for torch on CPU and "
+                   "mock, whose steps run to the end when submitted, where a step in flight "
+                   "would only hand every token out a step late)")
     p.add_argument("--no-overlap", action="store_const", const=0, dest="overlap_depth",
                    help="run each step to the end before scheduling the next "
                    "(--overlap-depth 0)")
