@@ -19,8 +19,9 @@ its row in N+1; the scheduler frees its blocks at N's commit and ignores the row
 a backend whose ``submit`` runs the step to the end (the torch backend on CPU, the mock):
 there a step in flight hides nothing and only hands every token out one step later (a
 request's first token too: SmolLM2 on CPU with 32 requests running, 98 against 67 ms).
-Lookahead (``steps_per_call`` > 1) never overlaps. Only the engine thread touches the scheduler and the
-backend, so neither needs locks; the rest of the world talks to it through the inbox.
+Lookahead (``steps_per_call`` > 1) never overlaps. Only the engine thread touches the
+scheduler and the backend, so neither needs locks; the rest of the world talks to it
+through the inbox.
 
 Two ways to drive it:
 - ``start()`` runs the step loop on a background thread; ``submit()`` (called on an asyncio
