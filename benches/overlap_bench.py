@@ -11,6 +11,11 @@ every run (the prefix cache would serve repeated ones); prints the median tok/s 
 and their ratio. Then the first-token latency of a request that joins W running ones, the
 same way. Also reports the share of a decode step spent outside the model's forward (the
 CPU-side work that overlap could hide on an asynchronous device).
+
+``--server`` runs the comparison through two ``python -m iron_batch.server`` processes
+(``--overlap-depth`` 0 and 1) instead, driven by ``iron_batch.bench_client`` with W
+streams open and 3 W requests in all, so that requests keep joining running ones: TTFT
+p50, inter-token p50 and tok/s, the servers taking turns ``--reps`` times.
 """
 
 from __future__ import annotations
@@ -74,6 +79,32 @@ def first_token_ms(llm: LLM, prompts: list[list[int]], new: int) -> float:
     return first * 1e3
 
 
+def server_main(args: argparse.Namespace) -> None:
+    from torch_throughput import Server  # benches/, next to this script
+
+    vocab = LLM(model=args.model, dtype=args.dtype, device="cpu").backend.vocab_size
+    args.max_batch_tokens = 8192
+    servers = {d: Server(args.model, args.dtype, vocab, args, ["--overlap-depth", str(d)])
+               for d in (0, 1)}
+    try:
+        seeds = iter(range(1000, 2000))
+        for server in servers.values():  # warm up
+            server.client(args.width, args.width, next(seeds))
+        rows: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+        for _ in range(args.reps):
+            for d, server in servers.items():
+                rows[d].append(server.client(args.width, 3 * args.width, next(seeds)))
+    finally:
+        for server in servers.values():
+            server.stop()
+    for key, label in (("ttft_p50_ms", "TTFT p50 ms"), ("itl_p50_ms", "inter-token p50 ms"),
+                       ("tokens_per_sec", "tok/s")):
+        med = {d: statistics.median(r[key] for r in rows[d]) for d in (0, 1)}
+        print(f"{label}: no overlap {med[0]:.1f}, overlap {med[1]:.1f}, "
+              f"ratio {med[1] / med[0]:.2f}x  (runs {[[r[key] for r in rows[d]] for d in (0, 1)]})",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -82,7 +113,12 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--server", action="store_true",
+                    help="compare through two servers instead of in process")
     args = ap.parse_args()
+    if args.server:
+        server_main(args)
+        return
     llms = {d: LLM(model=args.model, dtype=args.dtype, device="cpu", overlap_depth=d)
             for d in (0, 1)}
     vocab = llms[0].backend.vocab_size

@@ -62,13 +62,14 @@ def test_a_freed_activation_block_stays_with_the_allocator() -> None:
     assert default["mapped_alone"] >= block, default
     assert default["kept_free"] < block // 2, default
 
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_mlp_in_runs_of_rows_gives_the_same_logits(dtype: str) -> None:
     be = TorchBackend.from_model(str(checkpoint("qwen2")), device="cpu", dtype=dtype,
                                  total_kv_blocks=96, kv_block_size=4)
     model = be.model
     c = model.config
-    item = torch.empty((), dtype=model.dtype).element_size()
+    item = model.dtype.itemsize
     # Sized from the model: its widest MLP block stays under the heap's limit.
     assert model.mlp_rows is not None
     assert model.mlp_rows * 2 * c.intermediate_size * item <= 24 << 20

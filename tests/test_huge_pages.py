@@ -26,10 +26,15 @@ def _system_gives_huge_pages() -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
-def test_gather_copies_each_tensor_to_its_own_aligned_place_in_one_allocation() -> None:
+def _place(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    arena = huge_pages.Arena(sum(huge_pages.Arena.size_of(t) for t in tensors))
+    return [arena.place(t) for t in tensors]
+
+
+def test_an_arena_copies_each_tensor_to_its_own_aligned_place_in_one_allocation() -> None:
     torch.manual_seed(0)
     tensors = [torch.randn(n, 96).to(torch.bfloat16) for n in (3, 700, 1, 2048)]
-    placed = huge_pages.gather(tensors)
+    placed = _place(tensors)
     assert len(placed) == len(tensors)
     storages = {t.untyped_storage().data_ptr() for t in placed}
     assert len(storages) == 1
@@ -41,9 +46,14 @@ def test_gather_copies_each_tensor_to_its_own_aligned_place_in_one_allocation() 
     placed[1].zero_()
     assert torch.equal(placed[0], tensors[0]) and torch.equal(placed[2], tensors[2])
     # Any mix of dtypes: each keeps its own.
-    mixed = huge_pages.gather([torch.arange(5, dtype=torch.uint8), torch.full((3, 2), 1.5)])
+    mixed = _place([torch.arange(5, dtype=torch.uint8), torch.full((3, 2), 1.5)])
     assert mixed[0].tolist() == list(range(5)) and mixed[1].dtype == torch.float32
     assert torch.equal(mixed[1], torch.full((3, 2), 1.5)) and mixed[1].data_ptr() % 4096 == 0
+    # An arena holds what it was sized for and refuses more.
+    full = huge_pages.Arena(4096)
+    full.place(torch.zeros(4096, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="full"):
+        full.place(torch.zeros(1, dtype=torch.uint8))
 
 
 def test_memory_is_on_huge_pages_where_the_system_offers_them() -> None:

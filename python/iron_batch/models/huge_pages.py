@@ -25,7 +25,7 @@ import torch
 #: Linux's ``MADV_HUGEPAGE``.
 _MADV_HUGEPAGE = 14
 _HUGE = 2 << 20
-#: Each tensor placed by :func:`gather` starts on a 4 KiB boundary.
+#: Each tensor an :class:`Arena` places starts on a 4 KiB boundary.
 _ALIGN = 4096
 
 
@@ -90,13 +90,6 @@ class Arena:
         view.copy_(t)
         self._used += self.size_of(t)
         return view
-
-
-def gather(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``tensors`` (contiguous CPU tensors, any dtypes) placed one after another
-    in a single huge-page allocation, each starting on a 4 KiB boundary."""
-    arena = Arena(sum(Arena.size_of(t) for t in tensors))
-    return [arena.place(t) for t in tensors]
 
 
 def backed_by_huge_pages(t: torch.Tensor) -> bool:
