@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from iron_batch.models.loader import load_model, resolve
-from iron_batch.models.quant import QuantWeight
+from iron_batch.layers.quant import QuantWeight
+from iron_batch.loader import load_model, resolve
 from torch_throughput import copy_bandwidth_gbs, server_run  # benches/, next to this script
 
 FORMATS = {"gguf": ["--quantization", "gguf"], "int8": ["--quantization", "int8"], "bf16": []}
@@ -46,10 +46,11 @@ def bytes_per_token(model: str, fmt: str) -> int:
     def size(w: Any) -> int:
         return w.nbytes if isinstance(w, QuantWeight) else w.numel() * w.element_size()
 
-    total = size(net.lm_head) + size(net.norm)
+    total = size(net.lm_head.linear.weight) + size(net.norm.weight)
     for layer in net.layers:
-        total += sum(size(getattr(layer, n)) for n in ("qkv", "o", "gate_up", "down",
-                                                       "input_norm", "post_norm"))
+        total += sum(size(lin.weight) for lin in (layer.qkv, layer.o, layer.mlp.gate_up,
+                                                  layer.mlp.down))
+        total += size(layer.input_norm.weight) + size(layer.post_norm.weight)
     return total
 
 

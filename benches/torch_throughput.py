@@ -41,7 +41,7 @@ import torch
 from iron_batch import Engine, SamplingParams
 from iron_batch.backends.torch_backend import TorchBackend
 from iron_batch.llm import LLM
-from iron_batch.models.loader import resolve
+from iron_batch.loader import resolve
 from server_bench import free_port  # benches/, next to this script
 
 SHAPES = {
@@ -194,12 +194,13 @@ class Server:
     ``iron_batch.bench_client`` (distinct random prompts, ``ignore_eos``)."""
 
     def __init__(self, model: str, dtype: str, vocab: int, args: argparse.Namespace,
-                 extra: list[str] | None = None) -> None:
+                 extra: list[str] | None = None, python: str = sys.executable) -> None:
+        """``python``: the interpreter (and so the build of iron_batch) that serves."""
         import httpx
 
         self.args, self.vocab = args, vocab
         self.url = f"http://127.0.0.1:{free_port()}"
-        cmd = [sys.executable, "-m", "iron_batch.server", "--backend", "torch", "--model",
+        cmd = [python, "-m", "iron_batch.server", "--backend", "torch", "--model",
                model, "--dtype", dtype, "--device", "cpu",
                "--addr", self.url.removeprefix("http://"),
                "--max-batch-tokens", str(args.max_batch_tokens), *(extra or [])]
@@ -445,9 +446,12 @@ def main() -> None:
 
 
 def _weights(net: Any) -> list[torch.Tensor]:
-    out = [net.embed, net.norm, net.lm_head]
+    out = [net.embed.table, net.norm.weight, net.lm_head.linear.weight]
     for layer in net.layers:
-        out.extend(t for t in vars(layer).values() if isinstance(t, torch.Tensor))
+        out += [layer.input_norm.weight, layer.post_norm.weight]
+        out += [norm.weight for norm in (layer.q_norm, layer.k_norm) if norm is not None]
+        for lin in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down):
+            out += [lin.weight] + ([lin.bias] if lin.bias is not None else [])
     return out
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch  # these tests must fail, not skip, without torch
+from iron_batch.attention import cpu_kernel as cpu_attention
 from iron_batch.backends.torch_backend import TorchBackend
-from iron_batch.models import cpu_attention
+from iron_batch.platform import cpu, switches
 from tiny_models import checkpoint, random_prompts, reference_model
 
 
@@ -36,7 +37,7 @@ def _reference(q, cache, tables, lens, scale, window):
 @pytest.mark.parametrize(("heads", "kv_heads", "hd", "window"),
                          [(4, 4, 64, None), (9, 3, 64, None), (8, 2, 32, 20), (2, 1, 24, None)])
 def test_kernel_matches_torch(dtype, heads, kv_heads, hd, window) -> None:
-    if not cpu_attention.kernel_enabled(torch.device("cpu"), dtype):
+    if not cpu.select(torch.device("cpu"), dtype, switches.read()).attention:
         pytest.fail("the Rust attention kernel is not available in this build")
     g = torch.Generator().manual_seed(0)
     block_size, width, seqs = 16, 6, 11

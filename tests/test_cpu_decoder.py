@@ -1,4 +1,4 @@
-"""Decode steps with every decoder layer in one Rust call (``models/cpu_decoder.py``):
+"""Decode steps with every decoder layer in one Rust call (``layers/decoder_stack.py``):
 the same tokens and log-probabilities as the layer-by-layer Python path, on every tiny
 family (GQA, qkv bias, Qwen3's q/k norms, a sliding window) in bf16 and quantized, one
 sequence and several; bad calls are refused and change nothing."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from iron_batch.backends.torch_backend import TorchBackend
-from iron_batch.models import cpu_decoder
+from iron_batch.platform import cpu, switches
 from tiny_models import FAMILIES, checkpoint, random_prompts, run_scheduler
 
 
@@ -118,7 +118,7 @@ def test_the_stack_refuses_bad_calls_and_leaves_the_cache_alone(
 
 
 def test_float32_models_keep_the_python_path() -> None:
-    assert not cpu_decoder.enabled(torch.device("cpu"), torch.float32)
+    assert not cpu.select(torch.device("cpu"), torch.float32, switches.read()).decoder
     be = TorchBackend.from_model(str(checkpoint("llama")), device="cpu", dtype="float32",
                                  total_kv_blocks=32, kv_block_size=4)
     assert be.model.decoder is None

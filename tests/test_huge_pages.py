@@ -1,4 +1,4 @@
-"""CPU weights and KV cache on 2 MiB pages (``models/huge_pages.py``): the model keeps
+"""CPU weights and KV cache on 2 MiB pages (``platform/huge_pages.py``): the model keeps
 the same values and gives the same tokens and logits with the placement on and off; the
 memory is in huge pages wherever this Linux offers them (``madvise`` or ``always`` mode)."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from iron_batch.backends.torch_backend import TorchBackend
-from iron_batch.models import huge_pages
-from iron_batch.models.quant import QuantWeight
+from iron_batch.layers.quant import QuantWeight
+from iron_batch.platform import huge_pages
 from test_cpu_decoder import _logits_run
 from tiny_models import FAMILIES, checkpoint, random_prompts
 
@@ -79,8 +79,9 @@ def test_the_model_gives_the_same_tokens_and_logits_with_and_without_huge_pages(
                                      total_kv_blocks=96, kv_block_size=4,
                                      quantization=quantization)
         model = be.model
-        weights = [getattr(layer, n) for layer in model.layers
-                   for n in ("qkv", "o", "gate_up", "down")] + [model.lm_head]
+        weights = [lin.weight for layer in model.layers
+                   for lin in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
+        weights.append(model.lm_head.linear.weight)
         tensors = [t for w in weights
                    for t in ([w.quants, w.scale] + ([w.min] if w.min is not None else [])
                              if isinstance(w, QuantWeight) else [w])]
@@ -91,7 +92,7 @@ def test_the_model_gives_the_same_tokens_and_logits_with_and_without_huge_pages(
         if quantization is not None:
             assert any(isinstance(w, QuantWeight) for w in weights)
         if model.config.tie_word_embeddings and quantization is None:
-            assert model.embed is model.lm_head  # still one tensor, read by both
+            assert model.embed.table is model.lm_head.linear.weight  # one tensor, read by both
         rows: list[int] = []
         runs.append([_logits_run(be, [p], rows) for p in prompts])
     for (tokens_on, logits_on), (tokens_off, logits_off) in zip(*runs, strict=True):

@@ -2,7 +2,7 @@
 
 With two libgomp teams alive (the thread that loaded the model, the engine thread that steps
 it) libgomp stops spinning between parallel regions and batch-1 decode on the engine thread
-ran ~1.8x slower than on the caller's thread (see iron_batch.openmp). Speed is measured in
+ran ~1.8x slower than on the caller's thread (see iron_batch.platform.openmp). Speed is measured in
 ``benches/torch_throughput.py`` ("engine thread" row); this test pins the mechanism: once the
 engine starts, the OpenMP workers the loading thread created are gone, and torch still
 computes correctly on both threads.

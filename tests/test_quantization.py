@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 from iron_batch.backends.torch_backend import TorchBackend
-from iron_batch.models import quant
-from iron_batch.models.llama import LlamaModel
-from iron_batch.models.loader import resolve
+from iron_batch.layers import quant
+from iron_batch.loader import resolve
+from iron_batch.models.decoder import DecoderModel
 from iron_batch.sampling_params import SamplingParams
 from tiny_models import FAMILIES, checkpoint, random_prompts, reference_model, run_scheduler
 
@@ -93,7 +93,7 @@ def test_int4_and_int8_round_to_the_nearest_level() -> None:
     assert w4.nbytes == bf16_bytes * 5 // 16 and w8.nbytes == bf16_bytes * 17 // 32
 
 
-def _hf_with_our_weights(name: str, net: LlamaModel) -> Any:
+def _hf_with_our_weights(name: str, net: DecoderModel) -> Any:
     """transformers' float32 model of ``name`` with every projection (and the LM head)
     replaced by our dequantized weights: the same weights, full-precision activations."""
     model = copy.deepcopy(reference_model(name))
@@ -101,17 +101,17 @@ def _hf_with_our_weights(name: str, net: LlamaModel) -> Any:
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     with torch.no_grad():
         for layer, ours in zip(model.model.layers, net.layers, strict=True):
-            qkv = _dense(ours.qkv)
+            qkv = _dense(ours.qkv.weight)
             attn, mlp = layer.self_attn, layer.mlp
             attn.q_proj.weight.copy_(qkv[:q])
             attn.k_proj.weight.copy_(qkv[q : q + kv])
             attn.v_proj.weight.copy_(qkv[q + kv :])
-            attn.o_proj.weight.copy_(_dense(ours.o))
-            gate_up = _dense(ours.gate_up)
+            attn.o_proj.weight.copy_(_dense(ours.o.weight))
+            gate_up = _dense(ours.mlp.gate_up.weight)
             mlp.gate_proj.weight.copy_(gate_up[: c.intermediate_size])
             mlp.up_proj.weight.copy_(gate_up[c.intermediate_size :])
-            mlp.down_proj.weight.copy_(_dense(ours.down))
-        model.lm_head.weight = torch.nn.Parameter(_dense(net.lm_head))
+            mlp.down_proj.weight.copy_(_dense(ours.mlp.down.weight))
+        model.lm_head.weight = torch.nn.Parameter(_dense(net.lm_head.linear.weight))
     model.generation_config.eos_token_id = None
     return model
 
@@ -135,7 +135,7 @@ def _positions(n: int) -> dict[str, np.ndarray]:
                 block_tables=np.arange(blocks, dtype=np.int32)[None])
 
 
-def _prefill_logits(net: LlamaModel, tokens: list[int]) -> torch.Tensor:
+def _prefill_logits(net: DecoderModel, tokens: list[int]) -> torch.Tensor:
     """Logits at every position from one prefill (many rows: the dense GEMM path)."""
     n = len(tokens)
     net.allocate_kv_cache(64, 16)
@@ -146,7 +146,7 @@ def _prefill_logits(net: LlamaModel, tokens: list[int]) -> torch.Tensor:
     )
 
 
-def _decode_logits(net: LlamaModel, tokens: list[int]) -> torch.Tensor:
+def _decode_logits(net: DecoderModel, tokens: list[int]) -> torch.Tensor:
     """Logits at every position, one token per forward (one row: the quantized GEMV)."""
     net.allocate_kv_cache(64, 16)
     rows = []
@@ -168,7 +168,7 @@ def test_tiny_families_match_transformers_on_the_same_quantized_weights(
 ) -> None:
     be = TorchBackend.from_model(str(checkpoint(name)), device="cpu", total_kv_blocks=64,
                                  kv_block_size=4, quantization=mode)
-    assert isinstance(be.model.layers[0].qkv, quant.QuantWeight)
+    assert isinstance(be.model.layers[0].qkv.weight, quant.QuantWeight)
     assert be.model.dtype == torch.bfloat16  # auto picks bf16 activations for quantization
     ref = _hf_with_our_weights(name, be.model)
     for prompt in random_prompts(7, [5, 30]):
@@ -203,7 +203,7 @@ def smol_reference() -> Any:
     ).eval()
 
 
-def _last_logits(net: LlamaModel, prompt: list[int]) -> torch.Tensor:
+def _last_logits(net: DecoderModel, prompt: list[int]) -> torch.Tensor:
     n = len(prompt)
     net.allocate_kv_cache(64, 16)
     blocks = -(-n // 16)
@@ -229,10 +229,11 @@ def test_smollm2_gguf_blocks_match_transformers_logits(smol_reference: Any) -> N
     be = TorchBackend.from_model("smollm2-135m", device="cpu", total_kv_blocks=64,
                                  quantization="gguf")
     net = be.model
-    kinds = {w.source for layer in net.layers for w in (layer.qkv, layer.o, layer.gate_up,
-                                                        layer.down)}
-    assert kinds == {"Q4_1"} and isinstance(net.lm_head, quant.QuantWeight)
-    assert net.lm_head.source == "Q8_0" and net.embed is net.lm_head
+    kinds = {lin.weight.source for layer in net.layers
+             for lin in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)}
+    head = net.lm_head.linear.weight
+    assert kinds == {"Q4_1"} and isinstance(head, quant.QuantWeight)
+    assert head.source == "Q8_0" and net.embed.table is head
     assert net.dequantized == []
     tok = be.tokenizer
     assert tok is not None

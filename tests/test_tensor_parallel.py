@@ -108,8 +108,6 @@ def test_a_world_size_the_heads_cannot_be_split_by_is_refused(paths: dict[str, s
     assert "\n" not in str(info.value)
     with pytest.raises(BackendConfigError, match="more ranks than query heads"):
         LLM(model=paths["llama"], tensor_parallel_size=8, device="cpu")
-    with pytest.raises(BackendConfigError, match="--quantization is not supported"):
-        LLM(model=paths["llama"], tensor_parallel_size=2, quantization="int8", device="cpu")
     result = subprocess.run([*SERVER, *TINY, "--model", paths["llama"],
                              "--tensor-parallel-size", "3"],
                             capture_output=True, text=True, timeout=60)

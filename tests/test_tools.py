@@ -19,7 +19,7 @@ import openai
 import pytest
 from conftest import ServerHandle, ServerStarter
 from iron_batch.backends.mock import MockBackend
-from iron_batch.models.loader import read_gguf_fields, resolve
+from iron_batch.loader import read_gguf_fields, resolve
 from iron_batch.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m"

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 from iron_batch.backends.torch_backend import TorchBackend
-from iron_batch.models.config import ModelConfig
-from iron_batch.models.gguf_file import unpermute_rope_rows
-from iron_batch.models.loader import resolve
+from iron_batch.loader import resolve
+from iron_batch.loader.gguf import unpermute_rope_rows
+from iron_batch.models.registry import config_from_hf
 from tiny_models import checkpoint, hf_greedy, random_prompts, reference_model, run_scheduler
 
 
@@ -68,13 +68,13 @@ def test_unknown_model_argument() -> None:
 def test_rope_config_layouts() -> None:
     base = dict(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
                 num_hidden_layers=1, num_attention_heads=2)
-    v4 = ModelConfig.from_hf({**base, "rope_theta": 5e5,
+    v4 = config_from_hf({**base, "rope_theta": 5e5,
                               "rope_scaling": {"type": "linear", "factor": 4.0}})
-    v5 = ModelConfig.from_hf({**base, "rope_parameters": {
+    v5 = config_from_hf({**base, "rope_parameters": {
         "rope_type": "linear", "factor": 4.0, "rope_theta": 5e5}})
     assert v4.rope_theta == v5.rope_theta == 5e5
     assert v4.rope_scaling == v5.rope_scaling == {"rope_type": "linear", "factor": 4.0}
-    plain = ModelConfig.from_hf(base)
+    plain = config_from_hf(base)
     assert plain.rope_scaling == {"rope_type": "default"} and plain.rope_theta == 10000.0
     assert plain.head_dim == 4 and plain.num_kv_heads == 2 and not plain.tie_word_embeddings
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 from iron_batch.backends.torch_backend import TorchBackend
-from iron_batch.models.loader import resolve
+from iron_batch.loader import resolve
 from iron_batch.sampling_params import SamplingParams
 from tiny_models import run_scheduler
 

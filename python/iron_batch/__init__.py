@@ -5,6 +5,9 @@ Importing this package never imports torch: the torch backend loads on first use
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from iron_batch._core import (
     FINISH_REASONS,
     AllocatorError,
@@ -21,9 +24,26 @@ from iron_batch._core import (
     UnknownRequest,
 )
 from iron_batch._core import __version__ as __version__
-from iron_batch.engine import Engine, TokenEvent
-from iron_batch.llm import LLM, RequestOutput
-from iron_batch.sampling_params import SamplingParams
+
+#: Names exported from modules above the core, imported on first use: the package itself
+#: imports nothing but the core, so any module may import ``iron_batch._core`` without
+#: running the engine's imports.
+_LAZY = {
+    "Engine": "iron_batch.engine",
+    "TokenEvent": "iron_batch.engine",
+    "LLM": "iron_batch.llm",
+    "RequestOutput": "iron_batch.llm",
+    "SamplingParams": "iron_batch.sampling_params",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'iron_batch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "FINISH_REASONS",

@@ -55,7 +55,7 @@ from iron_batch._core import (
     StepEvents,
 )
 from iron_batch.backends.base import BackendError, ExecutedStep, ExecuteOnly, FatalBackendError
-from iron_batch.openmp import release_thread_pool
+from iron_batch.platform.openmp import release_thread_pool
 from iron_batch.sampling_params import SamplingParams
 from iron_batch.stats import EngineStats
 from iron_batch.stream import Logprobs, RequestStream, TokenEvent, deliver
@@ -240,7 +240,7 @@ class Engine:
             raise RuntimeError("engine already started")
         # The backend was built (and maybe warmed up) on this thread; from now on only the
         # engine thread runs it. An OpenMP team left behind here would throttle the engine
-        # thread's team (see iron_batch.openmp).
+        # thread's team (see iron_batch.platform.openmp).
         release_thread_pool()
         self._thread = threading.Thread(target=self._run, name="iron-batch-engine", daemon=True)
         self._thread.start()

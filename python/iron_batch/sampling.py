@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from iron_batch.sampling_params import SamplingParams
+from iron_batch.stream import StepLogprobs
 
 if TYPE_CHECKING:
     from iron_batch.structured.masking import GrammarMasker
@@ -58,7 +59,6 @@ class RequestState:
 
 
 #: Per sample row: (logprob of the chosen token, [(token id, logprob)] top alternatives).
-Logprobs = list[tuple[float, list[tuple[int, float]]]]
 
 
 class Sampler:
@@ -91,7 +91,7 @@ class Sampler:
     @torch.inference_mode()
     def sample(
         self, logits: torch.Tensor, states: list[RequestState]
-    ) -> tuple[torch.Tensor, Logprobs | None]:
+    ) -> tuple[torch.Tensor, StepLogprobs | None]:
         """logits [N, vocab] float32 -> (int64 token ids [N], logprobs or None).
 
         Updates each state's generated-token count (penalty counts, grammar matcher).
@@ -217,7 +217,7 @@ def _filtered_probs(
 
 def _gather_logprobs(
     logprobs: torch.Tensor, tokens: torch.Tensor, want: list[int | None]
-) -> Logprobs:
+) -> StepLogprobs:
     chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
     k = max((w or 0) for w in want)
     top_vals: list[list[float]] = [[] for _ in want]
@@ -225,7 +225,7 @@ def _gather_logprobs(
     if k > 0:
         vals, ids = logprobs.topk(k, dim=-1)
         top_vals, top_ids = vals.tolist(), ids.tolist()
-    out: Logprobs = []
+    out: StepLogprobs = []
     for i, w in enumerate(want):
         n = w or 0
         out.append((chosen[i], list(zip(top_ids[i][:n], top_vals[i][:n], strict=True))))

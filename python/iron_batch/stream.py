@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+#: One token's log-probability and its top alternatives: (logprob, [(token id, logprob)]).
 Logprobs = tuple[float, list[tuple[int, float]]]
+#: A step's: one per sample row.
+StepLogprobs = list[Logprobs]
 
 
 class TokenEvent:

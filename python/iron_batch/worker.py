@@ -31,7 +31,7 @@ import numpy as np
 
 from iron_batch import wire
 from iron_batch.batch import ArrayBatch
-from iron_batch.openmp import release_thread_pool
+from iron_batch.platform.openmp import release_thread_pool
 from iron_batch.sampling_params import SamplingParams
 from iron_batch.wire import ExecuteRequest, Kind, WireError, WorkerLimits
 
@@ -163,7 +163,7 @@ class Worker:
 
     def serve(self, listener: socket.socket) -> None:
         # Batches run on connection threads: free this thread's OpenMP team (it loaded the
-        # model) so that it does not throttle theirs (see iron_batch.openmp).
+        # model) so that it does not throttle theirs (see iron_batch.platform.openmp).
         release_thread_pool()
         while True:
             conn, peer = listener.accept()

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from iron_batch.stream import StepLogprobs
+
 if TYPE_CHECKING:
     from iron_batch._core import Batch
     from iron_batch.sampling_params import SamplingParams
@@ -129,16 +131,19 @@ class Backend(Protocol):
 class BackendInfo:
     """A backend's self-description for people: the kind (mock, torch, remote, ...), the
     compute dtype and device when it has them, the KV bytes of one block of
-    ``kv_block_size`` slots when it knows them, and a remote worker's address."""
+    ``kv_block_size`` slots when it knows them, a remote worker's address, and the
+    tuning switches a model backend read at load."""
 
     kind: str
     dtype: str | None = None
     device: str | None = None
     kv_bytes_per_block: int | None = None
     url: str | None = None
+    #: The tuning switches in force (environment name -> value; see
+    #: ``platform/switches.py``), for backends that read them.
+    switches: dict[str, str] | None = None
 
 
-Logprobs = list[tuple[float, list[tuple[int, float]]]]
 
 
 @dataclass
@@ -146,7 +151,7 @@ class ExecutedStep:
     """The handle of :meth:`BackendBase.submit`: a step already run to the end."""
 
     tokens: np.ndarray
-    logprobs: Logprobs | None
+    logprobs: StepLogprobs | None
 
 
 def fill_placeholders(batch: Any, previous: np.ndarray | None) -> None:

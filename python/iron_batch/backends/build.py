@@ -10,16 +10,17 @@ from typing import Any
 
 from iron_batch._core import SchedulerConfig
 from iron_batch.backends.base import Backend
+from iron_batch.backends.mock import DEFAULT_PREFILL_TOKEN_LATENCY_US, DEFAULT_TOKEN_LATENCY_US
+from iron_batch.backends.remote import DEFAULT_TIMEOUT_S
+
+# ``--quantization`` modes of the torch backend (``iron_batch.layers.quant``).
+from iron_batch.layers import QUANTIZATION_MODES as QUANTIZATION_MODES
 
 #: Backend kinds; ``real`` is the old name of ``remote``.
 BACKEND_KINDS = ("mock", "torch", "remote")
 ALIASES = {"real": "remote"}
 _TORCH_ONLY = ("model", "device", "dtype", "kv_cache_memory_gb", "quantization",
                "tensor_parallel_size")
-
-#: ``--quantization`` modes of the torch backend (``iron_batch.models.quant``), named here
-#: so that argument parsing does not import torch.
-QUANTIZATION_MODES = ("gguf", "int8", "int4")
 
 #: The Rust core's scheduler defaults.
 DEFAULTS = SchedulerConfig()
@@ -51,11 +52,11 @@ def build_backend(
     kv_block_size: int | None = None,
     kv_cache_memory_gb: float | None = None,
     quantization: str | None = None,
-    mock_token_latency_us: float = 200.0,
-    mock_prefill_token_latency_us: float = 1.0,
+    mock_token_latency_us: float = DEFAULT_TOKEN_LATENCY_US,
+    mock_prefill_token_latency_us: float = DEFAULT_PREFILL_TOKEN_LATENCY_US,
     url: str | None = None,
     api_key: str | None = None,
-    timeout: float = 30.0,
+    timeout: float = DEFAULT_TIMEOUT_S,
     steps_per_call: int = 1,
     tensor_parallel_size: int = 1,
     tp_timeout: float | None = None,
@@ -121,9 +122,9 @@ def _tensor_parallel_backend(
     total_kv_blocks: int | None, kv_block_size: int | None,
     kv_cache_memory_gb: float | None, quantization: str | None, timeout: float | None,
 ) -> Backend:
+    from iron_batch.models.partition import TensorParallelError
     from iron_batch.parallel.backend import TensorParallelTorchBackend
     from iron_batch.parallel.group import DEFAULT_TIMEOUT_S
-    from iron_batch.parallel.shard_plan import TensorParallelError
 
     try:
         return TensorParallelTorchBackend.from_model(

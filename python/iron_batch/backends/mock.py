@@ -45,6 +45,11 @@ def _prompt_hash(prompt_token_ids: list[int]) -> int:
     return h
 
 
+#: The latency model's defaults (the server's and the worker's flags take them from here).
+DEFAULT_TOKEN_LATENCY_US = 200.0
+DEFAULT_PREFILL_TOKEN_LATENCY_US = 1.0
+
+
 class MockBackend(BackendBase):
     """Backend protocol implementation for scheduler and server work (no model)."""
 
@@ -53,8 +58,8 @@ class MockBackend(BackendBase):
 
     def __init__(
         self,
-        token_latency_us: float = 200.0,
-        prefill_token_latency_us: float = 1.0,
+        token_latency_us: float = DEFAULT_TOKEN_LATENCY_US,
+        prefill_token_latency_us: float = DEFAULT_PREFILL_TOKEN_LATENCY_US,
         vocab_size: int = 32000,
     ) -> None:
         if token_latency_us < 0 or prefill_token_latency_us < 0:

@@ -52,6 +52,10 @@ if TYPE_CHECKING:
 _GEOMETRY = ("kv_block_size", "max_model_len", "vocab_size")
 
 
+#: Seconds one worker call may take before its requests fail (``--backend-timeout``).
+DEFAULT_TIMEOUT_S = 30.0
+
+
 class RemoteBackendError(BackendError):
     """The worker refused or failed one batch; the connection and its KV are intact."""
 
@@ -97,7 +101,7 @@ class RemoteBackend(BackendBase):
         url: str,
         *,
         api_key: str | None = None,
-        timeout: float = 30.0,
+        timeout: float = DEFAULT_TIMEOUT_S,
         steps_per_call: int = 1,
         max_reply_body: int = wire.MAX_BODY,
     ) -> None:

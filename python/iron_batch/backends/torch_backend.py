@@ -1,4 +1,5 @@
-"""Backend that runs our Llama-family torch model over the scheduler's paged batches."""
+"""Backend that runs a torch model of ``iron_batch.models`` over the scheduler's paged
+batches."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from iron_batch._core import SchedulerConfig
 from iron_batch.backends.base import BackendBase, BackendInfo
 from iron_batch.batch import model_inputs
-from iron_batch.models.llama import LlamaModel
-from iron_batch.models.loader import ModelSource, load_model, read_gguf_fields, resolve
+from iron_batch.loader import ModelSource, load_model, read_gguf_fields, resolve
+from iron_batch.models.decoder import DecoderModel
 from iron_batch.prompt_logprobs import PromptLogprobs, PromptScorer
-from iron_batch.sampling import Logprobs, RequestState, Sampler
+from iron_batch.sampling import RequestState, Sampler
 from iron_batch.sampling_params import SamplingParams
+from iron_batch.stream import StepLogprobs
 from iron_batch.structured.masking import GrammarMasker, llguidance_installed
 from iron_batch.tokenizer import Tokenizer
 
@@ -26,6 +29,9 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
+
+#: The Rust core's defaults (the KV block size).
+_CORE_DEFAULTS = SchedulerConfig()
 
 # KV pool size when neither a block count nor a memory budget is given, on CPU.
 _DEFAULT_CPU_KV_GB = 1.0
@@ -56,7 +62,7 @@ class TorchStep:
     """A submitted step: its sampled tokens, still on the device until ``wait``."""
 
     tokens: torch.Tensor | None
-    logprobs: Logprobs | None
+    logprobs: StepLogprobs | None
 
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
@@ -76,7 +82,7 @@ class TorchBackend(BackendBase):
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         tokenizer: Tokenizer | None,
         *,
         model_name: str,
@@ -104,7 +110,7 @@ class TorchBackend(BackendBase):
         self.supports_structured_output = grammar is not None
         self.sampler = Sampler(model.config.vocab_size, model.device, grammar)
         self._requests: dict[str, RequestState] = {}
-        self._last_logprobs: Logprobs | None = None
+        self._last_logprobs: StepLogprobs | None = None
         self.scorer = PromptScorer()
         # The last submitted step's sampled tokens, on the device.
         self._device_tokens: torch.Tensor | None = None
@@ -117,7 +123,7 @@ class TorchBackend(BackendBase):
         device: str = "auto",
         dtype: str = "auto",
         total_kv_blocks: int | None = None,
-        kv_block_size: int = 16,
+        kv_block_size: int = _CORE_DEFAULTS.kv_block_size,
         kv_cache_memory_gb: float | None = None,
         quantization: str | None = None,
     ) -> TorchBackend:
@@ -222,9 +228,10 @@ class TorchBackend(BackendBase):
             dtype=str(net.dtype).removeprefix("torch."),
             device=str(net.device),
             kv_bytes_per_block=net.kv_bytes_per_block(self.kv_block_size),
+            switches=net.switches.as_dict(),
         )
 
-    def last_logprobs(self) -> Logprobs | None:
+    def last_logprobs(self) -> StepLogprobs | None:
         return self._last_logprobs
 
     def _state(self, request_id: str) -> RequestState:
@@ -236,7 +243,7 @@ class TorchBackend(BackendBase):
         return state
 
 
-def kv_blocks_for_memory(net: LlamaModel, block_size: int, memory_gb: float | None) -> int:
+def kv_blocks_for_memory(net: DecoderModel, block_size: int, memory_gb: float | None) -> int:
     per_block = net.kv_bytes_per_block(block_size)
     if memory_gb is None:
         if net.device.type == "cuda":

@@ -1,12 +1,10 @@
-"""Architecture settings of a Llama-family checkpoint, read from HF config.json or GGUF."""
+"""Architecture settings of a decoder checkpoint, read from HF config.json (or a GGUF file's
+metadata turned into one)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-#: HF ``model_type`` values this implementation covers, and what each adds to plain Llama.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
@@ -38,14 +36,19 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        model_type = cfg.get("model_type", "")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            archs = cfg.get("architectures") or []
-            raise ValueError(
-                f"unsupported architecture: model_type={model_type!r} {archs} "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
+    def from_hf(
+        cls,
+        cfg: dict[str, Any],
+        *,
+        tie_default: bool,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        sliding_window: int | None = None,
+    ) -> ModelConfig:
+        """The settings every decoder family reads the same way from an HF config; the
+        family (``models/<family>.py``) says what its architecture adds. Features this
+        implementation does not run are refused by name."""
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
@@ -54,16 +57,8 @@ class ModelConfig:
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         theta, scaling = _rope_settings(cfg)
-        attention_bias = bool(cfg.get("attention_bias", False))
-        # Qwen2 always has q/k/v bias (its config has no flag for it); Qwen3 follows the flag.
-        qkv_bias = model_type == "qwen2" or attention_bias
-        o_bias = attention_bias and model_type in ("llama", "qwen3")
-        sliding = cfg.get("sliding_window") if model_type == "mistral" else None
-        if model_type == "qwen2" and cfg.get("use_sliding_window"):
-            raise ValueError("unsupported: qwen2 with use_sliding_window=true")
-        eos = cfg.get("eos_token_id")
         return cls(
-            model_type=model_type,
+            model_type=cfg.get("model_type", ""),
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
             intermediate_size=cfg["intermediate_size"],
@@ -73,20 +68,17 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or hidden // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            # transformers defaults tie_word_embeddings to True for configs lacking it,
-            # except Llama/Mistral whose config classes default it to False.
-            tie_word_embeddings=bool(
-                cfg.get("tie_word_embeddings", model_type not in ("llama", "mistral"))
-            ),
+            # transformers' config classes default tie_word_embeddings per family.
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", tie_default)),
             rope_theta=theta,
             rope_scaling=scaling,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
-            sliding_window=sliding,
+            qk_norm=qk_norm,
+            sliding_window=sliding_window,
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_as_id_list(eos),
+            eos_token_ids=_as_id_list(cfg.get("eos_token_id")),
         )
 
 

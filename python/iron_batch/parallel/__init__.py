@@ -1,3 +1,3 @@
 """Tensor parallelism over ``torch.distributed``: the model split across ranks (processes on
 one host or several), rank 0 scheduling and sampling. See ``backend.py`` for the step
-protocol, ``shard_plan.py`` for what each rank holds."""
+protocol, ``models/partition.py`` for what each rank holds."""

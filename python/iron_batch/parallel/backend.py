@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from iron_batch._core import SchedulerConfig
 from iron_batch.backends.base import BackendInfo, FatalBackendError
 from iron_batch.backends.torch_backend import TorchBackend, load_tokenizer, pick_device, pick_dtype
-from iron_batch.models.loader import read_config, resolve
+from iron_batch.loader import read_config, resolve
+from iron_batch.models.partition import TensorParallelError, plan_shards
 from iron_batch.parallel import step_broadcast
 from iron_batch.parallel.group import DEFAULT_TIMEOUT_S, Rendezvous, joined, serve_store
 from iron_batch.parallel.rank import LoadedRank, load_rank, rank_device, share_cores
-from iron_batch.parallel.shard_plan import TensorParallelError, plan_shards
 from iron_batch.parallel.step_broadcast import Message
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class TensorParallelTorchBackend(TorchBackend):
         device: str = "auto",
         dtype: str = "auto",
         total_kv_blocks: int | None = None,
-        kv_block_size: int = 16,
+        kv_block_size: int = SchedulerConfig().kv_block_size,
         kv_cache_memory_gb: float | None = None,
         quantization: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -89,8 +90,6 @@ class TensorParallelTorchBackend(TorchBackend):
         subprocesses of this one; under torchrun this call on a rank >= 1 runs that rank's
         shard loop and exits the process when rank 0 is done."""
         world = tensor_parallel_size
-        if quantization:
-            raise TensorParallelError("--quantization is not supported with tensor parallelism")
         source = resolve(model)
         config = read_config(source)
         plan_shards(config, world)  # refuse a world size the model cannot be split by
@@ -98,7 +97,7 @@ class TensorParallelTorchBackend(TorchBackend):
             raise TensorParallelError("this process already holds a tensor-parallel model "
                                       "(close it first: LLM.close() / backend.close())")
         dev = pick_device(device)
-        dt = pick_dtype(dtype, dev)
+        dt = pick_dtype(dtype, dev, quantization)
         rendezvous = Rendezvous.from_torchrun_env()
         local_ranks: list[subprocess.Popen[bytes]] = []
         store = None
@@ -113,7 +112,7 @@ class TensorParallelTorchBackend(TorchBackend):
                 world, f"127.0.0.1:{store.port}", model=model, device=dev.type,
                 dtype=str(dt).removeprefix("torch."), kv_block_size=kv_block_size,
                 total_kv_blocks=total_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
-                timeout_s=timeout_s)
+                quantization=quantization, timeout_s=timeout_s)
         dev = rank_device(dev, rendezvous)
         threads_before = share_cores(rendezvous.local_world)
         try:
@@ -122,7 +121,7 @@ class TensorParallelTorchBackend(TorchBackend):
             loaded = load_rank(
                 source, config, rendezvous, device=dev, dtype=dt, timeout_s=timeout_s,
                 total_kv_blocks=total_kv_blocks, kv_block_size=kv_block_size,
-                kv_cache_memory_gb=kv_cache_memory_gb, store=store)
+                kv_cache_memory_gb=kv_cache_memory_gb, quantization=quantization, store=store)
         except BaseException:
             _stop(local_ranks, 0)
             torch.set_num_threads(threads_before)
@@ -157,7 +156,8 @@ class TensorParallelTorchBackend(TorchBackend):
         info = super().describe()
         return BackendInfo(kind=f"torch, tensor parallel x{self.tensor_parallel_size}",
                            dtype=info.dtype, device=info.device,
-                           kv_bytes_per_block=info.kv_bytes_per_block)
+                           kv_bytes_per_block=info.kv_bytes_per_block,
+                           switches=info.switches)
 
     def close(self) -> None:
         """Stop the other ranks (they exit) and leave the group; idempotent."""
@@ -233,7 +233,8 @@ def _wait_until_joined(store: Any, world: int, procs: list[subprocess.Popen[byte
 
 def _spawn_local_ranks(
     world: int, store: str, *, model: str, device: str, dtype: str, kv_block_size: int,
-    total_kv_blocks: int | None, kv_cache_memory_gb: float | None, timeout_s: float,
+    total_kv_blocks: int | None, kv_cache_memory_gb: float | None, quantization: str | None,
+    timeout_s: float,
 ) -> list[subprocess.Popen[bytes]]:
     procs = []
     for rank in range(1, world):
@@ -245,6 +246,8 @@ def _spawn_local_ranks(
             cmd += ["--total-kv-blocks", str(total_kv_blocks)]
         if kv_cache_memory_gb is not None:
             cmd += ["--kv-cache-memory-gb", str(kv_cache_memory_gb)]
+        if quantization is not None:
+            cmd += ["--quantization", quantization]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
     return procs
 

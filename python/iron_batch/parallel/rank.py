@@ -10,46 +10,27 @@ from typing import Any
 
 import torch
 
+from iron_batch.loader import ModelSource, load_model
 from iron_batch.models.config import ModelConfig
-from iron_batch.models.llama import LlamaModel, TensorSource
-from iron_batch.models.loader import ModelSource, load_model
+from iron_batch.models.decoder import DecoderModel
+from iron_batch.models.partition import ShardPlan, plan_shards
 from iron_batch.parallel.group import Rendezvous, TensorParallelGroup
-from iron_batch.parallel.shard_plan import ShardPlan, plan_shards, shard_source
 
 logger = logging.getLogger(__name__)
 
 
 class RankShard:
-    """What ``LlamaModel`` needs to know of tensor parallelism (``models.llama.Shard``)."""
+    """What a model needs to know of tensor parallelism (``models.decoder.Shard``)."""
 
     def __init__(self, plan: ShardPlan, group: TensorParallelGroup) -> None:
         self.plan = plan
         self.group = group
-
-    @property
-    def num_heads(self) -> int:
-        return self.plan.num_heads
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.plan.num_kv_heads
-
-    @property
-    def vocab_start(self) -> int:
-        return self.plan.vocab_start
-
-    @property
-    def vocab_rows(self) -> int:
-        return self.plan.vocab_rows
 
     def all_reduce(self, t: torch.Tensor) -> None:
         self.group.all_reduce(t)
 
     def gather_logits(self, t: torch.Tensor) -> torch.Tensor:
         return self.group.gather_logits(t)
-
-    def narrow(self, get: TensorSource, config: ModelConfig) -> TensorSource:
-        return shard_source(get, config, self.plan)
 
 
 def rank_device(device: torch.device, rendezvous: Rendezvous) -> torch.device:
@@ -73,7 +54,7 @@ def share_cores(local_world: int) -> int:
 
 @dataclass
 class LoadedRank:
-    model: LlamaModel
+    model: DecoderModel
     group: TensorParallelGroup
     num_kv_blocks: int
 
@@ -89,6 +70,7 @@ def load_rank(
     total_kv_blocks: int | None,
     kv_block_size: int,
     kv_cache_memory_gb: float | None,
+    quantization: str | None = None,
     store: Any = None,
 ) -> LoadedRank:
     """Join the group, load this rank's shard, and agree on the KV pool: each rank sizes it
@@ -99,7 +81,8 @@ def load_rank(
     plan = plan_shards(config, rendezvous.world)[rendezvous.rank]
     group = TensorParallelGroup(rendezvous, device, timeout_s, store)
     try:
-        model = load_model(source, device=device, dtype=dtype, shard=RankShard(plan, group))
+        model = load_model(source, device=device, dtype=dtype, quantization=quantization,
+                           shard=RankShard(plan, group))
         blocks = total_kv_blocks or kv_blocks_for_memory(model, kv_block_size, kv_cache_memory_gb)
         blocks = group.min_int(blocks)
     except BaseException:

@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-block-size", type=int, required=True)
     p.add_argument("--total-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--quantization", default=None)
     p.add_argument("--timeout", type=float, required=True)
     args = p.parse_args(argv)
     _die_with_parent()
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from iron_batch.backends.torch_backend import pick_dtype
-    from iron_batch.models.loader import read_config, resolve
+    from iron_batch.loader import read_config, resolve
     from iron_batch.parallel.group import Rendezvous, join_store
     from iron_batch.parallel.rank import load_rank, rank_device, share_cores
 
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     device = rank_device(torch.device(args.device), rendezvous)
     loaded = load_rank(
         source, read_config(source), rendezvous,
-        device=device, dtype=pick_dtype(args.dtype, device), timeout_s=args.timeout,
+        device=device, dtype=pick_dtype(args.dtype, device, args.quantization),
+        timeout_s=args.timeout, quantization=args.quantization,
         total_kv_blocks=args.total_kv_blocks, kv_block_size=args.kv_block_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb, store=store,
     )

@@ -32,6 +32,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from iron_batch.engine import Engine
+from iron_batch.platform.switches import SWITCHES
 from iron_batch.server.admission import ServerLimits
 from iron_batch.server.asgi import ApiKeys, guarded
 from iron_batch.server.errors import ApiError
@@ -71,6 +72,7 @@ def server_info(
         "backend_url": described.url,
         "dtype": described.dtype,
         "device": described.device,
+        "switches": described.switches,
         "vocab_size": backend.vocab_size,
         "max_model_len": config.max_model_len,
         "tokenizer": tokenizer is not None,
@@ -150,6 +152,13 @@ def banner(info: dict[str, Any], urls: list[str], *, ui: bool) -> str:
         f"  {'model':<9}{model}",
         f"  {'KV pool':<9}{pool}",
         f"  {'limits':<9}{', '.join(parts)}",
+    ]
+    if info.get("switches"):
+        defaults = {s.env: s.default for s in SWITCHES.values()}
+        changed = [f"{k}={v}" for k, v in info["switches"].items() if defaults.get(k) != v]
+        lines.append(f"  {'tuning':<9}{', '.join(changed) or 'defaults'}"
+                     " (IRON_BATCH_* switches; see the README)")
+    lines += [
         f"  {'api':<9}/v1 (OpenAI), /generate (NDJSON), /metrics, /health"
         + ("; API key required" if info["auth"] else ""),
     ]

@@ -22,7 +22,6 @@ rows to amortise it.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from dataclasses import dataclass
 
@@ -31,15 +30,17 @@ import torch
 import torch.nn.functional as F
 
 from iron_batch import _core
-from iron_batch.backends.build import QUANTIZATION_MODES as MODES
-from iron_batch.models.cpu_attention import _openmp_entry_points
+from iron_batch.layers import QUANTIZATION_MODES as MODES
+from iron_batch.platform.openmp import entry_points
+from iron_batch.platform.switches import SWITCHES
 
 QBLOCK = 32
 
-#: Activation rows up to which the quantized GEMV runs; above it, dequantize + dense GEMM.
-#: Measured on SmolLM2's projections (BENCHMARKS.md, "Quantized weights"): the GEMV reads
-#: the weights once per 4 rows, the dense path pays one dequantization per call.
-GEMV_MAX_ROWS = int(os.environ.get("IRON_BATCH_QUANT_GEMV_ROWS", "8"))
+#: Activation rows up to which the quantized GEMV runs by default; above it, dequantize +
+#: dense GEMM. Measured on SmolLM2's projections (BENCHMARKS.md, "Quantized weights"): the
+#: GEMV reads the weights once per 4 rows, the dense path pays one dequantization per call.
+#: ``IRON_BATCH_QUANT_GEMV_ROWS`` moves it (read at load: see ``platform/switches.py``).
+GEMV_MAX_ROWS = int(SWITCHES["quant_gemv_rows"].default)
 
 _GEMV = getattr(_core, "_gemv_quant", None)
 _DEQUANT = getattr(_core, "_dequantize_bf16", None)
@@ -102,13 +103,16 @@ class QuantWeight:
         parts = [self.quants, self.scale] + ([self.min] if self.min is not None else [])
         return sum(t.numel() * t.element_size() for t in parts)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W.T (+ bias)`` for bf16 ``x`` ``[rows, k]``: bf16 ``[rows, n]``."""
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, gemv_rows: int = GEMV_MAX_ROWS
+    ) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` for bf16 ``x`` ``[rows, k]``: bf16 ``[rows, n]``; the block
+        GEMV up to ``gemv_rows`` rows, a dequantization and a dense GEMM above."""
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k:
             raise ValueError(f"quantized linear: x {tuple(x.shape)} {x.dtype} does not fit "
                              f"[rows, {self.k}] bf16")
         rows = x.shape[0]
-        if rows > GEMV_MAX_ROWS or rows == 0:
+        if rows > gemv_rows or rows == 0:
             return F.linear(x, self.dequantize(scratch=True), bias)
         if not x.is_contiguous():
             x = x.contiguous()
@@ -119,7 +123,7 @@ class QuantWeight:
             out.data_ptr(), x.data_ptr(), self.kind, *self.addresses,
             0 if bias is None else bias.contiguous().data_ptr(),
             rows=rows, n=self.n, k=self.k, threads=torch.get_num_threads(),
-            openmp=_openmp_entry_points(),
+            openmp=entry_points(),
         )
         return out
 
@@ -132,7 +136,7 @@ class QuantWeight:
         )
         _DEQUANT(
             out.data_ptr(), self.kind, *self.addresses, n=self.n, k=self.k,
-            threads=torch.get_num_threads(), openmp=_openmp_entry_points(),
+            threads=torch.get_num_threads(), openmp=entry_points(),
         )
         return out
 

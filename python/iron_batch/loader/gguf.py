@@ -1,6 +1,9 @@
-"""Read a llama.cpp GGUF checkpoint: metadata as an HF-style config and tensors by HF name.
+"""Read a llama.cpp GGUF checkpoint: metadata as an HF-style config and tensors by HF name
+(each family declares the names: ``models/decoder.py``'s ``GGUF_NAMES`` for the Llama-style
+ones).
 
-Quantized tensors are dequantized to float32 at load. llama.cpp's converter permutes the
+Tensors are dequantized to float32 at load, or kept in their blocks for ``--quantization
+gguf``. llama.cpp's converter permutes the
 rows of Q and K (interleaved rope pairs instead of HF's half split); we undo it here so the
 model code has a single rope layout.
 """
@@ -13,30 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+from iron_batch.layers import quant
+from iron_batch.layers.quant import QuantWeight
+from iron_batch.layers.weights import Part
 
-# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -61,11 +44,9 @@ def read_fields(reader: Any) -> dict[str, Any]:
 
 
 def hf_config_from_gguf(fields: dict[str, Any], num_tensors_named: set[str]) -> dict[str, Any]:
+    """An HF-style config of a GGUF file's metadata (the family is checked by the caller,
+    through the registry)."""
     arch = fields.get("general.architecture", "")
-    if arch not in SUPPORTED_GGUF_ARCHS:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_GGUF_ARCHS)})"
-        )
 
     def get(key: str, default: Any = None) -> Any:
         return fields.get(f"{arch}.{key}", default)
@@ -108,57 +89,96 @@ def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, half, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-class GGUFTensors:
-    """Dequantized tensors of a GGUF file, looked up by HF name."""
+class GGUFSource:
+    """A GGUF file's tensors by HF name (``layers.weights.WeightSource``): dequantized to
+    float32, or kept in their blocks where a kernel reads the type. The family's name map
+    (``gguf_names``) says which GGUF tensor is which."""
 
-    def __init__(self, reader: Any, config: dict[str, Any]) -> None:
+    def __init__(
+        self, reader: Any, config: dict[str, Any], names: dict[str, str], permutes_qk: bool
+    ) -> None:
         self._by_hf_name: dict[str, Any] = {}
         for t in reader.tensors:
-            hf = _hf_name(t.name)
+            hf = _hf_name(t.name, names)
             if hf is not None:
                 self._by_hf_name[hf] = t
         self._heads = config["num_attention_heads"]
         self._kv_heads = config["num_key_value_heads"]
-        # Only llama-arch conversions permute Q/K; qwen2/qwen3 keep HF's layout.
-        self._permuted = config["model_type"] == "llama"
+        self._permuted = permutes_qk
 
-    def __call__(self, name: str) -> torch.Tensor | None:
+    def _heads_of(self, name: str) -> int | None:
+        """How many heads' rows llama.cpp permuted in this tensor (None: not permuted)."""
+        if not self._permuted:
+            return None
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            return self._heads
+        if name.endswith(("k_proj.weight", "k_proj.bias")):
+            return self._kv_heads
+        return None
+
+    def tensor(self, part: Part) -> torch.Tensor | None:
         from gguf.quants import dequantize
 
-        t = self._by_hf_name.get(name)
+        t = self._by_hf_name.get(part.name)
         if t is None:
             return None
         arr = dequantize(t.data, t.tensor_type)
         arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-        if self._permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            arr = unpermute_rope_rows(arr, self._heads)
-        elif self._permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            arr = unpermute_rope_rows(arr, self._kv_heads)
+        heads = self._heads_of(part.name)
+        if heads is not None:
+            arr = unpermute_rope_rows(arr, heads)
+        if part.rows is not None:
+            arr = _pad_rows(arr[part.rows], part.rows, arr.shape[0])
+        if part.cols is not None:
+            arr = arr[:, part.cols]
         arr = np.ascontiguousarray(arr)
         if not arr.flags.writeable:  # float tensors come back as views of the mmap
             arr = arr.copy()
         return torch.from_numpy(arr)
 
-
-    def raw(self, name: str) -> tuple[str, np.ndarray, int, int] | None:
-        """A tensor's type name, its bytes ``[rows, row bytes]`` in HF row order, and its
-        ``[n, k]`` shape, without dequantizing (None when the file has no such tensor)."""
-        t = self._by_hf_name.get(name)
+    def quantized(self, part: Part) -> QuantWeight | None:
+        t = self._by_hf_name.get(part.name)
         if t is None or len(t.shape) != 2:
             return None
         k, n = (int(d) for d in t.shape)
+        type_name = t.tensor_type.name
         data = np.asarray(t.data).view(np.uint8).reshape(n, -1)
-        if self._permuted and name.endswith("q_proj.weight"):
-            data = unpermute_rope_rows(data, self._heads)
-        elif self._permuted and name.endswith("k_proj.weight"):
-            data = unpermute_rope_rows(data, self._kv_heads)
-        return t.tensor_type.name, data, n, k
+        heads = self._heads_of(part.name)
+        if heads is not None:
+            data = unpermute_rope_rows(data, heads)
+        if part.rows is not None:
+            # Rows past the end (the last vocabulary shard's padding) are zero bytes: a
+            # block whose scale is zero holds zeros in every format kept here.
+            data = _pad_rows(data[part.rows], part.rows, n)
+            n = data.shape[0]
+        if part.cols is not None:
+            start, stop = part.cols.start or 0, k if part.cols.stop is None else part.cols.stop
+            per_block = quant.GGUF_BLOCK_BYTES.get(type_name)
+            # A row-parallel slice keeps its blocks only when it starts and ends on them.
+            if per_block is None or start % quant.QBLOCK or stop % quant.QBLOCK:
+                return None
+            blocks = data.reshape(n, k // quant.QBLOCK, per_block)
+            data = blocks[:, start // quant.QBLOCK : stop // quant.QBLOCK].reshape(n, -1)
+            k = stop - start
+        return quant.from_gguf_blocks(type_name, data, n, k)
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+def _pad_rows(arr: np.ndarray, rows: slice, total: int) -> np.ndarray:
+    """``arr`` (rows ``rows`` of a tensor of ``total`` rows) with zero rows for the part of
+    ``rows`` past the end."""
+    want = (rows.stop if rows.stop is not None else total) - (rows.start or 0)
+    if arr.shape[0] >= want:
+        return arr
+    pad = np.zeros((want - arr.shape[0], *arr.shape[1:]), dtype=arr.dtype)
+    return np.concatenate([arr, pad])
+
+
+def _hf_name(gguf_name: str, names: dict[str, str]) -> str | None:
+    if gguf_name in names:
+        return names[gguf_name]
     m = _BLOCK.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m:
+        template = names.get("blk.{i}." + m.group(2))
+        if template is not None:
+            return template.format(i=m.group(1))
     return None

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from iron_batch.models import cpu_attention
+from iron_batch.attention import cpu_kernel
 
 
 @dataclass
@@ -43,7 +42,7 @@ class _Decodes:
     block_rows: torch.Tensor | None  # [S * nblk] block ids of every decode's table, padded
     num_blocks: int  # nblk: table width read per decode
     mask: torch.Tensor | None  # [S, 1, 1, nblk * block_size] additive float32 mask (0 or -inf)
-    # Rust kernel route (reads the cache in place; see cpu_attention):
+    # Rust kernel route (reads the cache in place; see attention/cpu_kernel.py):
     tables: np.ndarray | None = None  # int32 [S, nblk]
     lens: np.ndarray | None = None  # int32 [S]
     sliding_window: int | None = None
@@ -82,15 +81,21 @@ class AttentionPlan:
         device: torch.device,
         dtype: torch.dtype = torch.float32,
         use_cpu_kernel: bool = False,
+        prefill_kernel: bool = False,
+        host_slot_mapping: np.ndarray | None = None,
     ) -> None:
+        """``use_cpu_kernel``: decodes read the cache in place through the Rust kernel;
+        ``prefill_kernel``: prompt rows too, each a query over its own prefix."""
         self.slot_mapping = slot_mapping
+        #: The same slots on the host, for kernels that take them as an array.
+        self.host_slots = host_slot_mapping
         self.num_tokens = int(query_start_loc[-1])
         self.prefills: list[_Prefill] = []
         self.fresh: _FreshPrefills | None = None
         self.decodes: _Decodes | None = None
         self.every_row: _EveryRow | None = None
         q_lens = np.diff(query_start_loc)
-        if use_cpu_kernel and (q_lens > 1).any() and cpu_attention.prefill_kernel_enabled(dtype):
+        if use_cpu_kernel and prefill_kernel and (q_lens > 1).any():
             every = _every_row(query_start_loc, q_lens, seq_lens, num_computed_before,
                                block_tables, block_size, sliding_window)
             if every is not None:
@@ -233,7 +238,7 @@ def paged_attention(
     flat = cache.view(2, -1, kv_heads, head_dim)
     if plan.every_row is not None:
         e = plan.every_row
-        return cpu_attention.paged_decode_attention(q, cache, e.tables, e.lens, scale,
+        return cpu_kernel.paged_decode_attention(q, cache, e.tables, e.lens, scale,
                                                     e.sliding_window)
     d = plan.decodes
     fresh = plan.fresh
@@ -264,7 +269,7 @@ def _decode_attention(
     for long queries and spend most of their time on per-(batch, head) setup for q_len 1.
     """
     if d.tables is not None and d.lens is not None:
-        return cpu_attention.paged_decode_attention(
+        return cpu_kernel.paged_decode_attention(
             q, cache, d.tables, d.lens, scale, d.sliding_window
         )
     assert d.block_rows is not None and d.mask is not None

@@ -9,14 +9,13 @@ range with 2 MiB pages ("transparent huge pages") when the range is marked
 
 Everything here is a hint: where the call is missing (not Linux), refused or the mode is
 ``never``, the tensors are the same, on ordinary pages. ``IRON_BATCH_HUGE_PAGES=0`` turns
-it off, for comparison.
+it off, for comparison (see ``platform/switches.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
-import os
 import sys
 from collections.abc import Sequence
 
@@ -29,12 +28,9 @@ _HUGE = 2 << 20
 _ALIGN = 4096
 
 
-def enabled(device: torch.device) -> bool:
-    return (
-        device.type == "cpu"
-        and sys.platform.startswith("linux")
-        and os.environ.get("IRON_BATCH_HUGE_PAGES", "1") != "0"
-    )
+def supported() -> bool:
+    """Whether this system can be asked for huge pages at all (Linux)."""
+    return sys.platform.startswith("linux")
 
 
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]

@@ -13,13 +13,13 @@ which glibc always maps on their own), and its prompt steps took 2.7-2.8 s again
 :func:`keep_freed_memory` raises both thresholds (``mallopt``): blocks up to 32 MiB (glibc's
 limit for the threshold) come from the heap, and up to 1 GiB of freed memory stays there
 for the next step. Where the call does not exist (not glibc) nothing changes.
-``IRON_BATCH_KEEP_FREED_MEMORY=0`` turns it off, for comparison.
+``IRON_BATCH_KEEP_FREED_MEMORY=0`` (``platform/switches.py``) keeps the model from calling it,
+for comparison.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -36,8 +36,6 @@ def keep_freed_memory() -> bool:
     global _done
     if _done:
         return True
-    if os.environ.get("IRON_BATCH_KEEP_FREED_MEMORY", "1") == "0":
-        return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):

@@ -6,38 +6,47 @@ trips and tensor allocations around a dozen kernels per layer; a quantized SmolL
 about 6 ms. The stack runs the same kernels back to back, so it gives the Python path's
 values (SiLU aside: its own ``exp``, equal but for the rare value on a bf16 rounding
 boundary). It serves steps where every row decodes and there are few enough rows for the
-GEMV kernels (2 for bf16 weights, :data:`quant.GEMV_MAX_ROWS` for quantized ones); other
+GEMV kernels (2 for bf16 weights, ``IRON_BATCH_QUANT_GEMV_ROWS`` for quantized ones); other
 steps take the Python path. bf16 only; off with ``IRON_BATCH_CPU_DECODER=0`` (and with
-``IRON_BATCH_CPU_ATTENTION=torch``).
+``IRON_BATCH_CPU_ATTENTION=torch``; see ``platform/switches.py``).
 """
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from iron_batch import _core
-from iron_batch.models import cpu_fused, quant
-from iron_batch.models.cpu_attention import _openmp_entry_points
-from iron_batch.models.quant import QuantWeight
-
-if TYPE_CHECKING:
-    from iron_batch.models.llama import LayerWeights
+from iron_batch.layers.cpu_kernels import BF16_GEMV_MAX_ROWS
+from iron_batch.layers.linear import Linear
+from iron_batch.layers.norm import HeadNorm, RMSNorm
+from iron_batch.layers.quant import GEMV_MAX_ROWS, QuantWeight
+from iron_batch.platform.openmp import entry_points
 
 _STACK = getattr(_core, "_DecoderStack", None)
-_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
-def enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        _STACK is not None
-        and dtype == torch.bfloat16
-        and cpu_fused.fused_enabled(device, dtype)
-        and os.environ.get("IRON_BATCH_CPU_DECODER", "1") != "0"
-    )
+class _MLP(Protocol):
+    gate_up: Linear
+    down: Linear
+
+
+class StackLayer(Protocol):
+    """What the stack reads of a decoder layer (``models/decoder.py``'s ``DecoderLayer``):
+    a pre-norm layer with fused q/k/v, optional per-head q/k norms, a SwiGLU MLP."""
+
+    input_norm: RMSNorm
+    qkv: Linear
+    q_norm: HeadNorm | None
+    k_norm: HeadNorm | None
+    o: Linear
+    post_norm: RMSNorm
+
+    @property
+    def mlp(self) -> _MLP: ...
 
 
 class DecoderStack:
@@ -46,33 +55,35 @@ class DecoderStack:
 
     def __init__(
         self,
-        layers: list[LayerWeights],
+        layers: Sequence[StackLayer],
         *,
         hidden: int,
         heads: int,
         kv_heads: int,
         head_dim: int,
         eps: float,
+        quant_gemv_rows: int = GEMV_MAX_ROWS,
     ) -> None:
         self._keep: list[torch.Tensor] = []
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.hidden = hidden
         self.eps = float(eps)
         #: Most rows a step may have: the tightest GEMV over the projections.
-        self.max_rows = quant.GEMV_MAX_ROWS
+        self.max_rows = quant_gemv_rows
         specs = []
         for layer in layers:
             projections = []
-            for name in _PROJECTIONS:
-                weight, bias = getattr(layer, name), getattr(layer, name + "_bias")
-                if not isinstance(weight, QuantWeight):
-                    self.max_rows = min(self.max_rows, 2)
-                projections.append(self._projection(weight, bias))
+            for linear in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down):
+                if not isinstance(linear.weight, QuantWeight):
+                    self.max_rows = min(self.max_rows, BF16_GEMV_MAX_ROWS)
+                projections.append(self._projection(linear.weight, linear.bias))
+            q_norm = layer.q_norm.weight if layer.q_norm is not None else None
+            k_norm = layer.k_norm.weight if layer.k_norm is not None else None
             specs.append((
-                self._address(layer.input_norm, (hidden,)),
-                self._address(layer.post_norm, (hidden,)),
-                self._address(layer.q_norm, (head_dim,)),
-                self._address(layer.k_norm, (head_dim,)),
+                self._address(layer.input_norm.weight, (hidden,)),
+                self._address(layer.post_norm.weight, (hidden,)),
+                self._address(q_norm, (head_dim,)),
+                self._address(k_norm, (head_dim,)),
                 projections,
             ))
         assert _STACK is not None
@@ -140,5 +151,5 @@ class DecoderStack:
             np.ascontiguousarray(block_tables, dtype=np.int32),
             np.ascontiguousarray(seq_lens, dtype=np.int32),
             scale=float(scale), eps=self.eps, sliding_window=sliding_window or 0,
-            threads=torch.get_num_threads(), openmp=_openmp_entry_points(),
+            threads=torch.get_num_threads(), openmp=entry_points(),
         )

@@ -18,6 +18,7 @@ A thread that runs a parallel op again later simply gets a new team.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import sys
 
@@ -61,3 +62,22 @@ def release_thread_pool() -> bool:
     pause.argtypes = [ctypes.c_int]
     pause.restype = ctypes.c_int
     return pause(_OMP_PAUSE_SOFT) == 0
+
+
+@functools.cache
+def entry_points() -> tuple[int, int, int] | None:
+    """Addresses of GOMP_parallel, omp_get_thread_num and omp_get_num_threads in the
+    OpenMP runtime torch loaded (libgomp, or libiomp5's GNU-compatible entry points): the
+    Rust kernels split their work over the calling thread's team through them."""
+    path = loaded_runtime()
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+        names = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
+        addresses = tuple(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names)
+    except (OSError, AttributeError):
+        return None
+    if not all(addresses):
+        return None
+    return addresses  # type: ignore[return-value]

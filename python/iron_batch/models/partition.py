@@ -1,4 +1,5 @@
-"""Which slice of each checkpoint tensor a tensor-parallel rank holds.
+"""Which part of a model each tensor-parallel rank holds: data, read by the layers as they
+load (``models/decoder.py``) and by the launcher (``iron_batch.parallel``).
 
 Megatron-style: q/k/v and gate/up are split by output rows (column-parallel), o and down by
 input columns (row-parallel, their partial outputs summed by one all-reduce each), the
@@ -18,10 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from iron_batch.models.config import ModelConfig
-from iron_batch.models.llama import TensorSource
 
 
 class TensorParallelError(ValueError):
@@ -95,55 +93,3 @@ def plan_shards(config: ModelConfig, world: int) -> list[ShardPlan]:
         for r in range(world)
     ]
 
-
-def shard_source(get: TensorSource, config: ModelConfig, plan: ShardPlan) -> TensorSource:
-    """``get`` narrowed to this rank's slices (names as Hugging Face spells them)."""
-    d = config.head_dim
-    q_rows = slice(plan.q_heads.start * d, plan.q_heads.stop * d)
-    kv_rows = slice(plan.kv_heads.start * d, plan.kv_heads.stop * d)
-    inter = slice(plan.intermediate.start, plan.intermediate.stop)
-    vocab = slice(plan.vocab_start, plan.vocab_start + plan.vocab_rows)
-
-    # A source that can read part of a tensor (safetensors) gives each rank only its bytes;
-    # the others (GGUF, dequantized whole) are read whole and sliced.
-    lazy = getattr(get, "get_slice", None)
-
-    def rows(name: str, part: slice) -> torch.Tensor | None:
-        if lazy is not None:
-            view = lazy(name)
-            return None if view is None else view[part]
-        t = get(name)
-        return None if t is None else t[part].contiguous()
-
-    def columns(name: str, part: slice) -> torch.Tensor | None:
-        if lazy is not None:
-            view = lazy(name)
-            return None if view is None else view[:, part]
-        t = get(name)
-        return None if t is None else t[:, part].contiguous()
-
-    def sharded(name: str) -> torch.Tensor | None:
-        kind = ".".join(name.rsplit(".", 2)[-2:])  # e.g. "q_proj.weight"
-        if kind in ("q_proj.weight", "q_proj.bias"):
-            return rows(name, q_rows)
-        if kind in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):
-            return rows(name, kv_rows)
-        if kind == "o_proj.weight":
-            return columns(name, q_rows)
-        if kind in ("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias"):
-            return rows(name, inter)
-        if kind == "down_proj.weight":
-            return columns(name, inter)
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            part = rows(name, vocab)
-            if part is not None and part.shape[0] < plan.vocab_rows:  # the last rank's pad
-                pad = part.new_zeros((plan.vocab_rows - part.shape[0], *part.shape[1:]))
-                part = torch.cat([part, pad])
-            return part
-        t = get(name)
-        if t is not None and kind in ("o_proj.bias", "down_proj.bias") and plan.rank != 0:
-            # Added once to the sum of the partial outputs: by rank 0 alone.
-            return torch.zeros_like(t)
-        return t
-
-    return sharded

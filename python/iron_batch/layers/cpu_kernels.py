@@ -4,26 +4,24 @@ At decode batch sizes a layer's elementwise work is a few dozen tiny torch ops w
 dispatch costs more than their arithmetic: an RMSNorm alone is eight (cast, square, mean,
 add, rsqrt, multiply, cast back, scale). Each function here is one call that rounds where
 the torch chain rounds, so bf16 outputs equal the torch ones bit for bit (float32 ones up
-to the order of a sum). Off for ``IRON_BATCH_CPU_ATTENTION=torch`` like the attention kernel.
+to the order of a sum). Which of them a model uses is decided at load (``platform/cpu.py``).
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import torch
 
 from iron_batch import _core
-from iron_batch.models.cpu_attention import _openmp_entry_points, kernel_enabled
+from iron_batch.platform.openmp import entry_points
 
 _RMS = getattr(_core, "_add_rms_norm", None)
 _ROPE = getattr(_core, "_rope_store_kv", None)
 _GEMV = getattr(_core, "_gemv_bf16", None)
 
-
-def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    return _RMS is not None and _ROPE is not None and kernel_enabled(device, dtype)
+#: Most activation rows the bf16 GEMV serves (the Rust kernel's own limit): from a few rows
+#: up, oneDNN's GEMMs win.
+BF16_GEMV_MAX_ROWS = 2
 
 
 def _check(*tensors: torch.Tensor) -> None:
@@ -50,7 +48,7 @@ def add_rms_norm_(
         out.data_ptr(), residual.data_ptr(), 0 if delta is None else delta.data_ptr(),
         weight.data_ptr(), rows=rows, dim=dim, eps=float(eps),
         bf16=residual.dtype == torch.bfloat16, threads=torch.get_num_threads(),
-        openmp=_openmp_entry_points(),
+        openmp=entry_points(),
     )
     return out
 
@@ -87,18 +85,6 @@ def rope_store_kv(
     return q
 
 
-def prepack_enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether bf16 projection weights get a oneDNN-packed copy (see :func:`prepack`)."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and os.environ.get("IRON_BATCH_CPU_PREPACK", "1") != "0"
-        and os.environ.get("IRON_BATCH_CPU_ATTENTION", "kernel") != "torch"
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
-
-
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked layout of a [out, in] weight, made once at load.
 
@@ -121,18 +107,11 @@ def packed_linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def gemv_enabled(device: torch.device, dtype: torch.dtype, rows: int) -> bool:
-    """Whether :func:`linear` takes the Rust GEMV for this many activation rows."""
-    return _GEMV is not None and dtype == torch.bfloat16 and rows <= 2 and fused_enabled(
-        device, dtype
-    )
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` for 1-2 bf16 rows by the Rust GEMV: each weight row streamed once by
     all of torch's threads, f32 sums, one rounding to bf16 (other shapes: ``F.linear``)."""
     rows = x.shape[0]
-    if x.dim() != 2 or rows > 2 or rows == 0 or x.dtype != torch.bfloat16:
+    if x.dim() != 2 or rows > BF16_GEMV_MAX_ROWS or rows == 0 or x.dtype != torch.bfloat16:
         return torch.nn.functional.linear(x, weight, bias)
     x = x.contiguous()
     n, k = weight.shape
@@ -144,7 +123,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     _GEMV(
         out.data_ptr(), x.data_ptr(), weight.data_ptr(),
         0 if bias is None else bias.data_ptr(), rows=rows, n=n, k=k,
-        threads=torch.get_num_threads(), openmp=_openmp_entry_points(),
+        threads=torch.get_num_threads(), openmp=entry_points(),
     )
     return out
 

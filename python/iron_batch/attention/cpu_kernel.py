@@ -1,6 +1,6 @@
 """Decode attention on CPU read in place from the paged KV cache, by the Rust kernel.
 
-The torch route (``paged_attention._decode_attention``) gathers every decode's KV blocks
+The torch route (``attention/paged.py``, ``_decode_attention``) gathers every decode's KV blocks
 into a fresh tensor, transposes them and runs two batched matmuls around a softmax: per
 layer that copies the whole context of the batch, and at batch 1 it is a dozen small ops.
 The kernel (``rust/kernels``) reads each key and value once from the cache blocks, in f32
@@ -8,59 +8,19 @@ arithmetic. Large calls are split across the calling thread's OpenMP team, the o
 own ops run on: right after an op its workers are still spinning, and fresh OS threads
 would have to share the cores with them.
 
-Set ``IRON_BATCH_CPU_ATTENTION=torch`` to use the torch route instead (for comparison).
+``IRON_BATCH_CPU_ATTENTION=torch`` (``platform/switches.py``) takes the torch route instead,
+for comparison.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
-
 import numpy as np
 import torch
-
 from iron_batch import _core
-from iron_batch.openmp import loaded_runtime
+from iron_batch.platform.openmp import entry_points
 
 _KERNEL = getattr(_core, "_paged_decode_attention", None)
 _DTYPES = {torch.bfloat16: True, torch.float32: False}
-
-
-@functools.cache
-def _openmp_entry_points() -> tuple[int, int, int] | None:
-    """Addresses of GOMP_parallel, omp_get_thread_num and omp_get_num_threads in the
-    OpenMP runtime torch loaded (libgomp, or libiomp5's GNU-compatible entry points)."""
-    path = loaded_runtime()
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(path)
-        names = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
-        addresses = tuple(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names)
-    except (OSError, AttributeError):
-        return None
-    if not all(addresses):
-        return None
-    return addresses  # type: ignore[return-value]
-
-
-def kernel_enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode attention for this device and dtype runs in the Rust kernel."""
-    return (
-        _KERNEL is not None
-        and device.type == "cpu"
-        and dtype in _DTYPES
-        and os.environ.get("IRON_BATCH_CPU_ATTENTION", "kernel") != "torch"
-    )
-
-
-def prefill_kernel_enabled(dtype: torch.dtype) -> bool:
-    """Whether prompt rows (not only decodes) take the kernel too, each as a query over
-    its own prefix (bf16: its AVX-512 BF16 path beat torch's SDPA 4x on 64 x 128-token
-    prompts). ``IRON_BATCH_CPU_PREFILL_ATTENTION=sdpa`` keeps SDPA for them."""
-    return dtype == torch.bfloat16 and os.environ.get(
-        "IRON_BATCH_CPU_PREFILL_ATTENTION", "kernel") != "sdpa"
 
 
 def paged_decode_attention(
@@ -94,6 +54,6 @@ def paged_decode_attention(
         num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
         num_blocks=num_blocks, sliding_window=sliding_window or 0, scale=float(scale),
         bf16=q.dtype == torch.bfloat16, threads=torch.get_num_threads(),
-        openmp=_openmp_entry_points(),
+        openmp=entry_points(),
     )
     return out

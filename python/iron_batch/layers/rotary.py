@@ -53,3 +53,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos + rotated * sin
+
+
+class RotaryEmbedding:
+    """cos/sin rows by position from a table computed once and grown by doubling: the
+    values :func:`rope_cos_sin` gives, without a sin and a cos per step."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: dict[str, Any],
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
+        self.device = device
+        self.dtype = dtype
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(
+        self, pos: torch.Tensor, largest: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of positions ``pos`` (a device tensor whose largest value is ``largest``)."""
+        need = largest + 1
+        if self._table is None or self._table[0].shape[0] < need:
+            size = max(need, 256, 2 * (0 if self._table is None else len(self._table[0])))
+            every = torch.arange(size, device=self.device)
+            self._table = rope_cos_sin(every, self.inv_freq, self.dtype)
+        cos, sin = self._table
+        return cos[pos], sin[pos]

@@ -1,0 +1,10 @@
+"""The building blocks every model family is made of: linear projections (dense or
+quantized, loaded whole or as a tensor-parallel part), norms, rotary embeddings, the
+gated MLP, embeddings and the LM head, and the one-call CPU decode stack.
+
+Importing this package imports neither torch nor anything above the model layer.
+"""
+
+#: ``--quantization`` modes (see ``layers/quant.py``), named here so that argument parsing
+#: does not import torch.
+QUANTIZATION_MODES = ("gguf", "int8", "int4")

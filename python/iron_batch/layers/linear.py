@@ -1,0 +1,108 @@
+"""A linear projection ``y = x W^T (+ b)``: one matrix made of one or more checkpoint
+tensors stacked by rows (fused q/k/v, fused gate/up), dense or quantized, whole or this
+rank's tensor-parallel part.
+
+Which kernel runs is the layer's business, decided by its weight and the step's rows:
+quantized weights run the block GEMV (up to ``quant_gemv_rows`` rows) or a dequantized
+GEMM; dense bf16 ones on CPU the Rust GEMV for one or two rows, oneDNN's packed layout for
+more; everything else ``F.linear``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from iron_batch.layers import cpu_kernels, quant
+from iron_batch.layers.quant import QuantWeight
+from iron_batch.layers.weights import LoadContext, Part
+from iron_batch.platform.cpu import CpuKernels
+
+#: A projection matrix: dense, or quantized (``--quantization``, see ``layers/quant.py``).
+Weight = torch.Tensor | QuantWeight
+
+
+class Linear:
+    def __init__(
+        self, weight: Weight, bias: torch.Tensor | None = None, *, kernels: CpuKernels
+    ) -> None:
+        self.weight = weight
+        self.bias = bias
+        #: oneDNN-packed copy of a dense bf16 weight (see :meth:`prepack`).
+        self.packed: torch.Tensor | None = None
+        self.gemv = kernels.gemv and isinstance(weight, torch.Tensor)
+        self.gemv_rows = kernels.quant_gemv_rows
+
+    @classmethod
+    def load(
+        cls,
+        ctx: LoadContext,
+        parts: Sequence[Part],
+        *,
+        biases: Sequence[Part] | None = None,
+        head: bool = False,
+    ) -> Linear:
+        """The row-wise concatenation of ``parts``, quantized as ``ctx.quantization``
+        says (``head``: the LM head, which int4 keeps at 8 bits as llama.cpp does)."""
+        bias = None
+        if biases is not None:
+            bias = torch.cat([ctx.need(b) for b in biases]) if len(biases) > 1 else ctx.need(
+                biases[0])
+        return cls(_load_weight(ctx, parts, head), bias, kernels=ctx.kernels)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)  # type: ignore[return-value]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if isinstance(w, QuantWeight):
+            return w.linear(x, b, self.gemv_rows)
+        if self.gemv and x.shape[0] <= cpu_kernels.BF16_GEMV_MAX_ROWS:
+            return cpu_kernels.linear(x, w, b)
+        if self.packed is not None:
+            return cpu_kernels.packed_linear(x, self.packed, b)
+        return F.linear(x, w, b)
+
+    def prepack(self) -> None:
+        """Keep a oneDNN-packed copy of a dense weight for steps of many rows (made once:
+        ``F.linear`` would reorder the plain weight inside every call). The plain weight
+        stays for the one-row GEMV and a tied embedding."""
+        if isinstance(self.weight, torch.Tensor):
+            self.packed = cpu_kernels.prepack(self.weight)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors that hold the weight's values (what a decode step streams)."""
+        w = self.weight
+        if isinstance(w, QuantWeight):
+            return [w.quants, w.scale] + ([w.min] if w.min is not None else [])
+        return [w]
+
+    def replace_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Put the weight over ``tensors`` (copies of :meth:`tensors`, in its order)."""
+        w = self.weight
+        if isinstance(w, QuantWeight):
+            low = tensors[2] if w.min is not None else None
+            self.weight = replace(w, quants=tensors[0], scale=tensors[1], min=low)
+        else:
+            self.weight = tensors[0]
+
+
+def _load_weight(ctx: LoadContext, parts: Sequence[Part], head: bool) -> Weight:
+    mode = ctx.quantization
+    if mode == "gguf":
+        blocks = [ctx.source.quantized(p) for p in parts]
+        if all(b is not None for b in blocks):
+            joined = blocks[0] if len(blocks) == 1 else quant.concat(blocks)  # type: ignore[arg-type]
+            if joined is not None:
+                return joined
+        ctx.dequantized.extend(p.name for p, b in zip(parts, blocks, strict=True) if b is None)
+    if mode in ("int8", "int4"):
+        dense = torch.cat([ctx.need_float(p) for p in parts])
+        if mode == "int4" and not head and dense.shape[1] % 64 == 0:
+            return quant.quantize_int4(dense)
+        return quant.quantize_int8(dense)
+    return torch.cat([ctx.need(p) for p in parts]) if len(parts) > 1 else ctx.need(parts[0])

@@ -1,0 +1,376 @@
+"""The dense decoder every family file builds on: embedding, a stack of pre-norm layers
+(attention with fused q/k/v, a gated MLP), the final norm and the LM head, over one
+flattened, paged batch of mixed prompt chunks and decodes.
+
+A family (``models/llama.py``, ``qwen2.py``, ...) is a subclass that says how its HF config
+reads (:meth:`DecoderModel.config_from_hf`) and how its checkpoint names its tensors (HF
+and GGUF); the layers come from ``iron_batch.layers``, the attention from an
+``iron_batch.attention`` backend chosen for the device. Only the rows that will be sampled
+reach the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+import torch
+
+from iron_batch.attention import backend as attention_backends
+from iron_batch.layers import cpu_kernels, decoder_stack, quant
+from iron_batch.layers.activation import GATED_ACTIVATIONS
+from iron_batch.layers.embedding import Embedding, LMHead, VocabParallel
+from iron_batch.layers.linear import Linear
+from iron_batch.layers.mlp import GatedMLP
+from iron_batch.layers.norm import HeadNorm, RMSNorm
+from iron_batch.layers.rotary import RotaryEmbedding
+from iron_batch.layers.weights import LoadContext, Part, WeightSource
+from iron_batch.models.config import ModelConfig
+from iron_batch.models.partition import ShardPlan
+from iron_batch.platform import cpu, heap, huge_pages
+from iron_batch.platform import switches as tuning
+
+
+class Shard(Protocol):
+    """This process's part of a tensor-parallel model (``iron_batch.parallel``): its plan
+    (which heads, MLP rows and vocabulary rows it holds) and the collectives that join
+    the parts."""
+
+    @property
+    def plan(self) -> ShardPlan: ...
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum ``t`` over the ranks, in place."""
+        ...
+
+    def gather_logits(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0: the vocabulary shards joined along the last dimension; others: ``t``."""
+        ...
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: RMSNorm
+    qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    q_norm: HeadNorm | None
+    k_norm: HeadNorm | None
+    o: Linear
+    post_norm: RMSNorm
+    mlp: GatedMLP
+
+
+#: The Hugging Face tensor names of a Llama-style checkpoint (``{i}``: the layer index).
+HF_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "input_norm": "model.layers.{i}.input_layernorm.weight",
+    "q": "model.layers.{i}.self_attn.q_proj",
+    "k": "model.layers.{i}.self_attn.k_proj",
+    "v": "model.layers.{i}.self_attn.v_proj",
+    "o": "model.layers.{i}.self_attn.o_proj",
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+    "post_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "gate": "model.layers.{i}.mlp.gate_proj",
+    "up": "model.layers.{i}.mlp.up_proj",
+    "down": "model.layers.{i}.mlp.down_proj",
+}
+
+#: llama.cpp's GGUF names of the same tensors, as its converter writes them for the
+#: Llama-style architectures (``blk.N.`` for layer N).
+GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+class DecoderModel:
+    #: HF ``model_type`` values the family serves, and its ``architectures`` names.
+    model_types: ClassVar[tuple[str, ...]] = ()
+    architectures: ClassVar[tuple[str, ...]] = ()
+    #: llama.cpp's ``general.architecture`` for this family's GGUF files (None: none).
+    gguf_architecture: ClassVar[str | None] = None
+    #: Whether llama.cpp's converter permutes this family's q/k rows (interleaved rope
+    #: pairs; the loader undoes it so the model has one rope layout).
+    gguf_permutes_qk: ClassVar[bool] = False
+    hf_names: ClassVar[dict[str, str]] = HF_NAMES
+    gguf_names: ClassVar[dict[str, str]] = GGUF_NAMES
+
+    @classmethod
+    def config_from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """The architecture settings of an HF ``config.json`` of this family."""
+        raise NotImplementedError
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        source: WeightSource,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantization: str | None = None,
+        shard: Shard | None = None,
+    ) -> None:
+        """``shard``: this rank's part of a tensor-parallel model (each layer then reads
+        only its slices of ``source``); None for the whole model."""
+        quant.check_mode(quantization, device, dtype)
+        c = self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.quantization = quantization
+        self.shard = shard
+        #: The tuning switches in force, read once here (see ``platform/switches.py``).
+        self.switches = tuning.read()
+        kernels = self.kernels = cpu.select(device, dtype, self.switches)
+        plan = shard.plan if shard is not None else None
+        #: Query and KV heads this process holds (all of them without tensor parallelism).
+        self.num_heads = c.num_heads if plan is None else plan.num_heads
+        self.num_kv_heads = c.num_kv_heads if plan is None else plan.num_kv_heads
+        ctx = LoadContext(source, device, dtype, quantization, kernels)
+        self.attention = attention_backends.select(device, dtype, kernels)
+        if device.type == "cpu" and kernels.keep_freed_memory:
+            heap.keep_freed_memory()
+        self._load(ctx, plan)
+        #: Checkpoint tensors that --quantization gguf had to dequantize (unsupported types).
+        self.dequantized = ctx.dequantized
+        if kernels.huge_pages:
+            self._weights_to_huge_pages()
+        if kernels.prepack and quantization is None:
+            for linear in self._linears(head=True):
+                linear.prepack()
+        # Decode steps with few rows: every layer in one Rust call (see decoder_stack).
+        self.decoder: decoder_stack.DecoderStack | None = None
+        if shard is None and kernels.decoder:
+            self.decoder = decoder_stack.DecoderStack(
+                self.layers, hidden=c.hidden_size, heads=self.num_heads,
+                kv_heads=self.num_kv_heads, head_dim=c.head_dim, eps=c.rms_norm_eps,
+                quant_gemv_rows=kernels.quant_gemv_rows,
+            )
+        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling,
+                                      device=device, dtype=dtype)
+        self.scale = c.head_dim**-0.5
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 0
+
+    # ---------------------------------------------------------------- loading
+
+    def _load(self, ctx: LoadContext, plan: ShardPlan | None) -> None:
+        c = self.config
+        names = self.hf_names
+        d = c.head_dim
+        # Column-parallel rows and row-parallel columns of this rank (None: whole).
+        q_rows = kv_rows = inter = vocab = None
+        if plan is not None:
+            q_rows = slice(plan.q_heads.start * d, plan.q_heads.stop * d)
+            kv_rows = slice(plan.kv_heads.start * d, plan.kv_heads.stop * d)
+            inter = slice(plan.intermediate.start, plan.intermediate.stop)
+            vocab = slice(plan.vocab_start, plan.vocab_start + plan.vocab_rows)
+        fused = ctx.kernels.fused
+
+        def col(name: str, rows: slice | None) -> Part:
+            return Part(name, rows=rows)
+
+        def row(name: str, cols: slice | None) -> Part:
+            return Part(name, cols=cols)
+
+        def row_bias(name: str) -> torch.Tensor:
+            bias = ctx.need(Part(name))
+            if plan is not None and plan.rank != 0:
+                # Added once to the sum of the partial outputs: by rank 0 alone.
+                bias = torch.zeros_like(bias)
+            return bias
+
+        activation = GATED_ACTIVATIONS["silu"]
+        # The most rows the MLP takes at once on CPU, so that its widest activation stays
+        # a heap block (see GatedMLP); this process's gate/up rows (a tensor-parallel rank
+        # holds a slice of them).
+        mlp_rows = None
+        if ctx.device.type == "cpu":
+            width = 2 * (c.intermediate_size if inter is None else inter.stop - inter.start)
+            mlp_rows = max(64, heap.HEAP_BLOCK // (width * ctx.dtype.itemsize) // 64 * 64)
+
+        self.layers: list[DecoderLayer] = []
+        for i in range(c.num_layers):
+            n = {k: v.format(i=i) for k, v in names.items()}
+            qkv_bias = None
+            if c.qkv_bias:
+                qkv_bias = [col(n["q"] + ".bias", q_rows), col(n["k"] + ".bias", kv_rows),
+                            col(n["v"] + ".bias", kv_rows)]
+            gate_up_bias = None
+            if c.mlp_bias:
+                gate_up_bias = [col(n["gate"] + ".bias", inter), col(n["up"] + ".bias", inter)]
+            o = Linear.load(ctx, [row(n["o"] + ".weight", q_rows)])
+            if c.o_bias:
+                o.bias = row_bias(n["o"] + ".bias")
+            down = Linear.load(ctx, [row(n["down"] + ".weight", inter)])
+            if c.mlp_bias:
+                down.bias = row_bias(n["down"] + ".bias")
+            gate_up = Linear.load(
+                ctx, [col(n["gate"] + ".weight", inter), col(n["up"] + ".weight", inter)],
+                biases=gate_up_bias,
+            )
+            self.layers.append(DecoderLayer(
+                input_norm=RMSNorm(ctx.need(Part(n["input_norm"])), c.rms_norm_eps,
+                                   fused=fused),
+                qkv=Linear.load(ctx, [col(n["q"] + ".weight", q_rows),
+                                      col(n["k"] + ".weight", kv_rows),
+                                      col(n["v"] + ".weight", kv_rows)], biases=qkv_bias),
+                q_norm=HeadNorm(ctx.need(Part(n["q_norm"])), c.rms_norm_eps, fused=fused)
+                if c.qk_norm else None,
+                k_norm=HeadNorm(ctx.need(Part(n["k_norm"])), c.rms_norm_eps, fused=fused)
+                if c.qk_norm else None,
+                o=o,
+                post_norm=RMSNorm(ctx.need(Part(n["post_norm"])), c.rms_norm_eps, fused=fused),
+                mlp=GatedMLP(gate_up, down, activation, max_rows=mlp_rows),
+            ))
+        # The final norm runs on the few sampled rows, by torch ops.
+        self.norm = RMSNorm(ctx.need(Part(names["norm"])), c.rms_norm_eps)
+        parallel = None
+        if plan is not None and self.shard is not None:
+            parallel = VocabParallel(plan.vocab_start, plan.vocab_rows,
+                                     self.shard.all_reduce, self.shard.gather_logits)
+        tied = c.tie_word_embeddings
+        head_name = names["embed"] if tied else names["lm_head"]
+        head = Linear.load(ctx, [Part(head_name, rows=vocab)], head=True)
+        self.lm_head = LMHead(head, c.vocab_size, parallel)
+        # The embedding lookup reads the GGUF blocks when the tied head kept them; else a
+        # dense table (--quantization int8/int4 quantize only the projections and the head).
+        if tied and ctx.quantization in (None, "gguf"):
+            table = head.weight
+        elif ctx.quantization == "gguf":
+            table = Linear.load(ctx, [Part(names["embed"], rows=vocab)]).weight
+        else:
+            table = ctx.need(Part(names["embed"], rows=vocab))
+        self.embed = Embedding(table, parallel)
+
+    def _linears(self, head: bool = False) -> list[Linear]:
+        """Every projection (and the LM head): what a decode step streams from memory."""
+        out = [lin for layer in self.layers
+               for lin in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
+        return out + [self.lm_head.linear] if head else out
+
+    def _weights_to_huge_pages(self) -> None:
+        """The projections and the LM head moved into one allocation on 2 MiB pages (see
+        ``platform/huge_pages.py``): the same values. Each weight is replaced as soon as it
+        is copied, so nothing here keeps its original."""
+        linears = self._linears(head=True)
+        arena = huge_pages.Arena(sum(
+            huge_pages.Arena.size_of(t) for lin in linears for t in lin.tensors()))
+        head = self.lm_head.linear
+        tied = self.embed.table is head.weight
+        for lin in linears:
+            lin.replace_tensors([arena.place(t.contiguous()) for t in lin.tensors()])
+        if tied:
+            self.embed.table = head.weight
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        c = self.config
+        shape = (2, num_blocks, block_size, self.num_kv_heads, c.head_dim)
+        self.kv_caches = [
+            huge_pages.zeros(shape, self.dtype) if self.kernels.huge_pages
+            else torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(c.num_layers)
+        ]
+        self.block_size = block_size
+        if self.decoder is not None:
+            self.decoder.set_caches(self.kv_caches, block_size)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        c = self.config
+        per_token = 2 * self.num_kv_heads * c.head_dim * c.num_layers
+        return per_token * block_size * self.dtype.itemsize
+
+    # ---------------------------------------------------------------- the forward
+
+    @torch.inference_mode()
+    def forward(self, **batch: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Float32 logits [len(sample_indices), vocab] for one flattened batch."""
+        rows = len(batch["input_ids"])
+        with cpu.few_rows(self.device, self.dtype, rows, cpu_kernels.BF16_GEMV_MAX_ROWS):
+            return self._forward(**batch)  # type: ignore[arg-type]
+
+    def _forward(
+        self,
+        *,
+        input_ids: np.ndarray | torch.Tensor,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        num_computed_before: np.ndarray,
+        block_tables: np.ndarray,
+        sample_indices: np.ndarray,
+    ) -> torch.Tensor:
+        c = self.config
+        dev = self.device
+        shard = self.shard
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        if isinstance(input_ids, torch.Tensor):  # placeholders filled in on the device
+            ids = input_ids.to(dev)
+        else:
+            ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).to(dev)
+        pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev)
+        largest = int(positions.max()) if len(positions) else 0
+        n = ids.shape[0]
+        decoder = self.decoder
+        if decoder is not None and 0 < n <= decoder.max_rows and len(query_start_loc) == n + 1:
+            if np.all(np.diff(query_start_loc) == 1):  # every row decodes
+                lens = np.asarray(seq_lens, dtype=np.int32)
+                width = -(-int(lens.max()) // self.block_size)
+                h = self.embed(ids).contiguous()
+                cos, sin = self.rotary.cos_sin(pos, largest)
+                decoder.decode(h, cos, sin, slot_mapping, np.asarray(block_tables)[:, :width],
+                               lens, scale=self.scale, sliding_window=c.sliding_window)
+                return self._logits(h, sample_indices)
+        attn = self.attention
+        plan = attn.plan(
+            query_start_loc=query_start_loc, seq_lens=seq_lens,
+            num_computed_before=num_computed_before, block_tables=block_tables,
+            slot_mapping=slot_mapping, block_size=self.block_size,
+            group=heads // kv_heads, sliding_window=c.sliding_window,
+        )
+        cos, sin = self.rotary.cos_sin(pos, largest)
+        h = self.embed(ids)
+        layers = self.layers
+        x = layers[0].input_norm(h)
+        for i, (layer, cache) in enumerate(zip(layers, self.kv_caches, strict=True)):
+            q, k, v = attn.rotate_and_store(
+                layer.qkv(x), heads=heads, kv_heads=kv_heads, head_dim=c.head_dim,
+                cos=cos, sin=sin, q_norm=layer.q_norm, k_norm=layer.k_norm,
+                cache=cache, plan=plan,
+            )
+            o = layer.o(attn.forward(q, k, v, cache, plan, self.scale))
+            if shard is not None:
+                shard.all_reduce(o)  # row-parallel: the ranks' partial sums
+            h, x = layer.post_norm.add(h, o)
+            mlp = layer.mlp(x)
+            if shard is not None:
+                shard.all_reduce(mlp)
+            if i + 1 < len(layers):
+                h, x = layers[i + 1].input_norm.add(h, mlp)
+            else:
+                h = h + mlp
+        return self._logits(h, sample_indices)
+
+    def _logits(self, h: torch.Tensor, sample_indices: np.ndarray) -> torch.Tensor:
+        """Final norm and LM head over the rows of ``h`` to sample (and to score)."""
+        rows = torch.from_numpy(np.ascontiguousarray(sample_indices, dtype=np.int64))
+        return self.lm_head(self.norm(h[rows.to(self.device)]))
+

@@ -1,0 +1,90 @@
+"""Which Rust CPU kernels a model uses, decided once at load from the device, the compute
+dtype, this build of ``iron_batch._core`` and the tuning switches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from iron_batch import _core
+from iron_batch.platform import huge_pages
+from iron_batch.platform.switches import Switches
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _has(*names: str) -> bool:
+    return all(getattr(_core, n, None) is not None for n in names)
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """Each a yes/no for this model (all no off the CPU)."""
+
+    #: Decode attention read in place from the paged cache (bf16 and float32).
+    attention: bool = False
+    #: bf16 prompt rows through the same kernel, each a query over its own prefix.
+    prefill_attention: bool = False
+    #: RMSNorm with the residual add, rotary + KV store, per-head norms.
+    fused: bool = False
+    #: The bf16 GEMV for one or two activation rows (projections and LM head).
+    gemv: bool = False
+    #: oneDNN-packed copies of bf16 projections for larger steps.
+    prepack: bool = False
+    #: Every decoder layer of a decode step in one Rust call.
+    decoder: bool = False
+    #: Weights and KV cache on 2 MiB pages.
+    huge_pages: bool = False
+    #: Freed activations kept in the heap.
+    keep_freed_memory: bool = False
+    #: Activation rows up to which quantized projections take the block GEMV.
+    quant_gemv_rows: int = 8
+
+
+def select(device: torch.device, dtype: torch.dtype, switches: Switches) -> CpuKernels:
+    if device.type != "cpu":
+        return CpuKernels(quant_gemv_rows=switches.quant_gemv_rows)
+    kernels = switches.cpu_attention == "kernel"
+    attention = kernels and dtype in _KERNEL_DTYPES and _has("_paged_decode_attention")
+    fused = attention and _has("_add_rms_norm", "_rope_store_kv")
+    bf16 = dtype == torch.bfloat16
+    return CpuKernels(
+        attention=attention,
+        prefill_attention=attention and bf16 and switches.cpu_prefill_attention == "kernel",
+        fused=fused,
+        gemv=fused and bf16 and _has("_gemv_bf16"),
+        prepack=(
+            kernels and bf16 and switches.cpu_prepack
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        ),
+        decoder=fused and bf16 and switches.cpu_decoder and _has("_DecoderStack"),
+        huge_pages=switches.huge_pages and huge_pages.supported(),
+        keep_freed_memory=switches.keep_freed_memory,
+        quant_gemv_rows=switches.quant_gemv_rows,
+    )
+
+
+@contextmanager
+def few_rows(
+    device: torch.device, dtype: torch.dtype, rows: int, few: int
+) -> Iterator[None]:
+    """Around a forward of ``rows`` token rows: oneDNN's bf16/fp16 kernels win from a few
+    rows up, but for up to ``few`` (one or two: batch-1 decode, a pure GEMV over weights
+    that do not fit in cache) ATen's own kernel streams the weights about 25% faster on
+    CPU, so oneDNN is off for such a forward."""
+    if device.type != "cpu" or dtype == torch.float32 or rows > few or not (
+        torch.backends.mkldnn.enabled
+    ):
+        yield
+        return
+    # The attribute, not mkldnn.flags(): that one also resets oneDNN's TF32 switch and
+    # warns about Intel GPUs on every call.
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = True
