@@ -71,12 +71,14 @@ def test_the_mlp_in_runs_of_rows_gives_the_same_logits(dtype: str) -> None:
     c = model.config
     item = model.dtype.itemsize
     # Sized from the model: its widest MLP block stays under the heap's limit.
-    assert model.mlp_rows is not None
-    assert model.mlp_rows * 2 * c.intermediate_size * item <= 24 << 20
+    mlp_rows = model.layers[0].mlp.max_rows
+    assert mlp_rows is not None
+    assert mlp_rows * 2 * c.intermediate_size * item <= 24 << 20
     prompts = random_prompts(9, [37, 50, 21])
     runs = []
     for rows in (None, 16):  # 16: every prompt step split, the last run partial
-        model.mlp_rows = rows
+        for layer in model.layers:
+            layer.mlp.max_rows = rows
         runs.append([_logits_run(be, [p], []) for p in prompts])
     for (tokens_whole, logits_whole), (tokens_runs, logits_runs) in zip(*runs, strict=True):
         assert tokens_runs == tokens_whole
