@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from iron_batch import wire
+from iron_batch.backends.base import StepOutput
 from iron_batch.batch import ArrayBatch
 from iron_batch.platform.openmp import release_thread_pool
 from iron_batch.sampling_params import SamplingParams
@@ -65,10 +66,11 @@ def run_steps(
         if previous is None or int(rows.max()) >= len(previous):
             raise ValueError("placeholders name rows of no previous result")
         arrays["input_ids"][holes] = previous[rows]
-    first = backend.execute(ArrayBatch(rids, seq_rids, **arrays))
+    step = backend.wait(backend.submit(ArrayBatch(rids, seq_rids, **arrays)))
+    first = step.tokens
     n, k = len(rids), req.steps
     out = np.zeros((n, k), dtype=np.int64)  # unused entries stay 0 (the server ignores them)
-    extras = _extras(backend, rids, k)
+    extras = _extras(step, rids, k)
     if n == 0:
         return out, extras
     out[:, 0] = first
@@ -109,22 +111,17 @@ def run_steps(
     return out, extras
 
 
-def _extras(backend: Any, rids: list[str], steps: int) -> dict[str, Any]:
+def _extras(step: StepOutput, rids: list[str], steps: int) -> dict[str, Any]:
     extras: dict[str, Any] = {}
-    rows = backend.last_logprobs() if steps == 1 else None
+    rows = step.logprobs if steps == 1 else None
     if rows is not None and len(rows) == len(rids):
         extras["logprobs"] = [None if r is None else [r[0], [list(a) for a in r[1]]]
                               for r in rows]
-    take = getattr(backend, "take_prompt_logprobs", None)
-    if take is not None:
-        prompts: dict[str, Any] = {}
-        for rid in rids:
-            entries = take(rid)
-            if entries is not None:
-                prompts[rid] = [None if e is None else [e[0], [list(a) for a in e[1]]]
-                                for e in entries]
-        if prompts:
-            extras["prompt_logprobs"] = prompts
+    if step.prompt_logprobs:
+        extras["prompt_logprobs"] = {
+            rid: [None if e is None else [e[0], [list(a) for a in e[1]]] for e in entries]
+            for rid, entries in step.prompt_logprobs.items()
+        }
     return extras
 
 
@@ -344,14 +341,14 @@ def build_backend(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         "eos_token_ids": list(backend.eos_token_ids),
         "vocab_size": backend.vocab_size,
         "tokenizer": tokenizer.to_info() if tokenizer is not None else None,
-        "supports_prompt_logprobs": bool(getattr(backend, "supports_prompt_logprobs", False)),
+        "supports_prompt_logprobs": bool(backend.supports_prompt_logprobs),
         "structured_output": bool(backend.supports_structured_output),
     }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from iron_batch.backends.build import DEFAULTS, QUANTIZATION_MODES
-    from iron_batch.cli_args import non_negative_float, parse_addr, positive_int
+    from iron_batch import flags
+    from iron_batch.cli_args import non_negative_float, parse_addr
 
     p = argparse.ArgumentParser(
         prog="python -m iron_batch.worker",
@@ -362,28 +359,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "127.0.0.1:9090). The chosen address is printed on stdout.")
     p.add_argument("--backend", choices=("torch", "mock"), default="torch",
                    help="torch (a local checkpoint, --model) or mock (no weights, for tests)")
-    p.add_argument("--model", default=None, help="torch: checkpoint folder, .gguf or short name")
-    p.add_argument("--device", default=None, help="torch: cpu, cuda, cuda:1 (default auto)")
-    p.add_argument("--dtype", default=None, help="torch: float32, bfloat16, float16 (auto)")
-    p.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None,
-                   help="torch, CPU: gguf, int8 or int4 weight-only quantization (see the "
-                   "server's --help)")
-    p.add_argument("--kv-cache-memory-gb", type=non_negative_float, default=None,
-                   help="torch: KV pool memory budget when --total-kv-blocks is not given")
-    p.add_argument("--total-kv-blocks", type=positive_int, default=None,
-                   help="KV blocks (default: sized from memory; "
-                   f"{DEFAULTS.total_kv_blocks} for mock)")
-    p.add_argument("--kv-block-size", type=positive_int, default=None,
-                   help=f"token slots per block ({DEFAULTS.kv_block_size})")
+    flags.add(p, flags.MODEL_FLAGS)
     p.add_argument("--api-key", default=os.environ.get("IRON_BATCH_WORKER_API_KEY"),
                    help="clients must send this key in their first frame "
                    "(default $IRON_BATCH_WORKER_API_KEY; none: open)")
     p.add_argument("--delay-ms", type=non_negative_float, default=0.0,
                    help="added round-trip delay per reply, to emulate a network (benchmarks)")
-    p.add_argument("--mock-token-latency-us", type=non_negative_float, default=200.0,
-                   help="mock: duration of one decode step (default 200)")
-    p.add_argument("--mock-prefill-token-latency-us", type=non_negative_float, default=1.0,
-                   help="mock: extra time per prompt token (default 1)")
+    flags.add(p, ("--mock-token-latency-us", "--mock-prefill-token-latency-us"))
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
     return p

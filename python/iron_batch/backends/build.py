@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from iron_batch import flags
 from iron_batch._core import SchedulerConfig
 from iron_batch.backends.base import Backend
 from iron_batch.backends.mock import DEFAULT_PREFILL_TOKEN_LATENCY_US, DEFAULT_TOKEN_LATENCY_US
@@ -31,15 +32,13 @@ class BackendConfigError(ValueError):
     message names the option (CLIs print it as a usage error)."""
 
 
-#: Flags the server and the worker both parse under these names, passed on as they are.
-_SHARED_FLAGS = ("model", "device", "dtype", "total_kv_blocks", "kv_block_size",
-                 "kv_cache_memory_gb", "quantization", "mock_token_latency_us",
-                 "mock_prefill_token_latency_us")
+#: Flags the server and the worker both parse (``iron_batch.flags``), passed on as they are.
+SHARED_FLAGS = (*flags.MODEL_FLAGS, "--mock-token-latency-us", "--mock-prefill-token-latency-us")
 
 
 def shared_options(args: Any) -> dict[str, Any]:
     """The :func:`build_backend` keywords the server's and the worker's parsed flags share."""
-    return {name: getattr(args, name) for name in _SHARED_FLAGS}
+    return flags.values(args, SHARED_FLAGS)
 
 
 def build_backend(

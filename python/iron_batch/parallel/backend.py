@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from iron_batch import flags
 from iron_batch._core import SchedulerConfig
 from iron_batch.backends.base import BackendInfo, FatalBackendError
 from iron_batch.backends.torch_backend import TorchBackend, load_tokenizer, pick_device, pick_dtype
@@ -109,10 +110,11 @@ class TensorParallelTorchBackend(TorchBackend):
             rendezvous = Rendezvous(0, world, world, 0)
             store = serve_store(world, timeout_s)
             local_ranks = _spawn_local_ranks(
-                world, f"127.0.0.1:{store.port}", model=model, device=dev.type,
-                dtype=str(dt).removeprefix("torch."), kv_block_size=kv_block_size,
-                total_kv_blocks=total_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
-                quantization=quantization, timeout_s=timeout_s)
+                world, f"127.0.0.1:{store.port}", timeout_s, {
+                    "model": model, "device": dev.type, "dtype": str(dt).removeprefix("torch."),
+                    "kv_block_size": kv_block_size, "total_kv_blocks": total_kv_blocks,
+                    "kv_cache_memory_gb": kv_cache_memory_gb, "quantization": quantization,
+                })
         dev = rank_device(dev, rendezvous)
         threads_before = share_cores(rendezvous.local_world)
         try:
@@ -232,22 +234,15 @@ def _wait_until_joined(store: Any, world: int, procs: list[subprocess.Popen[byte
 
 
 def _spawn_local_ranks(
-    world: int, store: str, *, model: str, device: str, dtype: str, kv_block_size: int,
-    total_kv_blocks: int | None, kv_cache_memory_gb: float | None, quantization: str | None,
-    timeout_s: float,
+    world: int, store: str, timeout_s: float, model_flags: dict[str, Any]
 ) -> list[subprocess.Popen[bytes]]:
+    """Ranks 1..world-1 as subprocesses, given rank 0's model flags (``flags.MODEL_FLAGS``,
+    by destination) as they are."""
     procs = []
     for rank in range(1, world):
         cmd = [sys.executable, "-m", "iron_batch.parallel.worker", "--rank", str(rank),
-               "--world-size", str(world), "--store", store, "--model", model,
-               "--device", device, "--dtype", dtype, "--kv-block-size", str(kv_block_size),
-               "--timeout", str(timeout_s)]
-        if total_kv_blocks is not None:
-            cmd += ["--total-kv-blocks", str(total_kv_blocks)]
-        if kv_cache_memory_gb is not None:
-            cmd += ["--kv-cache-memory-gb", str(kv_cache_memory_gb)]
-        if quantization is not None:
-            cmd += ["--quantization", quantization]
+               "--world-size", str(world), "--store", store, "--timeout", str(timeout_s),
+               *flags.to_argv(model_flags)]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
     return procs
 

@@ -14,6 +14,7 @@ import logging
 import signal
 import sys
 
+from iron_batch import flags
 from iron_batch.parallel import step_broadcast
 from iron_batch.parallel.rank import LoadedRank
 from iron_batch.parallel.step_broadcast import Message
@@ -49,20 +50,20 @@ def _die_with_parent() -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m iron_batch.parallel.worker")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--store", required=True, help="HOST:PORT of rank 0's rendezvous store")
-    p.add_argument("--model", required=True)
-    p.add_argument("--device", required=True)
-    p.add_argument("--dtype", required=True)
-    p.add_argument("--kv-block-size", type=int, required=True)
-    p.add_argument("--total-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    p.add_argument("--quantization", default=None)
+    # The model's flags as the server defines them; rank 0 passes its own values on.
+    flags.add(p, flags.MODEL_FLAGS, **{n: {"required": True} for n in (
+        "--model", "--device", "--dtype", "--kv-block-size")})
     p.add_argument("--timeout", type=float, required=True)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     _die_with_parent()
     logging.basicConfig(level=logging.WARNING)
 
