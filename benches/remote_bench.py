@@ -6,8 +6,9 @@
 For each model (the mock backend with a fixed per-step latency, and a tiny random-weight
 torch model), runs the engine in-process (without and with overlap) and against a
 ``python -m iron_batch.worker`` subprocess: without overlap at K = 1, 4, 8 decode steps
-per call, and with K = 1 and 1 or 2 steps in flight (overlap depth), with no added delay
-and with ``--delay-ms`` of added latency on every reply, at concurrency 1 and 64 (that
+per call, and with K = 1 and 1, 2 or the engine's own choice of steps in flight (overlap
+depth), with no added delay and with ``--delay-ms`` of added latency on every reply, at
+concurrency 1 and 64 (that
 many requests in flight, a new one admitted as soon as one ends). The engine is driven on
 this thread (``Engine.step``), so the figures are the backend path alone, without HTTP.
 ``--rounds N`` repeats the whole table N times, each configuration once per round, and
@@ -36,11 +37,15 @@ from iron_batch.backends.remote import RemoteBackend
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: The overlap depth the engine picks by itself (``overlap_depth=None``), as a row label.
+AUTO = -1
+
+
 @dataclass
 class Result:
     model: str
     mode: str
-    depth: int
+    depth: int  # AUTO: the engine's own choice
     steps_per_call: int
     delay_ms: float
     concurrency: int
@@ -58,7 +63,7 @@ def run_engine(
     max_new: int, vocab: int, depth: int,
 ) -> tuple[int, float, int]:
     """(tokens generated, seconds, engine steps) with ``concurrency`` requests in flight."""
-    engine = Engine(backend, config, overlap_depth=depth)
+    engine = Engine(backend, config, overlap_depth=None if depth == AUTO else depth)
     rng = np.random.default_rng(0)
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     submitted = done = tokens = steps = 0
@@ -128,10 +133,10 @@ def bench_model(
     workers = {delay: Worker(*worker_args, "--delay-ms", str(delay)) for delay in args.delays}
     try:
         for _ in range(args.rounds):
-            for depth in sorted({0, *args.depths}):
+            for depth in sorted({0, *args.depths} - {AUTO}):
                 measure(local, "in-process", 1, 0.0, depth)
             for delay, worker in workers.items():
-                remote = [(k, 0) for k in args.steps] + [(1, d) for d in args.depths if d > 0]
+                remote = [(k, 0) for k in args.steps] + [(1, d) for d in args.depths if d != 0]
                 for k, depth in remote:
                     be = RemoteBackend(worker.url, steps_per_call=k, timeout=60)
                     try:
@@ -155,7 +160,8 @@ def print_table(results: list[Result]) -> None:
     print("|" + "|".join("-" * w for w in (8, 12, 9, 4, 10, 6, 9, 11, 15)) + "|")
     for r in results:
         ratio = r.tok_s / base[(r.model, r.concurrency)]
-        print(f"| {r.model:6} | {r.mode:10} | {r.depth:>7} | {r.steps_per_call:>2} | "
+        depth = "auto" if r.depth == AUTO else str(r.depth)
+        print(f"| {r.model:6} | {r.mode:10} | {depth:>7} | {r.steps_per_call:>2} | "
               f"{r.delay_ms:>8g} | {r.concurrency:>4} | {r.tokens:>7} | {r.tok_s:>9.0f} | "
               f"{ratio:>12.2f}x |")
 
@@ -169,8 +175,9 @@ def main() -> None:
                    help="mock: fixed latency of one decode step (default 1000)")
     p.add_argument("--steps", type=int, nargs="+", default=[1, 4, 8],
                    help="K values run without overlap")
-    p.add_argument("--depths", type=int, nargs="+", default=[1, 2],
-                   help="overlap depths run with K = 1 (and in process)")
+    p.add_argument("--depths", type=int, nargs="+", default=[1, 2, AUTO],
+                   help=f"overlap depths run with K = 1 (and in process); {AUTO}: the "
+                   "engine's own choice (overlap_depth=None)")
     p.add_argument("--delays", type=float, nargs="+", default=[0.0, 2.0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     p.add_argument("--requests", type=int, default=128, help="requests per run (>= conc)")

@@ -6,6 +6,7 @@ block behind."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -185,9 +186,6 @@ class _ExecuteOnly:
     def describe(self) -> BackendInfo:
         return BackendInfo(kind="execute-only")
 
-    def last_logprobs(self) -> None:
-        return None
-
 
 def test_a_backend_with_only_execute_runs_overlapped_with_the_same_tokens() -> None:
     prompts = random_prompts(100, [3, 8, 5, 13, 2])
@@ -363,3 +361,40 @@ def test_the_mock_backend_runs_its_steps_when_submitted_too() -> None:
     engine = Engine(MockBackend(0, 0), SchedulerConfig(total_kv_blocks=16, kv_block_size=4))
     assert engine.overlap_depth == 0
     assert _first_token_step(engine, [1, 2, 3], 3)[0] == 1
+
+
+class _FarBackend(MockBackend):
+    """The mock behind a round trip: ``submit`` sends the step (its tokens are known at
+    once) and returns; the result arrives ``latency_s`` later, as from a worker across a
+    network, whatever else the engine does meanwhile."""
+
+    asynchronous_submit = True
+
+    def __init__(self, latency_s: float) -> None:
+        super().__init__(0, 0)
+        self.latency_s = latency_s
+
+    def submit(self, batch: Any) -> Any:
+        return (super().submit(batch), time.monotonic() + self.latency_s)
+
+    def wait(self, handle: Any) -> Any:
+        output, ready = handle
+        time.sleep(max(0.0, ready - time.monotonic()))  # the round trip
+        return output
+
+
+def test_the_engine_keeps_more_steps_in_flight_over_a_long_round_trip() -> None:
+    prompts = random_prompts(102, [5, 9])
+    params = [SamplingParams(max_new_tokens=150, ignore_eos=True) for _ in prompts]
+    ref = _by_request(_engine_run(MockBackend(0, 0), prompts, params, 0)[0])
+    # Each result arrives 3 ms after its step is sent: with one step in flight the engine
+    # waits most of each step; each step deeper raises the step rate, so the engine takes
+    # it (overlap_depth None: its own choice).
+    events, engine = _engine_run(_FarBackend(0.003), prompts, params, None)  # type: ignore[arg-type]
+    assert _by_request(events) == ref
+    assert engine.overlap_depth >= 2
+    stats = engine.scheduler.stats()
+    assert stats["free_blocks"] == stats["total_blocks"]
+    # A backend whose submit runs the step to the end gets none in flight, and keeps none.
+    events, engine = _engine_run(MockBackend(0, 0), prompts, params, None)  # type: ignore[arg-type]
+    assert _by_request(events) == ref and engine.overlap_depth == 0

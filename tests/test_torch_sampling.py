@@ -119,8 +119,8 @@ def test_logprobs_reported_per_sample_row() -> None:
         rids = sent.pop(0)
         if not rids:
             return out  # an empty step (overlap: nothing left to sample)
-        lp = be.last_logprobs()  # of the step just waited, not of a later submitted one
-        assert lp is not None and len(lp) == len(out)
+        lp = out.logprobs  # of the step just waited, not of a later submitted one
+        assert lp is not None and len(lp) == len(out.tokens)
         rows.extend(r for r, rid in zip(lp, rids, strict=True) if rid == "r0")
         return out
 

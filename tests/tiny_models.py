@@ -233,7 +233,7 @@ def run_scheduler(
             inflight.append((batch, be.submit(batch)))
         if len(inflight) > overlap_depth or not sched.has_work():
             batch, handle = inflight.popleft()
-            events = sched.commit(batch, be.wait(handle))
+            events = sched.commit(batch, be.wait(handle).tokens)
             for rid, token, finished in zip(events.request_ids, events.token_ids.tolist(),
                                             events.finished.tolist(), strict=True):
                 if token >= 0:

@@ -8,13 +8,16 @@ scheduler handle in a list, and makes no Python object per event beyond the
 :class:`TokenEvent` its stream gets.
 
 Overlap (``overlap_depth`` >= 1, the default for a backend whose ``submit`` returns before
-the step is done: ``asynchronous_submit``): the engine keeps steps in flight on the
-backend. While step N runs it schedules step N+1 (decodes whose input is N's token, not
-known yet, get a placeholder that the backend fills in on its side), submits it, then
-waits for N, commits it and publishes its tokens. So the device (or a remote worker)
+the step is done: ``asynchronous_submit``): the engine keeps steps in flight on the backend.
+By default it starts at one and goes deeper (up to ``MAX_AUTO_OVERLAP_DEPTH``) while it
+spends a share of its time waiting for results and each step deeper measurably raises the
+step rate: a remote worker whose round trip is longer than a step needs two or three in
+flight to stay busy. While step N runs it schedules step N+1 (decodes whose input is N's
+token, not known yet, get a placeholder that the backend fills in on its side), submits it,
+then waits for N, commits it and publishes its tokens. So the device (or a remote worker)
 always has the next step queued while Python commits, detokenizes and publishes, and a
-remote round trip overlaps the worker's compute. A sequence that stops in step N wastes
-its row in N+1; the scheduler frees its blocks at N's commit and ignores the row.
+remote round trip overlaps the worker's compute. A sequence that stops in step N wastes its
+row in N+1; the scheduler frees its blocks at N's commit and ignores the row.
 ``overlap_depth = 0`` runs the steps one after another (``--no-overlap``), the default for
 a backend whose ``submit`` runs the step to the end (the torch backend on CPU, the mock):
 there a step in flight hides nothing and only hands every token out one step later (a
@@ -54,11 +57,11 @@ from iron_batch._core import (
     SchedulerConfig,
     StepEvents,
 )
-from iron_batch.backends.base import BackendError, ExecutedStep, ExecuteOnly, FatalBackendError
+from iron_batch.backends.base import BackendError, ExecuteOnly, FatalBackendError, StepOutput
 from iron_batch.platform.openmp import release_thread_pool
 from iron_batch.sampling_params import SamplingParams
 from iron_batch.stats import EngineStats
-from iron_batch.stream import Logprobs, RequestStream, TokenEvent, deliver
+from iron_batch.stream import Logprobs, PromptLogprobs, RequestStream, TokenEvent, deliver
 
 __all__ = ["DEFAULT_MAX_STREAM_BUFFER_EVENTS", "Engine", "EngineUnavailable", "RequestStream",
            "TokenEvent"]
@@ -68,12 +71,67 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_EMPTY = np.empty(0, dtype=np.int64)
+#: The output of an empty step (nothing sampled).
+_NOTHING = StepOutput(np.empty(0, dtype=np.int64))
 
 #: Default bound on the events one :class:`RequestStream` holds for a consumer that does not
 #: keep up (a client that stopped reading); past it the request is aborted.
 DEFAULT_MAX_STREAM_BUFFER_EVENTS = 4096
 
+
+
+#: The most steps in flight the engine keeps by itself (``overlap_depth=None``).
+MAX_AUTO_OVERLAP_DEPTH = 4
+
+
+class _DepthTuner:
+    """Picks the steps kept in flight on an asynchronous backend (a remote worker, a
+    device stream): one more while the engine spends a share of its time waiting for
+    results and the deeper pipeline raises the step rate; back, for good, once a step
+    deeper did not. A round trip longer than a step (a worker over a network) needs more
+    than one step in flight to keep the worker busy.
+
+    Measured over windows of ``window`` steps whose wait the pipeline's depth decided: a
+    window broken by a drained pipeline (no work) starts over."""
+
+    def __init__(self, depth: int, window: int = 32, waiting_share: float = 0.2,
+                 gain: float = 1.05) -> None:
+        self.depth = depth
+        self.window = window
+        self.waiting_share = waiting_share
+        self.gain = gain
+        self.settled = False
+        self._trial: tuple[int, float] | None = None  # (depth before, its step rate)
+        self._start()
+
+    def _start(self) -> None:
+        self._began = time.perf_counter()
+        self._steps = 0
+        self._waited = 0.0
+
+    def interrupted(self) -> None:
+        self._start()
+
+    def waited(self, seconds: float) -> int:
+        """One step's wait; returns the depth to keep from now on."""
+        self._waited += seconds
+        self._steps += 1
+        if self._steps < self.window or self.settled:
+            return self.depth
+        elapsed = time.perf_counter() - self._began
+        rate = self._steps / elapsed
+        if self._trial is not None:
+            before, before_rate = self._trial
+            self._trial = None
+            if rate < before_rate * self.gain:
+                self.depth, self.settled = before, True
+                self._start()
+                return self.depth
+        if self._waited > self.waiting_share * elapsed and self.depth < MAX_AUTO_OVERLAP_DEPTH:
+            self._trial = (self.depth, rate)
+            self.depth += 1
+        self._start()
+        return self.depth
 
 class EngineUnavailable(RuntimeError):
     """``submit`` on an engine that is shutting down or has failed fatally."""
@@ -181,18 +239,24 @@ class Engine:
         stops, ``fatal_error`` says why and ``on_fatal`` is called (the server exits).
         ``max_stream_buffer_events``: see :class:`RequestStream` (0: unbounded).
         ``overlap_depth``: steps kept in flight while the next is scheduled (0: none,
-        each step runs to the end before the next is scheduled; None: 1 for a backend whose
-        ``asynchronous_submit`` is true, else 0; see the module docstring)."""
-        if overlap_depth is None:
-            overlap_depth = 1 if getattr(backend, "asynchronous_submit", False) else 0
-        if overlap_depth < 0:
+        each step runs to the end before the next is scheduled; None: chosen by the
+        engine: 0 for a backend whose ``submit`` runs the step to the end, else from 1 up
+        as far as deeper pipelines measurably raise the step rate; see the module
+        docstring)."""
+        full = hasattr(backend, "submit")
+        asynchronous = full and bool(backend.asynchronous_submit)
+        if overlap_depth is not None and overlap_depth < 0:
             raise ValueError("overlap_depth must be >= 0")
-        self.overlap_depth = overlap_depth
+        self.overlap_depth = (1 if asynchronous else 0) if overlap_depth is None else overlap_depth
+        self._depth = _DepthTuner(self.overlap_depth) if (
+            overlap_depth is None and asynchronous) else None
         # Steps submitted and not committed, oldest first: (batch, backend handle or None
         # for an empty batch, which is committed in its turn all the same).
         self._inflight: deque[tuple[Any, Any]] = deque()
         self.backend = backend
-        steps: Any = backend if hasattr(backend, "submit") else ExecuteOnly(backend)
+        steps: Any = backend if full else ExecuteOnly(backend)
+        # An object with only ``execute`` (no BackendBase) computes tokens and nothing else.
+        self._scores_prompts = full and bool(backend.supports_prompt_logprobs)
         self._submit = steps.submit
         self._wait = steps.wait
         self.config = config if config is not None else SchedulerConfig()
@@ -474,20 +538,30 @@ class Engine:
                     return
             inflight.append((batch, handle))
         if inflight and (len(inflight) > depth or not scheduler.has_work()):
+            tuner = self._depth
+            # A wait the pipeline's depth decided (not the end of the work) is a sample for
+            # the depth tuner.
+            timed = tuner is not None and len(inflight) > depth and scheduler.has_work()
             batch, handle = inflight.popleft()
             if handle is None:
-                sampled = _EMPTY
+                output = _NOTHING
             else:
                 try:
-                    sampled = self._wait(handle)
+                    started = time.perf_counter()
+                    output = self._wait(handle)
+                    if tuner is not None:
+                        if timed:
+                            self.overlap_depth = tuner.waited(time.perf_counter() - started)
+                        else:
+                            tuner.interrupted()
                 except Exception as exc:
                     self._backend_failed(exc, batch, out)
                     return
                 self._failed_steps = 0
-            extras = self._sample_extras(batch, sampled, handle) if batch.num_samples else None
-            events = scheduler.commit(batch, sampled)
+            extras = self._sample_extras(batch, output) if batch.num_samples else None
+            events = scheduler.commit(batch, output.tokens)
             if len(events):
-                self._on_commit(events, out, extras)
+                self._on_commit(events, out, extras, output.prompt_logprobs)
 
     def _collect_inflight(self) -> set[str]:
         """Wait out every step in flight, ignoring its result (so the backend's replies
@@ -521,9 +595,7 @@ class Engine:
             self._by_handle = []
         self._check_fatal(exc, f"backend error: {exc}", out)
 
-    def _sample_extras(
-        self, batch: Any, sampled: np.ndarray, handle: Any = None
-    ) -> dict[str, Logprobs] | None:
+    def _sample_extras(self, batch: Any, output: StepOutput) -> dict[str, Logprobs] | None:
         """Per-request data that must be read before ``commit`` ends requests.
 
         Captures the prefix-cache hit count of requests sampling for the first time (the
@@ -541,14 +613,8 @@ class Engine:
                     req = requests.get(rid)
                     if req is not None:
                         req.num_cached = self.scheduler.num_cached_prompt_tokens(rid)
-        if np.ndim(sampled) != 1:
-            return None
-        # A step run by BackendBase.submit carries its own logprobs (a later submit has
-        # run since); other backends report those of the step last waited.
-        rows = (
-            handle.logprobs if isinstance(handle, ExecutedStep) else self.backend.last_logprobs()
-        )
-        if rows is None or len(rows) != len(rids):
+        rows = output.logprobs
+        if np.ndim(output.tokens) != 1 or rows is None or len(rows) != len(rids):
             return None
         wanted: dict[str, Logprobs] = {}
         for rid, row in zip(rids, rows, strict=True):
@@ -562,6 +628,7 @@ class Engine:
         events: StepEvents,
         out: list[tuple[_Request, TokenEvent]],
         extras: dict[str, Logprobs] | None = None,
+        prompt_logprobs: dict[str, PromptLogprobs] | None = None,
     ) -> None:
         now = time.perf_counter()
         stats = self.stats
@@ -618,8 +685,8 @@ class Engine:
                 event = TokenEvent(req.request_id, index, token, text, finished, reason)
                 if extras:
                     event.logprobs = extras.get(req.request_id)
-                if index == 0 and req.params.prompt_logprobs is not None:
-                    event.prompt_logprobs = self.backend.take_prompt_logprobs(req.request_id)
+                if index == 0 and prompt_logprobs:
+                    event.prompt_logprobs = prompt_logprobs.get(req.request_id)
             if finished:
                 stats.requests_completed += 1
                 event.num_cached_tokens = req.num_cached or 0
@@ -662,9 +729,7 @@ class Engine:
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.extend(self._eos)
-        if params.prompt_logprobs is not None and not getattr(
-            self.backend, "supports_prompt_logprobs", False
-        ):
+        if params.prompt_logprobs is not None and not self._scores_prompts:
             self._reject(req, "prompt logprobs are not supported by this backend",
                          "ValueError", out)
             return

@@ -22,13 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from iron_batch.stream import Logprobs
+from iron_batch.stream import PromptLogprobs
 
 _ROWS_PER_SLICE = 256
-
-#: Per prompt position: None for the first token (nothing predicts it), else
-#: (logprob of the prompt token, [(token id, logprob)] top alternatives).
-PromptLogprobs = list["Logprobs | None"]
 
 
 @dataclass
@@ -117,6 +113,18 @@ class PromptScorer:
                     alts = list(zip(top_ids[i][: owner.top], top_vals[i][: owner.top],
                                     strict=True))
                 owner.entries[target] = (chosen[i], alts)
+
+    def take_finished(self, request_ids: list[str]) -> dict[str, PromptLogprobs] | None:
+        """The prompt logprobs of those of ``request_ids`` (a step's sampling requests,
+        whose prompts that step finished or had finished) not handed out yet."""
+        if not self._requests:
+            return None
+        found = {}
+        for rid in request_ids:
+            entries = self.take(rid)
+            if entries is not None:
+                found[rid] = entries
+        return found or None
 
     def take(self, request_id: str) -> PromptLogprobs | None:
         """The request's prompt logprobs, once its prompt is computed (then never again)."""

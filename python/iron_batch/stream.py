@@ -10,6 +10,9 @@ from collections.abc import Callable
 Logprobs = tuple[float, list[tuple[int, float]]]
 #: A step's: one per sample row.
 StepLogprobs = list[Logprobs]
+#: A prompt's, per position: None for the first token (nothing predicts it), else the
+#: prompt token's log-probability and the top alternatives.
+PromptLogprobs = list[Logprobs | None]
 
 
 class TokenEvent:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from iron_batch.stream import StepLogprobs
+from iron_batch.stream import PromptLogprobs, StepLogprobs
 
 if TYPE_CHECKING:
     from iron_batch._core import Batch
@@ -37,8 +37,9 @@ class Backend(Protocol):
     plugs in.
 
     The device seam is submit -> fence: ``submit(batch)`` starts a step and returns a
-    handle, ``wait(handle)`` returns its sampled tokens. The engine keeps a step in flight
-    while it schedules the next one, so a batch may hold placeholders
+    handle, ``wait(handle)`` returns its :class:`StepOutput` (the sampled tokens, and the
+    logprobs and prompt logprobs of the requests that asked for them). The engine keeps a
+    step in flight while it schedules the next one, so a batch may hold placeholders
     (``batch.pending_token_indices``): input tokens that the previous *submitted* step
     samples, in its rows ``batch.pending_sample_rows``. ``submit`` fills them in on the
     backend's side (the device, the worker) before running. Steps are submitted and waited
@@ -98,33 +99,18 @@ class Backend(Protocol):
         output); returns a handle for :meth:`wait`."""
         ...
 
-    def wait(self, handle: Any) -> np.ndarray:
-        """The sampled tokens of a submitted step, as ``execute`` returns them; waits for
-        the device. Handles are waited in submission order."""
+    def wait(self, handle: Any) -> StepOutput:
+        """What a submitted step produced; waits for the device. Handles are waited in
+        submission order."""
         ...
 
     def describe(self) -> BackendInfo:
         """What the server shows about this backend (the page at /, the console banner)."""
         ...
 
-    def last_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
-        """Logprobs of the sample rows of the step the last ``wait`` (or ``execute``)
-        returned, for requests that asked for them: one (chosen-token logprob, top
-        alternatives) per sample row, or None when no request in the batch wants
-        logprobs."""
-        ...
-
     #: Whether requests may set ``SamplingParams.prompt_logprobs`` (the engine rejects
     #: them otherwise).
     supports_prompt_logprobs: bool
-
-    def take_prompt_logprobs(
-        self, request_id: str
-    ) -> list[tuple[float, list[tuple[int, float]]] | None] | None:
-        """Once the request's prompt is computed (the engine asks at its first token): the
-        logprob of each prompt token (None for the first) with its top alternatives, as
-        ``params.prompt_logprobs`` asked; None when it did not ask. Given out once."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -147,11 +133,18 @@ class BackendInfo:
 
 
 @dataclass
-class ExecutedStep:
-    """The handle of :meth:`BackendBase.submit`: a step already run to the end."""
+class StepOutput:
+    """What one step gives the engine."""
 
+    #: int64 sampled token ids: ``[sample rows]``, or ``[sample rows, K]`` for a backend
+    #: that runs K decode steps per call.
     tokens: np.ndarray
-    logprobs: StepLogprobs | None
+    #: One (chosen-token logprob, top alternatives) per sample row when some request of
+    #: the step asked for logprobs (one token per row only), else None.
+    logprobs: StepLogprobs | None = None
+    #: The prompt logprobs of requests that asked for them, once their prompt is
+    #: computed (the step that samples their first token), by request id.
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None
 
 
 def fill_placeholders(batch: Any, previous: np.ndarray | None) -> None:
@@ -178,18 +171,10 @@ class BackendBase:
     supports_structured_output: bool = False
     asynchronous_submit: bool = False
 
-    def describe(self) -> BackendInfo:
-        return BackendInfo(kind=type(self).__name__)
-
-    def last_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
-        return None
-
     supports_prompt_logprobs: bool = False
 
-    def take_prompt_logprobs(
-        self, request_id: str
-    ) -> list[tuple[float, list[tuple[int, float]]] | None] | None:
-        return None
+    def describe(self) -> BackendInfo:
+        return BackendInfo(kind=type(self).__name__)
 
     # A backend that cannot overlap: submit runs the step, wait hands back its result.
     _previous_tokens: np.ndarray | None = None
@@ -202,11 +187,11 @@ class BackendBase:
             self._previous_tokens = None
             raise
         self._previous_tokens = tokens if tokens.ndim == 1 else tokens[:, 0]
-        return ExecutedStep(tokens, self.last_logprobs())
+        return StepOutput(tokens)
 
-    def wait(self, handle: Any) -> np.ndarray:
-        assert isinstance(handle, ExecutedStep)
-        return handle.tokens
+    def wait(self, handle: Any) -> StepOutput:
+        assert isinstance(handle, StepOutput)
+        return handle
 
 
 class ExecuteOnly:
@@ -218,7 +203,7 @@ class ExecuteOnly:
         self.backend = backend
         self._previous_tokens: np.ndarray | None = None
 
-    def submit(self, batch: Batch) -> ExecutedStep:
+    def submit(self, batch: Batch) -> StepOutput:
         try:
             fill_placeholders(batch, self._previous_tokens)
             tokens = np.asarray(self.backend.execute(batch))
@@ -226,7 +211,7 @@ class ExecuteOnly:
             self._previous_tokens = None
             raise
         self._previous_tokens = tokens if tokens.ndim == 1 else tokens[:, 0]
-        return ExecutedStep(tokens, self.backend.last_logprobs())
+        return StepOutput(tokens)
 
-    def wait(self, handle: ExecutedStep) -> np.ndarray:
-        return handle.tokens
+    def wait(self, handle: StepOutput) -> StepOutput:
+        return handle

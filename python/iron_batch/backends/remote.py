@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from iron_batch import wire
-from iron_batch.backends.base import BackendBase, BackendError, BackendInfo
+from iron_batch.backends.base import BackendBase, BackendError, BackendInfo, StepOutput
 from iron_batch.batch import batch_arrays
 from iron_batch.wire import Kind, WireError
 
@@ -130,8 +130,6 @@ class RemoteBackend(BackendBase):
         self._generation = 0
         self.reconnects = 0
         self._rids: dict[int, str] = {}
-        self._last_logprobs: list[Any] | None = None
-        self._prompt_logprobs: dict[str, list[Any]] = {}
         info = self._connect()
         self.info = info
         self.model_name: str = str(info["model_name"])
@@ -237,7 +235,6 @@ class RemoteBackend(BackendBase):
         self._pending_adds[handle] = entry  # goes out with the next execute
 
     def remove_request(self, request_id: str) -> None:
-        self._prompt_logprobs.pop(request_id, None)
         handle = self._handles.pop(request_id, None)
         if handle is None:
             return
@@ -259,12 +256,6 @@ class RemoteBackend(BackendBase):
 
     # ------------------------------------------------------------------ execute
 
-    def last_logprobs(self) -> list[Any] | None:
-        return self._last_logprobs
-
-    def take_prompt_logprobs(self, request_id: str) -> list[Any] | None:
-        return self._prompt_logprobs.pop(request_id, None)
-
     def describe(self) -> BackendInfo:
         info = self.info if isinstance(self.info, dict) else {}
         dtype, device = info.get("dtype"), info.get("device")
@@ -277,7 +268,7 @@ class RemoteBackend(BackendBase):
 
     def execute(self, batch: Batch) -> np.ndarray:
         """[num_samples] int64 when steps_per_call == 1, else [num_samples, K] int64."""
-        return self.wait(self.submit(batch))
+        return self.wait(self.submit(batch)).tokens
 
     def submit(self, batch: Batch) -> _SentStep:
         """Send the step's EXECUTE and return at once: the worker runs it while the engine
@@ -322,7 +313,7 @@ class RemoteBackend(BackendBase):
         self._outstanding += 1
         return _SentStep(self._generation, len(handles), k, adds, removes)
 
-    def wait(self, handle: _SentStep) -> np.ndarray:
+    def wait(self, handle: _SentStep) -> StepOutput:
         if handle.generation != self._generation or self._sock is None:
             raise WorkerLost(f"worker at {self.url}: connection lost before this step's reply")
         sock = self._sock
@@ -337,7 +328,6 @@ class RemoteBackend(BackendBase):
         except OSError as exc:
             raise self._lose(f"connection lost: {exc}") from None
         self._outstanding -= 1
-        self._last_logprobs = None
         if kind == Kind.ERROR:
             # The worker may or may not have applied this frame's adds and removes; both
             # are idempotent there, so they simply go out again with the next frame.
@@ -355,14 +345,14 @@ class RemoteBackend(BackendBase):
             tokens, extras = wire.decode_result(body, handle.num_samples, k, self.vocab_size)
         except WireError as exc:
             raise self._lose(f"garbage reply: {exc}") from None
-        # Each reply carries the logprobs of its own step's rows: with overlap too, the
-        # engine reads them (last_logprobs) right after this wait, before the next one.
-        self._last_logprobs = extras.get("logprobs")
+        # Each reply carries the logprobs of its own step's rows (with overlap too).
+        prompts = {}
         for h, entries in extras.get("prompt_logprobs", {}).items():
             rid = self._rids.get(h)
             if rid is not None:
-                self._prompt_logprobs[rid] = entries
-        return tokens[:, 0].copy() if k == 1 else tokens
+                prompts[rid] = entries
+        return StepOutput(tokens[:, 0].copy() if k == 1 else tokens, extras.get("logprobs"),
+                          prompts or None)
 
 
 class _SentStep:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from iron_batch._core import SchedulerConfig
-from iron_batch.backends.base import BackendBase, BackendInfo
+from iron_batch.backends.base import BackendBase, BackendInfo, StepOutput
 from iron_batch.batch import model_inputs
 from iron_batch.loader import ModelSource, load_model, read_gguf_fields, resolve
 from iron_batch.models.decoder import DecoderModel
@@ -63,6 +63,7 @@ class TorchStep:
 
     tokens: torch.Tensor | None
     logprobs: StepLogprobs | None
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None
 
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
@@ -110,7 +111,6 @@ class TorchBackend(BackendBase):
         self.supports_structured_output = grammar is not None
         self.sampler = Sampler(model.config.vocab_size, model.device, grammar)
         self._requests: dict[str, RequestState] = {}
-        self._last_logprobs: StepLogprobs | None = None
         self.scorer = PromptScorer()
         # The last submitted step's sampled tokens, on the device.
         self._device_tokens: torch.Tensor | None = None
@@ -158,11 +158,8 @@ class TorchBackend(BackendBase):
         self._requests.pop(request_id, None)
         self.scorer.remove_request(request_id)
 
-    def take_prompt_logprobs(self, request_id: str) -> PromptLogprobs | None:
-        return self.scorer.take(request_id)
-
     def execute(self, batch: Batch) -> np.ndarray:
-        return self.wait(self.submit(batch))
+        return self.wait(self.submit(batch)).tokens
 
     def submit(self, batch: Batch) -> TorchStep:
         try:
@@ -201,19 +198,21 @@ class TorchBackend(BackendBase):
         if scoring is not None:
             self.scorer.record(logits[num_samples:], scoring)
             logits = logits[:num_samples]
-        states = [self._state(rid) for rid in batch.sample_request_ids]
+        rids = batch.sample_request_ids
+        states = [self._state(rid) for rid in rids]
         if not states:
             self._device_tokens = None
             return TorchStep(None, None)
         tokens, logprobs = self.sampler.sample(logits, states)
         self._device_tokens = tokens
-        return TorchStep(tokens, logprobs)
+        # Requests sampling here have their prompt computed: their scores are complete.
+        return TorchStep(tokens, logprobs, self.scorer.take_finished(rids))
 
-    def wait(self, handle: TorchStep) -> np.ndarray:
-        self._last_logprobs = handle.logprobs
+    def wait(self, handle: TorchStep) -> StepOutput:
         if handle.tokens is None:
-            return _NO_TOKENS
-        return handle.tokens.cpu().numpy().astype(np.int64, copy=False)
+            return StepOutput(_NO_TOKENS)
+        tokens = handle.tokens.cpu().numpy().astype(np.int64, copy=False)
+        return StepOutput(tokens, handle.logprobs, handle.prompt_logprobs)
 
     def _logits(self, inputs: dict[str, np.ndarray | torch.Tensor]) -> torch.Tensor:
         """Float32 logits of the rows ``inputs["sample_indices"]`` names, from one forward
@@ -230,9 +229,6 @@ class TorchBackend(BackendBase):
             kv_bytes_per_block=net.kv_bytes_per_block(self.kv_block_size),
             switches=net.switches.as_dict(),
         )
-
-    def last_logprobs(self) -> StepLogprobs | None:
-        return self._last_logprobs
 
     def _state(self, request_id: str) -> RequestState:
         state = self._requests.get(request_id)
