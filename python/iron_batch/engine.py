@@ -87,20 +87,22 @@ MAX_AUTO_OVERLAP_DEPTH = 4
 class _DepthTuner:
     """Picks the steps kept in flight on an asynchronous backend (a remote worker, a
     device stream): one more while the engine spends a share of its time waiting for
-    results and the deeper pipeline raises the step rate; back, for good, once a step
-    deeper did not. A round trip longer than a step (a worker over a network) needs more
-    than one step in flight to keep the worker busy.
+    results and the deeper pipeline raises the step rate; back when a step deeper did not,
+    trying again only after ``cooldown`` windows (the workload may have changed). A round
+    trip longer than a step (a worker over a network) needs more than one step in flight
+    to keep the worker busy.
 
     Measured over windows of ``window`` steps whose wait the pipeline's depth decided: a
     window broken by a drained pipeline (no work) starts over."""
 
     def __init__(self, depth: int, window: int = 32, waiting_share: float = 0.2,
-                 gain: float = 1.05) -> None:
+                 gain: float = 1.05, cooldown: int = 8) -> None:
         self.depth = depth
         self.window = window
         self.waiting_share = waiting_share
         self.gain = gain
-        self.settled = False
+        self.cooldown = cooldown
+        self._rest = 0  # windows to wait before the next trial
         self._trial: tuple[int, float] | None = None  # (depth before, its step rate)
         self._start()
 
@@ -116,22 +118,25 @@ class _DepthTuner:
         """One step's wait; returns the depth to keep from now on."""
         self._waited += seconds
         self._steps += 1
-        if self._steps < self.window or self.settled:
+        if self._steps < self.window:
             return self.depth
         elapsed = time.perf_counter() - self._began
         rate = self._steps / elapsed
+        waiting = self._waited > self.waiting_share * elapsed
+        self._start()
         if self._trial is not None:
             before, before_rate = self._trial
             self._trial = None
             if rate < before_rate * self.gain:
-                self.depth, self.settled = before, True
-                self._start()
+                self.depth, self._rest = before, self.cooldown
                 return self.depth
-        if self._waited > self.waiting_share * elapsed and self.depth < MAX_AUTO_OVERLAP_DEPTH:
+        if self._rest:
+            self._rest -= 1
+        elif waiting and self.depth < MAX_AUTO_OVERLAP_DEPTH:
             self._trial = (self.depth, rate)
             self.depth += 1
-        self._start()
         return self.depth
+
 
 class EngineUnavailable(RuntimeError):
     """``submit`` on an engine that is shutting down or has failed fatally."""
