@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from iron_batch import flags
-from iron_batch.parallel.worker import build_parser as rank_parser
+from iron_batch.parallel.shard_loop import build_parser as rank_parser
 from iron_batch.server.cli import build_parser as server_parser
 from iron_batch.worker import build_parser as worker_parser
 

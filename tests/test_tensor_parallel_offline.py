@@ -47,7 +47,7 @@ def test_a_rank_killed_under_llm_raises_instead_of_hanging() -> None:
         assert len(llm.generate([[5, 6, 7]], params)[0].token_ids) == 4
         children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
         ranks = [int(pid) for pid in children
-                 if b"iron_batch.parallel.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                 if b"iron_batch.parallel.shard_loop" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(ranks) == 1
         os.kill(ranks[0], signal.SIGKILL)
         with pytest.raises(RuntimeError, match="tensor-parallel"):

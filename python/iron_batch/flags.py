@@ -1,6 +1,6 @@
 """The command-line flags that several programs share, each defined once: the server
 (``python -m iron_batch.server``), the remote worker (``python -m iron_batch.worker``) and
-the ranks of a tensor-parallel model (``python -m iron_batch.parallel.worker``) read the
+the ranks of a tensor-parallel model (``python -m iron_batch.parallel.shard_loop``) read the
 model and its KV pool the same way, and rank 0 hands its values on to the ranks it spawns
 through :func:`to_argv`, so a flag added here reaches all three.
 

@@ -129,7 +129,7 @@ class TensorParallelTorchBackend(TorchBackend):
             torch.set_num_threads(threads_before)
             raise
         if rendezvous.rank != 0:
-            from iron_batch.parallel.worker import serve
+            from iron_batch.parallel.shard_loop import serve
 
             sys.exit(serve(loaded, kv_block_size))
         return cls(loaded, load_tokenizer(source), model_name=source.name,
@@ -240,7 +240,7 @@ def _spawn_local_ranks(
     by destination) as they are."""
     procs = []
     for rank in range(1, world):
-        cmd = [sys.executable, "-m", "iron_batch.parallel.worker", "--rank", str(rank),
+        cmd = [sys.executable, "-m", "iron_batch.parallel.shard_loop", "--rank", str(rank),
                "--world-size", str(world), "--store", store, "--timeout", str(timeout_s),
                *flags.to_argv(model_flags)]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))

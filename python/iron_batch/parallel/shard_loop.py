@@ -1,7 +1,7 @@
 """Ranks >= 1 of a tensor-parallel model: receive each step from rank 0, run the same
 forward on this rank's shard, repeat until rank 0 says stop or is gone.
 
-``python -m iron_batch.parallel.worker`` is how a single-host server spawns its other ranks
+``python -m iron_batch.parallel.shard_loop`` is how a single-host server spawns its other ranks
 (the server's own flags are passed on); under torchrun, ranks >= 1 of the server command call
 :func:`serve` directly instead of serving HTTP.
 """
@@ -19,7 +19,7 @@ from iron_batch.parallel import step_broadcast
 from iron_batch.parallel.rank import LoadedRank
 from iron_batch.parallel.step_broadcast import Message
 
-logger = logging.getLogger("iron_batch.parallel.worker")
+logger = logging.getLogger("iron_batch.parallel.shard_loop")
 
 
 def serve(loaded: LoadedRank, kv_block_size: int) -> int:
@@ -51,7 +51,7 @@ def _die_with_parent() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m iron_batch.parallel.worker")
+    p = argparse.ArgumentParser(prog="python -m iron_batch.parallel.shard_loop")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--store", required=True, help="HOST:PORT of rank 0's rendezvous store")
