@@ -62,7 +62,7 @@ def _check(runs: list[Any], prompts: list[list[int]]) -> float:
             continue
         flipped += len(t1) - first
         # Where TP=2 first parts from TP=1, TP=1's own top two were nearly tied.
-        top = scores1[len(prompt) + first][1]
+        top = s1[len(prompt) + first][1]
         assert len(top) == 2 and top[0][1] - top[1][1] <= 2 * LOGIT_TOLERANCE
     return flipped / total
 
