@@ -45,9 +45,11 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
+    ap.add_argument("--parts", default="w,b1", help="w (throughput), b1 (batch 1) or both")
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
     builds = [tuple(b.split("=", 1)) for b in args.build]
+    parts = set(args.parts.split(","))
     if len(builds) != 2:
         raise SystemExit("give exactly two --build NAME=PYTHON")
     tmp = Path(tempfile.mkdtemp(prefix="iron-batch-compare-"))
@@ -66,7 +68,10 @@ def main() -> None:
             end = time.monotonic() + args.warmup_s
             seed = 10_000
             while time.monotonic() < end:
-                server.throughput(seed)
+                if "w" in parts:
+                    server.throughput(seed)
+                else:
+                    server.ms_per_token(seed)
                 seed += 1
             print(f"warmed up {name}", flush=True)
         (a, _), (b, _) = builds
@@ -76,7 +81,10 @@ def main() -> None:
             got: dict[str, dict[str, float]] = {}
             for name in order:
                 s = servers[name]
-                got[name] = {"w_tok_s": s.throughput(100 + r), "b1_ms": s.ms_per_token(200 + r)}
+                got[name] = {
+                    "w_tok_s": s.throughput(100 + r) if "w" in parts else float("nan"),
+                    "b1_ms": s.ms_per_token(200 + r) if "b1" in parts else float("nan"),
+                }
             row = {"round": r, "order": order, **{f"{n}_{k}": v for n, d in got.items()
                                                   for k, v in d.items()},
                    "w_ratio": got[b]["w_tok_s"] / got[a]["w_tok_s"],
@@ -89,8 +97,11 @@ def main() -> None:
     w = [r["w_ratio"] for r in rows]
     b1 = [r["b1_ratio"] for r in rows]
     print(f"\n| {b} / {a} | median | range |\n|---|---|---|")
-    print(f"| W tok/s | {statistics.median(w):.3f}x | {min(w):.3f}-{max(w):.3f} |")
-    print(f"| batch-1 ms/token | {statistics.median(b1):.3f}x | {min(b1):.3f}-{max(b1):.3f} |")
+    if "w" in parts:
+        print(f"| W tok/s | {statistics.median(w):.3f}x | {min(w):.3f}-{max(w):.3f} |")
+    if "b1" in parts:
+        print(f"| batch-1 ms/token | {statistics.median(b1):.3f}x | "
+              f"{min(b1):.3f}-{max(b1):.3f} |")
     for name in (a, b):
         ws = [r[f"{name}_w_tok_s"] for r in rows]
         ms = [r[f"{name}_b1_ms"] for r in rows]
