@@ -132,10 +132,13 @@ def run_mock(args: argparse.Namespace) -> dict[str, Any]:
         for c in levels:
             total = min(2000, max(32, 8 * c)) if not args.quick else max(16, 2 * c)
             row: dict[str, Any] = {"concurrency": c, "requests": total}
-            row["iron_batch"] = _point(bench_client(ours.url, c, total, prompt_tokens=prompt,
-                                                    new_tokens=new))
-            row["bare"] = _point(bench_client(bare.url, c, total, prompt_tokens=prompt,
-                                              new_tokens=new))
+            runs: dict[str, list[dict[str, float]]] = {"iron_batch": [], "bare": []}
+            for _ in range(args.rounds):  # alternating, so both see the same minutes
+                for name, proc in (("iron_batch", ours), ("bare", bare)):
+                    runs[name].append(_point(bench_client(
+                        proc.url, c, total, prompt_tokens=prompt, new_tokens=new)))
+            for name, results in runs.items():
+                row[name] = {k: _median([r[k] for r in results]) for k in results[0]}
             points.append(row)
             print(f"mock c={c}: {row['iron_batch']['tok_s']:,.0f} against "
                   f"{row['bare']['tok_s']:,.0f} tok/s", flush=True)
@@ -143,7 +146,7 @@ def run_mock(args: argparse.Namespace) -> dict[str, Any]:
         ours.stop()
         bare.stop()
     return {"prompt_tokens": prompt, "new_tokens": new, "mock_step_us": step_us,
-            "points": points}
+            "rounds": args.rounds, "points": points}
 
 
 def _smollm2_checkpoint(dtype: str, folder: Path) -> tuple[str, Any]:
@@ -276,7 +279,9 @@ def mock_bound(d: dict[str, Any], p: dict[str, Any]) -> float:
 
 
 def table_mock(d: dict[str, Any], meta: dict[str, Any]) -> str:
-    lines = ["| concurrency | iron-batch tok/s | bare Starlette tok/s | bound: min(bare, "
+    lines = [f"Median of {d.get('rounds', 1)} alternating rounds per point, prompt "
+             f"{d['prompt_tokens']}, {d['new_tokens']} new tokens.", "",
+             "| concurrency | iron-batch tok/s | bare Starlette tok/s | bound: min(bare, "
              "concurrency / step) | **iron-batch / bound** | TTFT p50 / p99 ms (iron-batch) "
              "| TTFT p50 / p99 ms (bare) |",
              "|---|---|---|---|---|---|---|"]
@@ -290,7 +295,9 @@ def table_mock(d: dict[str, Any], meta: dict[str, Any]) -> str:
 
 
 def table_smollm2(d: dict[str, Any], meta: dict[str, Any]) -> str:
-    lines = ["| concurrency | iron-batch server tok/s | transformers static batch tok/s | "
+    lines = [f"{d['dtype']}, prompt {d['prompt_tokens']}, {d['new_tokens']} new tokens, "
+             "one run per point.", "",
+             "| concurrency | iron-batch server tok/s | transformers static batch tok/s | "
              "**ratio** | TTFT p50 / p99 ms (iron-batch) | TTFT ms (transformers: the batch's "
              "prefill) |", "|---|---|---|---|---|---|"]
     for p in d["points"]:
@@ -314,7 +321,8 @@ def batch1_medians(d: dict[str, Any]) -> dict[str, float]:
 
 def table_batch1(d: dict[str, Any], meta: dict[str, Any]) -> str:
     med = batch1_medians(d)
-    lines = ["| engine, weights | ms/token (median of rounds) | **against transformers** | "
+    lines = [f"{len(d['rounds'])} rounds, the engines in turn in each.", "",
+             "| engine, weights | ms/token (median of rounds) | **against transformers** | "
              "against llama.cpp |", "|---|---|---|---|"]
     for k, v in med.items():
         vs_t = f"**{v / med['transformers']:.2f}x**"
@@ -428,7 +436,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {PARTS}")
     ap.add_argument("--quick", action="store_true", help="fewer points, shorter runs")
     ap.add_argument("--dtype", default="bfloat16", help="SmolLM2's dtype (both engines)")
-    ap.add_argument("--rounds", type=int, default=3, help="batch1: rounds (median taken)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="mock and batch1: rounds, alternating engines (median taken)")
     ap.add_argument("--json", default=str(DOCS / "report.json"))
     ap.add_argument("--render-only", action="store_true",
                     help="measure nothing: tables and plots from the JSON file's parts")
