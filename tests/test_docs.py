@@ -164,7 +164,8 @@ PLANNED = {ROOT / "docs" / "adding-a-model.md"}
 def _anchors(page: Path) -> set[str]:
     """GitHub's heading anchors: lower case, spaces to '-', punctuation dropped."""
     out = set()
-    for m in re.finditer(r"^#+ (.*)$", page.read_text(encoding="utf-8"), re.M):
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.S | re.M)
+    for m in re.finditer(r"^#+ (.*)$", text, re.M):
         text = re.sub(r"[`*]", "", m.group(1)).strip().lower()
         out.add("".join(c for c in text.replace(" ", "-") if c.isalnum() or c in "-_"))
     return out
