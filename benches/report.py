@@ -130,7 +130,7 @@ def run_mock(args: argparse.Namespace) -> dict[str, Any]:
         for proc in (ours, bare):  # warm both
             bench_client(proc.url, 32, 64, prompt_tokens=prompt, new_tokens=new)
         for c in levels:
-            total = min(2000, max(32, 8 * c)) if not args.quick else max(16, 2 * c)
+            total = min(2000, max(64, 16 * c)) if not args.quick else max(16, 2 * c)
             row: dict[str, Any] = {"concurrency": c, "requests": total}
             runs: dict[str, list[dict[str, float]]] = {"iron_batch": [], "bare": []}
             for _ in range(args.rounds):  # alternating, so both see the same minutes
