@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -405,8 +406,8 @@ def machine() -> dict[str, Any]:
         info = Path("/proc/cpuinfo").read_text()
         cpu = re.search(r"model name\s*:\s*(.*)", info).group(1).strip()  # type: ignore[union-attr]
         flags = re.search(r"flags\s*:\s*(.*)", info).group(1).split()  # type: ignore[union-attr]
-        if "avx512_bf16" in flags:
-            cpu += " (AVX-512 BF16)"
+        cpu += " (AVX-512 BF16)" if "avx512_bf16" in flags else (
+            " (AVX-512, no BF16)" if "avx512f" in flags else " (AVX2, no AVX-512)")
     except (OSError, AttributeError):
         pass
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
@@ -435,7 +436,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {PARTS}")
     ap.add_argument("--quick", action="store_true", help="fewer points, shorter runs")
-    ap.add_argument("--dtype", default="bfloat16", help="SmolLM2's dtype (both engines)")
+    ap.add_argument("--dtype", default=None,
+                    help="SmolLM2's dtype, both engines (default: bfloat16 where the CPU has "
+                    "AVX-512 BF16, else float32, as the README advises)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="mock and batch1: rounds, alternating engines (median taken)")
     ap.add_argument("--json", default=str(DOCS / "report.json"))
@@ -449,8 +452,12 @@ def main(argv: list[str] | None = None) -> None:
         if p not in PARTS:
             ap.error(f"unknown part {p!r} (parts: {', '.join(PARTS)})")
     sys.path.insert(0, str(HERE))  # torch_throughput, llamacpp_bench
+    # A terminated run still stops its servers (the finally blocks run on SystemExit).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     meta = machine()
+    if args.dtype is None:
+        args.dtype = "bfloat16" if "AVX-512 BF16" in meta["cpu"] else "float32"
     path = Path(args.json)
     report: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     text = BENCHMARKS.read_text()
