@@ -238,7 +238,7 @@ def run_batch1(args: argparse.Namespace) -> dict[str, Any]:
                                          "--backend", "torch", "--device", "cpu", *extra,
                                          "--addr", f"127.0.0.1:{port}"],
                                         f"http://127.0.0.1:{port}")
-                bench_client(servers[name].url, 4, 8, prompt_tokens=prompt, new_tokens=new,
+                bench_client(servers[name].url, 1, 2, prompt_tokens=prompt, new_tokens=16,
                              random_vocab=vocab - 100, seed=98)  # warm
             rng = np.random.default_rng(1)
             for r in range(args.rounds):
@@ -419,9 +419,15 @@ def machine() -> dict[str, Any]:
 
 
 def describe(meta: dict[str, Any]) -> str:
-    return (f"{meta['cpus']} CPUs ({meta['cpu']}), {meta['memory_gib']:g} GiB, Python "
+    loads = [meta["load_average"], meta.get("load_average_end", meta["load_average"])]
+    text = (f"{meta['cpus']} CPUs ({meta['cpu']}), {meta['memory_gib']:g} GiB, Python "
             f"{meta['python']}; {meta['date']}, commit {meta['commit']}, load average "
-            f"{meta['load_average']:.1f} at the start")
+            f"{loads[0]:.1f} at the start and {loads[1]:.1f} at the end")
+    if max(loads) > meta["cpus"]:
+        text += (". **The machine was oversubscribed during this run** (other work "
+                 "outnumbered its CPUs), so every figure is slower and noisier than on an "
+                 "idle machine, the baseline's too: read the ratios, not the rates")
+    return text
 
 
 def replace_block(text: str, name: str, body: str) -> str:
@@ -470,7 +476,8 @@ def main(argv: list[str] | None = None) -> None:
             if part not in report:
                 ap.error(f"--render-only: {path} has no {part!r} part")
             continue
-        report[part] = {"machine": meta, **runners[part](args)}
+        report[part] = {"machine": dict(meta), **runners[part](args)}
+        report[part]["machine"]["load_average_end"] = os.getloadavg()[0]
         path.write_text(json.dumps(report, indent=2) + "\n")  # after each part
 
     command = "python benches/report.py --parts {part}" + (" --quick" if args.quick else "")
