@@ -215,7 +215,7 @@ def test_an_abort_with_steps_in_flight_frees_every_block() -> None:
     assert engine.scheduler.num_free_blocks == 64
 
 
-# ------------------------------------------------ with main's features (merge of issue 14)
+# ------------------------------------------------ overlap with the other request features
 
 
 def test_prompt_logprobs_and_priorities_are_the_same_with_overlap() -> None:

@@ -252,7 +252,7 @@ def _paged_decode_attention(
     openmp: tuple[int, int, int] | None = None,
 ) -> None:
     """Decode attention over raw CPU tensor addresses; call it through
-    ``iron_batch.models.cpu_attention``, which validates every tensor first."""
+    ``iron_batch.attention.cpu_kernel``, which validates every tensor first."""
 
 def _add_rms_norm(
     out: int,
@@ -268,7 +268,7 @@ def _add_rms_norm(
     openmp: tuple[int, int, int] | None = None,
 ) -> None:
     """Fused residual add + RMSNorm over raw CPU tensor addresses (delta 0: no add); call
-    it through ``iron_batch.models.cpu_fused``."""
+    it through ``iron_batch.layers.cpu_kernels``."""
 
 def _rope_store_kv(
     q_out: int,
@@ -286,7 +286,7 @@ def _rope_store_kv(
     bf16: bool,
 ) -> None:
     """Rotary embedding + KV store over raw CPU tensor addresses; call it through
-    ``iron_batch.models.cpu_fused``."""
+    ``iron_batch.layers.cpu_kernels``."""
 
 def _gemv_bf16(
     out: int,
@@ -301,7 +301,7 @@ def _gemv_bf16(
     openmp: tuple[int, int, int] | None = None,
 ) -> None:
     """``out = x @ weight.T (+ bias)`` for 1-2 bf16 rows over raw CPU tensor addresses;
-    call it through ``iron_batch.models.cpu_fused.linear``."""
+    call it through ``iron_batch.layers.cpu_kernels.linear``."""
 
 def _gemv_quant(
     out: int,
@@ -342,7 +342,7 @@ def _q4_layout(k: int) -> tuple[np.ndarray, np.ndarray]:
 
 class _DecoderStack:
     """A model's decoder layers by address, for one-call decode steps (see
-    ``iron_batch.models.cpu_decoder``, which checks and keeps the tensors)."""
+    ``iron_batch.layers.decoder_stack``, which checks and keeps the tensors)."""
 
     def __init__(
         self,

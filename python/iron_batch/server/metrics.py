@@ -1,4 +1,4 @@
-"""/metrics: the original JSON fields, or Prometheus exposition when the client asks for text.
+"""/metrics: JSON fields, or Prometheus exposition when the client asks for text.
 
 Both views read the same :class:`iron_batch.stats.EngineStats`. The Prometheus side is a
 custom collector on a per-server registry (not the global one, so several servers in one

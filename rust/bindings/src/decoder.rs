@@ -1,5 +1,5 @@
 //! `_DecoderStack`: a model's decoder layers for one-call decode steps (see the kernels
-//! crate's `decode_layers`). `iron_batch.models.cpu_decoder` is the only caller: it checks
+//! crate's `decode_layers`). `iron_batch.layers.decoder_stack` is the only caller: it checks
 //! every tensor (device, dtype, contiguity, shape) when it builds the stack and keeps them
 //! alive as long as the stack, because the stack holds their addresses, not the tensors.
 
@@ -196,7 +196,7 @@ impl DecoderStack {
         let cache_len = self.num_blocks * self.block_size * self.kv_heads * self.head_dim;
         let hd = self.head_dim;
         run_kernel(py, openmp, |parallel| {
-            // SAFETY: the caller (cpu_decoder) checked every tensor behind these addresses
+            // SAFETY: the caller (layers/decoder_stack.py) checked every tensor behind these addresses
             // and keeps them alive; the sizes are the ones it checked.
             unsafe {
                 let layers = self

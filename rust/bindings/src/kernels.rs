@@ -1,5 +1,5 @@
-//! CPU kernels over torch tensor memory. `iron_batch.models.cpu_attention` and `cpu_fused`
-//! are the only callers: they check device, dtype, contiguity and shapes of every tensor
+//! CPU kernels over torch tensor memory. `iron_batch.attention.cpu_kernel` and
+//! `iron_batch.layers.cpu_kernels` are the only callers: they check device, dtype, contiguity and shapes of every tensor
 //! before passing its address here, because a raw address carries none of that.
 
 use std::ffi::{c_int, c_uint, c_void};
@@ -62,7 +62,7 @@ impl Parallel for OpenMp {
             task,
         };
         // SAFETY: the addresses come from the OpenMP runtime torch loaded (see
-        // iron_batch.models.cpu_attention); `region` outlives the call.
+        // iron_batch.attention.cpu_kernel); `region` outlives the call.
         unsafe {
             (self.parallel)(
                 region_body,
@@ -116,8 +116,8 @@ pub(crate) fn run_kernel(
     result.map_err(|e| PyValueError::new_err(e.0))
 }
 
-/// SAFETY (for every function below, upheld by `iron_batch.models.cpu_attention` and
-/// `cpu_fused`, which check device, dtype, contiguity and shapes first): each address points
+/// SAFETY (for every function below, upheld by `iron_batch.attention.cpu_kernel` and
+/// `iron_batch.layers.cpu_kernels`, which check device, dtype, contiguity and shapes first): each address points
 /// at a live contiguous CPU tensor of the element type `bf16` names, with the element count
 /// the other arguments imply; outputs alias no input.
 pub(crate) unsafe fn slice<'a, T>(addr: usize, len: usize) -> &'a [T] {
@@ -370,7 +370,7 @@ pub(crate) unsafe fn qmatrix<'a>(
 }
 
 /// `out = x @ W.T (+ bias)` for bf16 rows against a quantized `n` x `k` matrix (bias 0:
-/// none); see `iron_batch.models.quant`.
+/// none); see `iron_batch.layers.quant`.
 #[pyfunction]
 #[pyo3(signature = (out, x, kind, quants, scale, min, bias, *, rows, n, k, threads, openmp=None))]
 #[allow(clippy::too_many_arguments)]

@@ -6,7 +6,7 @@
 //! millisecond or more per token: a sixth of a quantized model's step. Here the same
 //! kernels run back to back with the residual stream and the scratch rows kept in Rust.
 //!
-//! Every step rounds where the Python path (`iron_batch.models.llama`) rounds, through the
+//! Every step rounds where the Python path (`iron_batch.models.decoder` over `iron_batch.layers`) rounds, through the
 //! same kernels, so the two give the same bf16 values; SiLU is the one new piece (an f32
 //! `x / (1 + exp(-x))` with a polynomial `exp` good to about 2 ulp, rounded to bf16 like
 //! torch's, which agrees with torch but for the rare value on a rounding boundary).
