@@ -91,6 +91,14 @@ class AttentionBackend:
         """Split the fused projection ``qkv`` [T, (heads + 2 kv_heads) * hd], norm and
         rotate q and k, store K/V at the plan's slots; returns (q, k, v) with k and v None
         where attention needs only the cache."""
+        if self.fused_rope and q_norm is None and plan.decodes is not None and (
+            plan.decodes.all_rows
+        ):
+            # A decode-only step: every row's K/V goes to the cache, and attention reads
+            # only the cache.
+            q = cpu_kernels.rope_store_kv(qkv, cos, sin, plan.host_slots, cache, heads,
+                                          kv_heads, head_dim)
+            return q, None, None
         n = qkv.shape[0]
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         v = qkv[:, q_size + kv_size :].view(n, kv_heads, head_dim)
@@ -135,30 +143,6 @@ class CpuKernelAttention(AttentionBackend):
         super().__init__(device, dtype)
         self.prefill_kernel = kernels.prefill_attention
         self.fused_rope = kernels.fused
-
-    def rotate_and_store(
-        self,
-        qkv: torch.Tensor,
-        *,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        q_norm: HeadTransform | None,
-        k_norm: HeadTransform | None,
-        cache: torch.Tensor,
-        plan: AttentionPlan,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        decode_only = plan.decodes is not None and plan.decodes.all_rows
-        if self.fused_rope and decode_only and q_norm is None:
-            q = cpu_kernels.rope_store_kv(qkv, cos, sin, plan.host_slots, cache, heads,
-                                          kv_heads, head_dim)
-            return q, None, None
-        return super().rotate_and_store(
-            qkv, heads=heads, kv_heads=kv_heads, head_dim=head_dim, cos=cos, sin=sin,
-            q_norm=q_norm, k_norm=k_norm, cache=cache, plan=plan,
-        )
 
 
 def select(device: torch.device, dtype: torch.dtype, kernels: CpuKernels) -> AttentionBackend:
