@@ -92,7 +92,7 @@ def test_the_stack_refuses_bad_calls_and_leaves_the_cache_alone(
     sin = torch.zeros(1, hd, dtype=torch.bfloat16)
     before = [c.clone() for c in model.kv_caches]
     table = np.zeros((1, 1), np.int32)
-    good = dict(scale=0.1, sliding_window=None)
+    good = dict(scale=0.1)
     bad_calls = [
         # a slot outside the cache
         (h, cos, sin, np.array([10**6]), table, np.array([1], np.int32)),
@@ -122,3 +122,20 @@ def test_float32_models_keep_the_python_path() -> None:
     be = TorchBackend.from_model(str(checkpoint("llama")), device="cpu", dtype="float32",
                                  total_kv_blocks=32, kv_block_size=4)
     assert be.model.decoder is None
+
+
+def test_a_layer_the_stack_cannot_describe_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from iron_batch.layers.decoder_stack import DecoderStack
+
+    be = _backend("mistral", None, True, monkeypatch)
+    model = be.model
+    c = model.config
+    # Each layer carries its own window into the stack.
+    assert [layer.sliding_window for layer in model.layers] == [c.sliding_window] * c.num_layers
+    layer = model.layers[0]
+    monkeypatch.setattr(layer.mlp, "activation_name", "gelu_pytorch_tanh")
+    with pytest.raises(ValueError, match="gelu_pytorch_tanh"):
+        DecoderStack(model.layers, hidden=c.hidden_size, heads=c.num_heads,
+                     kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_norm_eps)

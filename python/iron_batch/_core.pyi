@@ -342,11 +342,15 @@ def _q4_layout(k: int) -> tuple[np.ndarray, np.ndarray]:
 
 class _DecoderStack:
     """A model's decoder layers by address, for one-call decode steps (see
-    ``iron_batch.layers.decoder_stack``, which checks and keeps the tensors)."""
+    ``iron_batch.layers.decoder_stack``, which checks and keeps the tensors). Each layer:
+    (input norm, post norm, q norm, k norm, [qkv, o, gate_up, down], activation name,
+    sliding window or 0); an activation the stack does not have is a ValueError."""
 
     def __init__(
         self,
-        layers: list[tuple[int, int, int, int, list[tuple[str, int, int, int, int, int, int]]]],
+        layers: list[
+            tuple[int, int, int, int, list[tuple[str, int, int, int, int, int, int]], str, int]
+        ],
         *,
         hidden: int,
         heads: int,
@@ -367,7 +371,6 @@ class _DecoderStack:
         *,
         scale: float,
         eps: float,
-        sliding_window: int,
         threads: int,
         openmp: tuple[int, int, int] | None = None,
     ) -> None: ...

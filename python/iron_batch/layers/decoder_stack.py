@@ -32,6 +32,7 @@ _STACK = getattr(_core, "_DecoderStack", None)
 class _MLP(Protocol):
     gate_up: Linear
     down: Linear
+    activation_name: str
 
 
 class StackLayer(Protocol):
@@ -44,6 +45,7 @@ class StackLayer(Protocol):
     k_norm: HeadNorm | None
     o: Linear
     post_norm: RMSNorm
+    sliding_window: int | None
 
     @property
     def mlp(self) -> _MLP: ...
@@ -85,6 +87,8 @@ class DecoderStack:
                 self._address(q_norm, (head_dim,)),
                 self._address(k_norm, (head_dim,)),
                 projections,
+                layer.mlp.activation_name,
+                layer.sliding_window or 0,
             ))
         assert _STACK is not None
         self._stack = _STACK(specs, hidden=hidden, heads=heads, kv_heads=kv_heads,
@@ -131,7 +135,6 @@ class DecoderStack:
         seq_lens: np.ndarray,
         *,
         scale: float,
-        sliding_window: int | None,
     ) -> None:
         """Every layer over the residual rows ``h`` [rows, hidden] (in place): each row one
         decoding sequence, its new token's K/V stored at ``slots``; ``block_tables`` and
@@ -150,6 +153,6 @@ class DecoderStack:
             np.ascontiguousarray(slots, dtype=np.int64),
             np.ascontiguousarray(block_tables, dtype=np.int32),
             np.ascontiguousarray(seq_lens, dtype=np.int32),
-            scale=float(scale), eps=self.eps, sliding_window=sliding_window or 0,
+            scale=float(scale), eps=self.eps,
             threads=torch.get_num_threads(), openmp=entry_points(),
         )

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from iron_batch.layers.activation import GATED_ACTIVATIONS
 from iron_batch.layers.linear import Linear
 
 
@@ -14,7 +15,7 @@ class GatedMLP:
         self,
         gate_up: Linear,
         down: Linear,
-        activation: Callable[[torch.Tensor], torch.Tensor],
+        activation: str,
         *,
         max_rows: int | None = None,
     ) -> None:
@@ -23,9 +24,14 @@ class GatedMLP:
         block above glibc's 32 MiB limit for heap allocations (8192 x 9728 bf16 is 160 MB),
         mapped fresh from the kernel, faulted in and zeroed in every layer of every such
         step (see ``platform/heap.py``)."""
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"unsupported MLP activation {activation!r} (supported: "
+                             f"{', '.join(GATED_ACTIVATIONS)})")
         self.gate_up = gate_up
         self.down = down
-        self.activation = activation
+        #: The checkpoint's name for it (``hidden_act``).
+        self.activation_name = activation
+        self.activation: Callable[[torch.Tensor], torch.Tensor] = GATED_ACTIVATIONS[activation]
         self.max_rows = max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,6 @@ import torch
 
 from iron_batch.attention import backend as attention_backends
 from iron_batch.layers import cpu_kernels, decoder_stack, quant
-from iron_batch.layers.activation import GATED_ACTIVATIONS
 from iron_batch.layers.embedding import Embedding, LMHead, VocabParallel
 from iron_batch.layers.linear import Linear
 from iron_batch.layers.mlp import GatedMLP
@@ -58,6 +57,8 @@ class DecoderLayer:
     o: Linear
     post_norm: RMSNorm
     mlp: GatedMLP
+    #: Keys further back than this are not attended by the layer (None: every position).
+    sliding_window: int | None = None
 
 
 #: The Hugging Face tensor names of a Llama-style checkpoint (``{i}``: the layer index).
@@ -197,7 +198,6 @@ class DecoderModel:
                 bias = torch.zeros_like(bias)
             return bias
 
-        activation = GATED_ACTIVATIONS["silu"]
         # The most rows the MLP takes at once on CPU, so that its widest activation stays
         # a heap block (see GatedMLP); this process's gate/up rows (a tensor-parallel rank
         # holds a slice of them).
@@ -238,7 +238,8 @@ class DecoderModel:
                 if c.qk_norm else None,
                 o=o,
                 post_norm=RMSNorm(ctx.need(Part(n["post_norm"])), c.rms_norm_eps, fused=fused),
-                mlp=GatedMLP(gate_up, down, activation, max_rows=mlp_rows),
+                mlp=GatedMLP(gate_up, down, "silu", max_rows=mlp_rows),
+                sliding_window=c.sliding_window,
             ))
         # The final norm runs on the few sampled rows, by torch ops.
         self.norm = RMSNorm(ctx.need(Part(names["norm"])), c.rms_norm_eps)
@@ -337,7 +338,7 @@ class DecoderModel:
                 h = self.embed(ids).contiguous()
                 cos, sin = self.rotary.cos_sin(pos, largest)
                 decoder.decode(h, cos, sin, slot_mapping, np.asarray(block_tables)[:, :width],
-                               lens, scale=self.scale, sliding_window=c.sliding_window)
+                               lens, scale=self.scale)
                 return self._logits(h, sample_indices)
         attn = self.attention
         plan = attn.plan(

@@ -4,8 +4,8 @@
 //! alive as long as the stack, because the stack holds their addresses, not the tensors.
 
 use iron_batch_kernels::{
-    decode_layers, run_in_team, DecodeInputs, DecodeShape, DecoderLayer, KernelError, LayerCache,
-    Matrix, Projection,
+    decode_layers, run_in_team, Activation, DecodeInputs, DecodeShape, DecoderLayer, KernelError,
+    LayerCache, Matrix, Projection,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -16,9 +16,18 @@ use crate::kernels::{qmatrix, run_kernel, slice, slice_mut};
 /// A projection as Python describes it: (kind "bf16" | "q4" | "q8", weight or quants,
 /// scale, min, bias, n, k); unused addresses and "no bias" are 0.
 type ProjectionSpec = (String, usize, usize, usize, usize, usize, usize);
-/// A layer: (input_norm, post_norm, q_norm, k_norm, [qkv, o, gate_up, down]); norms of 0
-/// are absent (q_norm and k_norm only).
-type LayerSpec = (usize, usize, usize, usize, Vec<ProjectionSpec>);
+/// A layer: (input_norm, post_norm, q_norm, k_norm, [qkv, o, gate_up, down], activation,
+/// sliding window); norms of 0 are absent (q_norm and k_norm only), a window of 0 attends
+/// every position.
+type LayerSpec = (
+    usize,
+    usize,
+    usize,
+    usize,
+    Vec<ProjectionSpec>,
+    String,
+    usize,
+);
 
 #[derive(Clone)]
 struct ProjectionAddrs {
@@ -61,6 +70,8 @@ struct LayerAddrs {
     k_norm: usize,
     /// qkv, o, gate_up, down.
     projections: [ProjectionAddrs; 4],
+    activation: Activation,
+    sliding_window: usize,
 }
 
 /// The decoder layers of one model, by address, and their KV caches.
@@ -89,7 +100,14 @@ impl DecoderStack {
         head_dim: usize,
     ) -> PyResult<Self> {
         let mut parsed = Vec::with_capacity(layers.len());
-        for (input_norm, post_norm, q_norm, k_norm, projections) in layers {
+        for (input_norm, post_norm, q_norm, k_norm, projections, activation, sliding_window) in
+            layers
+        {
+            let activation = Activation::from_name(&activation).ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "the decode stack has no activation {activation:?} (it has: silu)"
+                ))
+            })?;
             let projections: Vec<ProjectionAddrs> = projections
                 .into_iter()
                 .map(|(kind, weight, scale, min, bias, n, k)| {
@@ -118,6 +136,8 @@ impl DecoderStack {
                 q_norm,
                 k_norm,
                 projections,
+                activation,
+                sliding_window,
             });
         }
         Ok(Self {
@@ -151,8 +171,7 @@ impl DecoderStack {
     /// One decode step over the residual rows at `h` (`[rows, hidden]` bf16, in place);
     /// `cos`/`sin` `[rows, head_dim]` bf16; one slot, table row and length per row.
     #[pyo3(signature = (
-        h, cos, sin, slots, block_tables, seq_lens, *, scale, eps, sliding_window, threads,
-        openmp=None
+        h, cos, sin, slots, block_tables, seq_lens, *, scale, eps, threads, openmp=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn decode(
@@ -166,7 +185,6 @@ impl DecoderStack {
         seq_lens: PyReadonlyArray1<'_, i32>,
         scale: f32,
         eps: f32,
-        sliding_window: usize,
         threads: usize,
         openmp: Option<(usize, usize, usize)>,
     ) -> PyResult<()> {
@@ -188,7 +206,8 @@ impl DecoderStack {
             block_size: self.block_size,
             max_blocks: dims[1],
             num_blocks: self.num_blocks,
-            sliding_window,
+            // Each layer attends with its own window.
+            sliding_window: 0,
         };
         if dims[0] != rows {
             return Err(PyValueError::new_err("one block-table row per slot"));
@@ -213,6 +232,8 @@ impl DecoderStack {
                             post_norm: slice(l.post_norm, self.hidden),
                             gate_up: gate_up.view()?,
                             down: down.view()?,
+                            activation: l.activation,
+                            sliding_window: l.sliding_window,
                         })
                     })
                     .collect::<Result<Vec<_>, KernelError>>()?;

@@ -63,8 +63,28 @@ impl Projection<'_> {
     }
 }
 
-/// One decoder layer's weights (Llama / Mistral / Qwen2 / Qwen3 layout; `q_norm` and
-/// `k_norm` are Qwen3's per-head RMSNorms, applied before the rotation).
+/// The gated activation between an MLP's gate/up and down projections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// `silu(gate) * up` (SwiGLU).
+    SiluMul,
+}
+
+impl Activation {
+    /// The activation a checkpoint's config names (`hidden_act`), if the stack has it.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "silu" => Some(Self::SiluMul),
+            _ => None,
+        }
+    }
+}
+
+/// One pre-norm decoder layer as the model describes it: its weights (fused q/k/v and
+/// gate/up; `q_norm` and `k_norm` are per-head RMSNorms applied before the rotation), its
+/// MLP's activation and how far back its attention reaches. A family built from these
+/// parts (Llama, Mistral, Qwen2, Qwen3, and any whose layers differ only in which parts
+/// are present and in each layer's window) runs here without new code.
 #[derive(Clone, Copy)]
 pub struct DecoderLayer<'a> {
     pub input_norm: &'a [Bf16],
@@ -77,6 +97,10 @@ pub struct DecoderLayer<'a> {
     /// Fused gate and up: the first half of each output row is the gate.
     pub gate_up: Projection<'a>,
     pub down: Projection<'a>,
+    pub activation: Activation,
+    /// Keys further back than this many positions are not attended (0: every position):
+    /// layers of one model may differ (sliding and global layers).
+    pub sliding_window: usize,
 }
 
 /// One layer's paged KV cache: K and V, each `[num_blocks * block_size, kv_heads * head_dim]`.
@@ -96,7 +120,8 @@ pub struct DecodeInputs<'a> {
     /// `[rows, shape.max_blocks]` and `[rows]` (lengths include the new token).
     pub block_tables: &'a [i32],
     pub seq_lens: &'a [i32],
-    /// `num_seqs` is the number of rows.
+    /// `num_seqs` is the number of rows; each layer attends with its own window (the
+    /// shape's `sliding_window` is not read).
     pub shape: DecodeShape,
     pub scale: f32,
     pub eps: f32,
@@ -250,6 +275,10 @@ pub fn decode_layers(
             kv_heads,
             hd,
         )?;
+        let layer_shape = DecodeShape {
+            sliding_window: layer.sliding_window,
+            ..s
+        };
         paged_decode_attention(
             &mut attn,
             &q,
@@ -257,7 +286,7 @@ pub fn decode_layers(
             cache.v,
             inputs.block_tables,
             inputs.seq_lens,
-            &s,
+            &layer_shape,
             inputs.scale,
             threads,
             parallel,
@@ -276,7 +305,9 @@ pub fn decode_layers(
         layer
             .gate_up
             .apply(&mut gate_up, &x, rows, threads, parallel)?;
-        silu_mul(&mut act, &gate_up, inter);
+        match layer.activation {
+            Activation::SiluMul => silu_mul(&mut act, &gate_up, inter),
+        }
         layer
             .down
             .apply(&mut delta, &act, rows, threads, parallel)?;

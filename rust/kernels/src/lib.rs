@@ -15,7 +15,8 @@ pub use attention::{
     Parallel, ScopedThreads,
 };
 pub use decoder::{
-    decode_layers, exp, silu_mul, DecodeInputs, DecoderLayer, LayerCache, Matrix, Projection,
+    decode_layers, exp, silu_mul, Activation, DecodeInputs, DecoderLayer, LayerCache, Matrix,
+    Projection,
 };
 pub use element::{Bf16, Element, F16};
 pub use elementwise::{add_rms_norm, rope_store_kv};

@@ -1,12 +1,13 @@
 //! The one-call decode step against a decoder layer written out in f64 from its
 //! definition (RMSNorm, projections, per-head q/k norms, half-split rotary, attention over
 //! the paged context, SiLU-and-mul), with bf16, Q4 and Q8 projections, a bias, two rows
-//! with their own block tables, and a sliding window.
+//! with their own block tables, and sliding windows (the same in every layer, or one per
+//! layer).
 
 use iron_batch_kernels::{
-    decode_layers, exp, q4_nibble, run_in_team, silu_mul, Bf16, DecodeInputs, DecodeShape,
-    DecoderLayer, Element, LayerCache, Matrix, Projection, QMatrix, ScopedThreads, F16, Q4, Q8,
-    QBLOCK,
+    decode_layers, exp, q4_nibble, run_in_team, silu_mul, Activation, Bf16, DecodeInputs,
+    DecodeShape, DecoderLayer, Element, LayerCache, Matrix, Projection, QMatrix, ScopedThreads,
+    F16, Q4, Q8, QBLOCK,
 };
 
 mod common;
@@ -111,6 +112,7 @@ impl Proj {
 }
 
 struct Layer {
+    window: usize,
     input_norm: Vec<Bf16>,
     post_norm: Vec<Bf16>,
     q_norm: Option<Vec<Bf16>>,
@@ -132,13 +134,16 @@ impl Layer {
             post_norm: &self.post_norm,
             gate_up: self.gate_up.view(),
             down: self.down.view(),
+            activation: Activation::SiluMul,
+            sliding_window: self.window,
         }
     }
 }
 
-fn layer(rng: &mut Rng, kinds: [&str; 4], qk_norm: bool, bias: bool) -> Layer {
+fn layer(rng: &mut Rng, kinds: [&str; 4], qk_norm: bool, bias: bool, window: usize) -> Layer {
     let norm = |rng: &mut Rng, len| bf16s(rng, len, 0.5, 1.0);
     Layer {
+        window,
         input_norm: norm(rng, HIDDEN),
         post_norm: norm(rng, HIDDEN),
         q_norm: qk_norm.then(|| norm(rng, HD)),
@@ -183,7 +188,6 @@ struct Step {
     slots: Vec<i64>,
     cos: Vec<Bf16>,
     sin: Vec<Bf16>,
-    window: usize,
 }
 
 impl Step {
@@ -196,12 +200,13 @@ impl Step {
             block_size: BLOCK,
             max_blocks: self.width,
             num_blocks: BLOCKS,
-            sliding_window: self.window,
+            // Not read by the stack: each layer attends with its own window.
+            sliding_window: 0,
         }
     }
 }
 
-fn step(window: usize) -> Step {
+fn step() -> Step {
     // Row 0: 7 tokens in blocks 3, 5; row 1: 10 tokens in blocks 1, 6, 2.
     let width = 3;
     let tables = vec![3, 5, 0, 1, 6, 2];
@@ -227,7 +232,6 @@ fn step(window: usize) -> Step {
         slots,
         cos,
         sin,
-        window,
     }
 }
 
@@ -266,8 +270,8 @@ fn reference(
                 vc[at..at + HD].copy_from_slice(&heads[HEADS + KV_HEADS + g]);
             }
             let len = s.lens[r] as usize;
-            let start = if s.window > 0 && len > s.window {
-                len - s.window
+            let start = if l.window > 0 && len > l.window {
+                len - l.window
             } else {
                 0
             };
@@ -333,13 +337,20 @@ struct Case {
     caches: Vec<BfCache>,
 }
 
-fn case(window: usize) -> Case {
-    let mut rng = Rng(0x5eed_0000 + window as u64);
+/// Two layers attending over `windows` (0: every position).
+fn case(windows: [usize; 2]) -> Case {
+    let mut rng = Rng(0x5eed_0000 + windows[0] as u64);
     let layers = [
-        layer(&mut rng, ["bf16", "bf16", "q4", "q8"], false, false),
-        layer(&mut rng, ["q8", "q4", "bf16", "q8"], true, true),
+        layer(
+            &mut rng,
+            ["bf16", "bf16", "q4", "q8"],
+            false,
+            false,
+            windows[0],
+        ),
+        layer(&mut rng, ["q8", "q4", "bf16", "q8"], true, true, windows[1]),
     ];
-    let step = step(window);
+    let step = step();
     let cache_len = BLOCKS * BLOCK * KV_ROW;
     let caches = (0..2)
         .map(|_| {
@@ -381,7 +392,7 @@ fn run_step(c: &Case, run: Runner) -> (Vec<Bf16>, Vec<BfCache>) {
     (h, owned)
 }
 
-fn run_case(window: usize) {
+fn run_case(window: [usize; 2]) {
     let c = case(window);
     let (want_h, want_caches) = reference(&c.layers, &c.h0, &c.caches, &c.step);
     let (h, owned) = run_step(&c, scoped);
@@ -392,7 +403,7 @@ fn run_case(window: usize) {
     let err: Vec<f64> = got.iter().zip(&want_h).map(|(a, b)| a - b).collect();
     assert!(
         max_abs(&err) <= 0.02 * max_abs(&want_h),
-        "window {window}: h error {} against values up to {}",
+        "windows {window:?}: h error {} against values up to {}",
         max_abs(&err),
         max_abs(&want_h)
     );
@@ -401,7 +412,7 @@ fn run_case(window: usize) {
             let err: Vec<f64> = got.iter().zip(want).map(|(a, b)| a - b).collect();
             assert!(
                 max_abs(&err) <= 0.02 * max_abs(want),
-                "window {window}: cache error"
+                "windows {window:?}: cache error"
             );
         }
     }
@@ -411,32 +422,44 @@ fn run_case(window: usize) {
 fn a_step_in_one_team_region_gives_the_same_bits() {
     // In a team the attention splits even this small step across threads, and the
     // projections' parts land on whichever thread claims them: no value may change.
-    for window in [0, 5] {
+    for window in [[0, 0], [5, 5], [5, 0]] {
         let c = case(window);
         let (h, caches) = run_step(&c, scoped);
         for _ in 0..20 {
             let (team_h, team_caches) = run_step(&c, in_team);
-            assert_eq!(team_h, h, "window {window}: residual stream");
-            assert!(team_caches == caches, "window {window}: caches");
+            assert_eq!(team_h, h, "windows {window:?}: residual stream");
+            assert!(team_caches == caches, "windows {window:?}: caches");
         }
     }
 }
 
 #[test]
 fn a_decode_step_matches_the_layers_written_out_in_f64() {
-    run_case(0);
+    run_case([0, 0]);
 }
 
 #[test]
 fn a_sliding_window_attends_only_the_last_positions() {
-    run_case(5);
+    run_case([5, 5]);
+}
+
+#[test]
+fn each_layer_attends_with_its_own_window() {
+    // A sliding layer before a global one, as Gemma-style models interleave them.
+    run_case([5, 0]);
+}
+
+#[test]
+fn an_activation_is_named_as_checkpoints_name_it() {
+    assert_eq!(Activation::from_name("silu"), Some(Activation::SiluMul));
+    assert_eq!(Activation::from_name("gelu_pytorch_tanh"), None);
 }
 
 #[test]
 fn bad_steps_are_errors_and_write_nothing() {
     let mut rng = Rng(7);
-    let layers = [layer(&mut rng, ["q4", "bf16", "q8", "q8"], false, false)];
-    let s = step(0);
+    let layers = [layer(&mut rng, ["q4", "bf16", "q8", "q8"], false, false, 0)];
+    let s = step();
     let cache_len = BLOCKS * BLOCK * KV_ROW;
     let mut k = bf16s(&mut rng, cache_len, 1.0, 0.0);
     let mut v = bf16s(&mut rng, cache_len, 1.0, 0.0);
