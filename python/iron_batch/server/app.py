@@ -29,6 +29,7 @@ from iron_batch.server.metrics import (
     prometheus_text,
     wants_prometheus,
 )
+from iron_batch.server.openai.responses_api import ResponseStore, response_routes
 from iron_batch.server.openai.serving import OpenAIServer
 from iron_batch.server.openapi import openapi_schema
 from iron_batch.server.ui import UI, server_info
@@ -47,6 +48,7 @@ def create_app(
     limits: ServerLimits | None = None,
     ui: bool = True,
     isolate_tenant_caches: bool = True,
+    reasoning_parser: str = "auto",
 ) -> Starlette:
     """The server app; its lifespan starts the engine thread and stops it.
 
@@ -58,7 +60,8 @@ def create_app(
     ``app.state.info`` is the configuration it and the console banner show.
     ``api_key`` may be several keys, one per tenant: then, with ``isolate_tenant_caches``,
     each key's requests get a prefix-cache salt of their own (no tenant can time another's
-    prompts through the cache).
+    prompts through the cache). ``reasoning_parser`` (auto, think, none) says how chat
+    output splits into reasoning and answer (see :mod:`iron_batch.server.openai.reasoning`).
     """
     limits = dataclasses.replace(limits) if limits is not None else ServerLimits()
     if max_waiting_requests is not None:
@@ -69,7 +72,7 @@ def create_app(
     tenant_keys = key if isinstance(key, tuple) and isolate_tenant_caches else None
     openai_server = OpenAIServer(
         engine, api_key=key, admission=admission, served_model_name=served_model_name,
-        tenant_keys=tenant_keys,
+        tenant_keys=tenant_keys, reasoning_parser=reasoning_parser,
     )
     schema = openapi_schema(openai_server.model.name, ui=ui)
     info = server_info(
@@ -124,6 +127,7 @@ def create_app(
         Route("/generate", GenerateEndpoint(engine, key, admission, tenant_keys),
               methods=["POST"]),
         *openai_server.routes(),
+        *response_routes(openai_server, ResponseStore()),
         Route("/metrics", guarded(metrics, key), methods=["GET"]),
         Route("/health", health, methods=["GET"]),  # never needs the API key
         Route("/openapi.json", guarded(openapi, key), methods=["GET"]),

@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Python GIL switch interval in microseconds (default 200; Python's "
                    "own is 5000, which lets a busy HTTP loop delay each engine step by "
                    "up to 5 ms)")
+    p.add_argument("--reasoning-parser", choices=("auto", "think", "none"), default="auto",
+                   help="split chat output into reasoning and answer: 'think' at "
+                   "<think>...</think>, 'none' never, 'auto' (default) when the model's chat "
+                   "template writes think tags")
     p.add_argument("--no-ui", action="store_true",
                    help="do not serve the chat playground and dashboard page at /")
     p.add_argument("--log-level", default="warning",
@@ -321,6 +325,7 @@ def main(argv: list[str] | None = None) -> None:
         isolate_tenant_caches=not args.shared_prefix_cache,
         limits=limits,
         ui=not args.no_ui,
+        reasoning_parser=args.reasoning_parser,
     )
     from iron_batch.server.ui import banner
 
