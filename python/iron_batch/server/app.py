@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from iron_batch.engine import Engine
 from iron_batch.server.admission import Admission, ServerLimits
+from iron_batch.server.anthropic.messages import message_routes
 from iron_batch.server.asgi import api_key_bytes, guarded
 from iron_batch.server.generate import GenerateEndpoint
 from iron_batch.server.metrics import (
@@ -128,6 +129,7 @@ def create_app(
               methods=["POST"]),
         *openai_server.routes(),
         *response_routes(openai_server, ResponseStore()),
+        *message_routes(openai_server),
         Route("/metrics", guarded(metrics, key), methods=["GET"]),
         Route("/health", health, methods=["GET"]),  # never needs the API key
         Route("/openapi.json", guarded(openapi, key), methods=["GET"]),

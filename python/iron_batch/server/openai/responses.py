@@ -156,6 +156,7 @@ class Choice:
 
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
     prompt_logprobs: list[Logprobs | None] | None = None
     finish_reason: str | None = None
@@ -170,6 +171,7 @@ class Choice:
             self.prompt_logprobs = event.prompt_logprobs
         if event.token_id is not None:
             self.num_tokens += 1
+            self.token_ids.append(event.token_id)
             if event.logprobs is not None:
                 self.logprobs.append((event.token_id, event.logprobs))
         if event.text:
