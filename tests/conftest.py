@@ -181,27 +181,30 @@ class TextMockBackend(MockBackend):
 
 
 class ScriptedBackend(MockBackend):
-    """SmolLM2's tokenizer, no weights: each request generates ``script`` (as set when
-    it was added), then the end-of-turn token."""
+    """A tokenizer (SmolLM2's by default), no weights: each request generates ``script``
+    (as set when it was added: text, or token ids), then the end-of-turn token."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokenizer: Any = None) -> None:
         from iron_batch.models.loader import read_gguf_fields, resolve
         from iron_batch.tokenizer import Tokenizer
 
-        super().__init__(token_latency_us=0.0, prefill_token_latency_us=0.0, vocab_size=49152)
-        self.tokenizer = Tokenizer.from_gguf_fields(read_gguf_fields(resolve("smollm2-135m").gguf))
+        if tokenizer is None:
+            tokenizer = Tokenizer.from_gguf_fields(read_gguf_fields(resolve("smollm2-135m").gguf))
+        super().__init__(token_latency_us=0.0, prefill_token_latency_us=0.0,
+                         vocab_size=max(tokenizer.vocab_size, 26))
+        self.tokenizer = tokenizer
         self.eos_token_ids = list(self.tokenizer.eos_token_ids)
-        self.script = ""
+        self.script: str | list[int] = ""
         self._scripts: dict[str, list[int]] = {}
         self._done: dict[str, int] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
         super().add_request(request_id, prompt_token_ids, params)
         assert self.tokenizer is not None
-        self._scripts[request_id] = [
-            *self.tokenizer.encode(self.script, add_special_tokens=False),
-            *self.eos_token_ids,
-        ]
+        script = self.script
+        if isinstance(script, str):
+            script = self.tokenizer.encode(script, add_special_tokens=False)
+        self._scripts[request_id] = [*script, *self.eos_token_ids]
         self._done[request_id] = 0
 
     def execute(self, batch: Any) -> np.ndarray:

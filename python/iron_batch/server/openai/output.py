@@ -34,6 +34,8 @@ def assistant_message(
     if reasoning is not None:
         # vLLM's name, and the one newer clients read.
         message["reasoning_content"] = message["reasoning"] = thought or None
+        if thought and not message["content"]:
+            message["content"] = None  # all thinking (the limit cut it): no answer
     return message, finish_reason
 
 
