@@ -620,6 +620,8 @@ class Engine:
                     event.logprobs = extras.get(req.request_id)
                 if index == 0 and req.params.prompt_logprobs is not None:
                     event.prompt_logprobs = self.backend.take_prompt_logprobs(req.request_id)
+                if index == 0 and req.params.embed is not None:
+                    event.embedding = self.backend.take_embedding(req.request_id)
             if finished:
                 stats.requests_completed += 1
                 event.num_cached_tokens = req.num_cached or 0
@@ -668,6 +670,9 @@ class Engine:
             self._reject(req, "prompt logprobs are not supported by this backend",
                          "ValueError", out)
             return
+        if params.embed is not None and not getattr(self.backend, "supports_embeddings", False):
+            self._reject(req, "embeddings are not supported by this backend", "ValueError", out)
+            return
         try:
             self.backend.add_request(request_id, req.prompt_token_ids, params)
         except (ValueError, TypeError) as exc:
@@ -677,8 +682,9 @@ class Engine:
             handle = self.scheduler.add_request(
                 request_id, req.prompt_token_ids, params.max_new_tokens, stop_ids,
                 priority=params.priority, cache_salt=params.cache_salt,
-                # A cached block has KV but no logits: score the whole prompt.
-                skip_prefix_cache=params.prompt_logprobs is not None,
+                # A cached block has KV but no logits (nor hidden states): compute the
+                # whole prompt to score it or to mean-pool it.
+                skip_prefix_cache=params.prompt_logprobs is not None or params.embed == "mean",
             )
         except (IronBatchError, ValueError, TypeError, OverflowError) as exc:
             self.backend.remove_request(request_id)

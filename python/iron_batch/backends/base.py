@@ -124,6 +124,15 @@ class Backend(Protocol):
         ``params.prompt_logprobs`` asked; None when it did not ask. Given out once."""
         ...
 
+    #: Whether requests may set ``SamplingParams.embed`` (the engine rejects them
+    #: otherwise).
+    supports_embeddings: bool
+
+    def take_embedding(self, request_id: str) -> np.ndarray | None:
+        """Once the request's prompt is computed: its pooled final hidden state (float32,
+        not normalised), as ``params.embed`` asked; None when it did not ask. Given once."""
+        ...
+
 
 @dataclass(frozen=True)
 class BackendInfo:
@@ -184,6 +193,11 @@ class BackendBase:
     def take_prompt_logprobs(
         self, request_id: str
     ) -> list[tuple[float, list[tuple[int, float]]] | None] | None:
+        return None
+
+    supports_embeddings: bool = False
+
+    def take_embedding(self, request_id: str) -> np.ndarray | None:
         return None
 
     # A backend that cannot overlap: submit runs the step, wait hands back its result.

@@ -12,6 +12,7 @@ from iron_batch.backends.base import BackendBase, BackendInfo
 from iron_batch.batch import model_inputs
 from iron_batch.models.llama import LlamaModel
 from iron_batch.models.loader import ModelSource, load_model, read_gguf_fields, resolve
+from iron_batch.pooling import PromptPooler
 from iron_batch.prompt_logprobs import PromptLogprobs, PromptScorer
 from iron_batch.sampling import Logprobs, RequestState, Sampler
 from iron_batch.sampling_params import SamplingParams
@@ -73,6 +74,7 @@ class TorchBackend(BackendBase):
     """
 
     supports_prompt_logprobs = True
+    supports_embeddings = True
 
     def __init__(
         self,
@@ -106,6 +108,7 @@ class TorchBackend(BackendBase):
         self._requests: dict[str, RequestState] = {}
         self._last_logprobs: Logprobs | None = None
         self.scorer = PromptScorer()
+        self.pooler = PromptPooler()
         # The last submitted step's sampled tokens, on the device.
         self._device_tokens: torch.Tensor | None = None
 
@@ -147,13 +150,18 @@ class TorchBackend(BackendBase):
             )
         self._requests[request_id] = self.sampler.new_state(prompt_token_ids, params)
         self.scorer.add_request(request_id, prompt_token_ids, params.prompt_logprobs)
+        self.pooler.add_request(request_id, len(prompt_token_ids), params.embed)
 
     def remove_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
         self.scorer.remove_request(request_id)
+        self.pooler.remove_request(request_id)
 
     def take_prompt_logprobs(self, request_id: str) -> PromptLogprobs | None:
         return self.scorer.take(request_id)
+
+    def take_embedding(self, request_id: str) -> np.ndarray | None:
+        return self.pooler.take(request_id)
 
     def execute(self, batch: Batch) -> np.ndarray:
         return self.wait(self.submit(batch))
@@ -191,7 +199,12 @@ class TorchBackend(BackendBase):
             inputs["sample_indices"] = np.concatenate(
                 [np.asarray(batch.sample_indices, dtype=np.int64), scoring.rows]
             )
-        logits = self._logits(inputs)
+        pooling = self.pooler.rows(batch) if self.supports_embeddings else None
+        if pooling is not None:
+            logits, hidden = self.model.forward_with_hidden(pooling.rows, **inputs)
+            self.pooler.record(hidden, pooling)
+        else:
+            logits = self._logits(inputs)
         if scoring is not None:
             self.scorer.record(logits[num_samples:], scoring)
             logits = logits[:num_samples]

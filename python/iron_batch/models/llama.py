@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -287,7 +287,22 @@ class LlamaModel:
         finally:
             torch.backends.mkldnn.enabled = True
 
-    def _forward(
+    @torch.inference_mode()
+    def forward_with_hidden(
+        self, hidden_rows: np.ndarray, **batch: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s logits, and the final-normed hidden states (float32,
+        ``[len(hidden_rows), hidden]``) of the token rows ``hidden_rows`` (embeddings)."""
+        sample_indices = batch.pop("sample_indices")
+        h = self._hidden_states(**batch)
+        rows = torch.from_numpy(np.ascontiguousarray(hidden_rows, dtype=np.int64))
+        hidden = _rms_norm(h[rows.to(self.device)], self.norm, self.config.rms_norm_eps)
+        return self._logits(h, sample_indices), hidden.float()
+
+    def _forward(self, *, sample_indices: np.ndarray, **batch: Any) -> torch.Tensor:
+        return self._logits(self._hidden_states(**batch), sample_indices)
+
+    def _hidden_states(
         self,
         *,
         input_ids: np.ndarray | torch.Tensor,
@@ -297,8 +312,8 @@ class LlamaModel:
         seq_lens: np.ndarray,
         num_computed_before: np.ndarray,
         block_tables: np.ndarray,
-        sample_indices: np.ndarray,
     ) -> torch.Tensor:
+        """The residual stream after the last layer (before the final norm), every row."""
         c = self.config
         dev = self.device
         shard = self.shard
@@ -318,7 +333,7 @@ class LlamaModel:
                 cos, sin = self._cos_sin(pos, positions)
                 decoder.decode(h, cos, sin, slot_mapping, np.asarray(block_tables)[:, :width],
                                lens, scale=self.scale, sliding_window=c.sliding_window)
-                return self._logits(h, sample_indices)
+                return h
         slots = torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64)).to(dev)
         plan = AttentionPlan(
             query_start_loc=np.asarray(query_start_loc),
@@ -400,7 +415,7 @@ class LlamaModel:
                 x = cpu_fused.add_rms_norm_(h, mlp, layers[i + 1].input_norm, eps)  # h += mlp
             else:
                 h = h + mlp
-        return self._logits(h, sample_indices)
+        return h
 
     def _mlp(
         self, x: torch.Tensor, layer: LayerWeights,

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from iron_batch.engine import Engine
+from iron_batch.pooling import PoolingConfig
 from iron_batch.server.admission import Admission, ServerLimits
 from iron_batch.server.anthropic.messages import message_routes
 from iron_batch.server.asgi import api_key_bytes, guarded
@@ -30,6 +31,7 @@ from iron_batch.server.metrics import (
     prometheus_text,
     wants_prometheus,
 )
+from iron_batch.server.openai.embeddings import EmbeddingsEndpoint
 from iron_batch.server.openai.responses_api import ResponseStore, response_routes
 from iron_batch.server.openai.serving import OpenAIServer
 from iron_batch.server.openapi import openapi_schema
@@ -50,6 +52,7 @@ def create_app(
     ui: bool = True,
     isolate_tenant_caches: bool = True,
     reasoning_parser: str = "auto",
+    pooling: PoolingConfig | None = None,
 ) -> Starlette:
     """The server app; its lifespan starts the engine thread and stops it.
 
@@ -63,6 +66,8 @@ def create_app(
     each key's requests get a prefix-cache salt of their own (no tenant can time another's
     prompts through the cache). ``reasoning_parser`` (auto, think, none) says how chat
     output splits into reasoning and answer (see :mod:`iron_batch.server.openai.reasoning`).
+    ``pooling`` is how /v1/embeddings pools (default: last token, normalised; see
+    :func:`iron_batch.pooling.read_pooling_config`).
     """
     limits = dataclasses.replace(limits) if limits is not None else ServerLimits()
     if max_waiting_requests is not None:
@@ -130,6 +135,8 @@ def create_app(
         *openai_server.routes(),
         *response_routes(openai_server, ResponseStore()),
         *message_routes(openai_server),
+        Route("/v1/embeddings", EmbeddingsEndpoint(openai_server, pooling or PoolingConfig()),
+              methods=["POST"]),
         Route("/metrics", guarded(metrics, key), methods=["GET"]),
         Route("/health", health, methods=["GET"]),  # never needs the API key
         Route("/openapi.json", guarded(openapi, key), methods=["GET"]),

@@ -462,6 +462,37 @@ def openapi_schema(model_name: str, *, ui: bool = False) -> dict[str, Any]:
         }},
     }
     paths.update(openapi_agent_apis.paths(model_name, auth_gen))
+    paths["/v1/embeddings"] = {"post": {
+        "operationId": "createEmbedding",
+        "summary": "Pooled final hidden states of each input (a torch model's backend).",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object",
+            "properties": {
+                "model": _SAMPLING["model"],
+                "input": {"anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {"type": "array", "items": {"type": "string", "minLength": 1},
+                     "minItems": 1, "maxItems": fields.MAX_CHOICES},
+                    _TOKEN_IDS,
+                    {"type": "array", "items": _TOKEN_IDS, "minItems": 1,
+                     "maxItems": fields.MAX_CHOICES}]},
+                "encoding_format": _nullable({"enum": ["float", "base64"]}),
+                "dimensions": _nullable({"type": "integer", "minimum": 1,
+                                         "description": "Keep the first components "
+                                         "(renormalised); at most the hidden size."}),
+                "user": _nullable({"type": "string"}),
+            },
+            "required": ["input"],
+        }, "example": {"model": model_name, "input": "Hello!"}}}},
+        "responses": {"200": _json({"type": "object", "properties": {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": {"type": "object", "properties": {
+                "object": {"const": "embedding"}, "index": {"type": "integer"},
+                "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}},
+                                        {"type": "string"}]}}}},
+            "usage": {"type": "object"}}, "required": ["object", "data"]}, "Embeddings."),
+            **auth_gen},
+    }}
     if ui:
         paths.update(_ui_paths())
     return {

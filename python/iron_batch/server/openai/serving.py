@@ -108,6 +108,10 @@ class OpenAIServer:
             reasoning=reasoning_format(getattr(backend.tokenizer, "chat_template", None),
                                        reasoning_parser),
         )
+        #: The backend pools hidden states (/v1/embeddings), of this many components.
+        self.embeddings = bool(getattr(backend, "supports_embeddings", False))
+        config_of_model = getattr(getattr(backend, "model", None), "config", None)
+        self.embedding_size: int | None = getattr(config_of_model, "hidden_size", None)
         self.created = int(time.time())
         self.token_text = TokenText(self.model.tokenizer)
         self._ids = itertools.count()
