@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from conftest import (
     CharTokenizer,
+    ScriptedBackend,
     ServerFactory,
     ServerHandle,
     ServerStarter,
@@ -742,6 +743,40 @@ def test_slow_reader_is_aborted_and_others_complete(start_server: ServerFactory,
         slow.close()
     status, lines = srv.generate({"prompt_tokens": 3, "max_new_tokens": 2})
     assert status == 200 and lines[-1]["done"]
+
+
+# ---------------------------------------------------------------- disconnects on the agent APIs
+
+
+_AGENT_BODIES = {
+    "/v1/responses": {"input": "hi", "max_output_tokens": 4000},
+    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("path", list(_AGENT_BODIES))
+def test_a_client_that_leaves_aborts_its_request(start_server: ServerFactory, path: str,
+                                                 stream: bool) -> None:
+    backend = ScriptedBackend()
+    backend.script = "word " * 3000
+    backend.token_latency_s = 0.001
+    srv = start_server(backend, total_kv_blocks=1024)
+    payload = json.dumps({**_AGENT_BODIES[path], "stream": stream}).encode()
+    sock = socket.create_connection((srv.host, srv.port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 .encode() + b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+    if stream:
+        received = b""
+        while received.count(b"delta") < 3:  # a few tokens are through
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+    else:
+        wait_for(lambda: srv.metrics()["running"] == 1, what="request running")
+    sock.close()
+    m = srv.wait_idle()
+    assert m["requests_aborted"] == 1 and m["requests_completed"] == 0
 
 
 # ---------------------------------------------------------------- schemathesis

@@ -231,3 +231,16 @@ def test_stored_responses_belong_to_their_api_key(start_server: ServerFactory) -
     assert a.responses.retrieve(mine.id).id == mine.id  # b's attempts changed nothing
     server.wait_idle()
 
+
+def test_an_evicted_response_is_a_404(start_server: ServerFactory) -> None:
+    backend = ScriptedBackend()
+    backend.script = "Hello there."
+    server = start_server(backend, app_options={"max_stored_responses": 2})
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    ids = [client.responses.create(model="mock", input=f"turn {i}").id for i in range(3)]
+    with pytest.raises(openai.NotFoundError, match="evicted"):
+        client.responses.retrieve(ids[0])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="mock", input="more", previous_response_id=ids[0])
+    assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
+    server.wait_idle()

@@ -32,7 +32,11 @@ from iron_batch.server.metrics import (
     wants_prometheus,
 )
 from iron_batch.server.openai.embeddings import EmbeddingsEndpoint
-from iron_batch.server.openai.responses_api import ResponseStore, response_routes
+from iron_batch.server.openai.responses_api import (
+    MAX_STORED_RESPONSES,
+    ResponseStore,
+    response_routes,
+)
 from iron_batch.server.openai.serving import OpenAIServer
 from iron_batch.server.openapi import openapi_schema
 from iron_batch.server.ui import UI, server_info
@@ -53,6 +57,7 @@ def create_app(
     isolate_tenant_caches: bool = True,
     reasoning_parser: str = "auto",
     pooling: PoolingConfig | None = None,
+    max_stored_responses: int = MAX_STORED_RESPONSES,
 ) -> Starlette:
     """The server app; its lifespan starts the engine thread and stops it.
 
@@ -67,7 +72,8 @@ def create_app(
     prompts through the cache). ``reasoning_parser`` (auto, think, none) says how chat
     output splits into reasoning and answer (see :mod:`iron_batch.server.openai.reasoning`).
     ``pooling`` is how /v1/embeddings pools (default: last token, normalised; see
-    :func:`iron_batch.pooling.read_pooling_config`).
+    :func:`iron_batch.pooling.read_pooling_config`). ``max_stored_responses`` bounds the
+    Responses API's store (all tenants together; the oldest is evicted first).
     """
     limits = dataclasses.replace(limits) if limits is not None else ServerLimits()
     if max_waiting_requests is not None:
@@ -133,7 +139,7 @@ def create_app(
         Route("/generate", GenerateEndpoint(engine, key, admission, tenant_keys),
               methods=["POST"]),
         *openai_server.routes(),
-        *response_routes(openai_server, ResponseStore()),
+        *response_routes(openai_server, ResponseStore(max_stored_responses)),
         *message_routes(openai_server),
         Route("/v1/embeddings", EmbeddingsEndpoint(openai_server, pooling or PoolingConfig()),
               methods=["POST"]),
