@@ -29,12 +29,7 @@ from iron_batch.server.errors import ApiError, unauthorized
 from iron_batch.server.openai.output import OutputStream, assistant_message, splitter
 from iron_batch.server.openai.protocol import OpenAIRequest, parse_chat
 from iron_batch.server.openai.responses import Choice
-from iron_batch.server.openai.serving import (
-    GenerationEndpoint,
-    OpenAIServer,
-    collect,
-    first_failure,
-)
+from iron_batch.server.openai.serving import GenerationEndpoint, OpenAIServer
 from iron_batch.stream import RequestStream
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -269,12 +264,8 @@ class MessagesEndpoint(GenerationEndpoint):
                       streams: list[RequestStream], send: Send) -> None:
         tokenizer = self.server.model.tokenizer
         if not req.stream:
-            choices = await collect(streams)
+            choices = await self.results(streams, send)
             if choices is None:
-                return
-            failure = first_failure(choices)
-            if failure is not None:
-                await _send_error(send, failure)
                 return
             (choice,) = choices
             message, reason = assistant_message(

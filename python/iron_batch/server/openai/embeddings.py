@@ -23,12 +23,7 @@ from iron_batch.server.asgi import Scope, Send, dumps, send_error, send_json
 from iron_batch.server.errors import ApiError
 from iron_batch.server.fields import MAX_CHOICES
 from iron_batch.server.openai.protocol import OpenAIRequest, check_model
-from iron_batch.server.openai.serving import (
-    GenerationEndpoint,
-    OpenAIServer,
-    collect,
-    first_failure,
-)
+from iron_batch.server.openai.serving import GenerationEndpoint, OpenAIServer
 from iron_batch.stream import RequestStream
 
 
@@ -106,12 +101,8 @@ class EmbeddingsEndpoint(GenerationEndpoint):
     async def respond(self, req: OpenAIRequest, context: Any, response_id: str,
                       streams: list[RequestStream], send: Send) -> None:
         ctx: EmbeddingContext = context
-        choices = await collect(streams)
+        choices = await self.results(streams, send)
         if choices is None:
-            return
-        failure = first_failure(choices)
-        if failure is not None:
-            await send_error(send, failure)
             return
         data = []
         for index, choice in enumerate(choices):

@@ -30,7 +30,6 @@ from iron_batch.server.asgi import (
     Send,
     dumps,
     guarded,
-    send_error,
     send_json,
     tenant_id,
 )
@@ -38,12 +37,7 @@ from iron_batch.server.errors import ApiError
 from iron_batch.server.openai.output import OutputStream, assistant_message, splitter
 from iron_batch.server.openai.protocol import OpenAIRequest, parse_chat
 from iron_batch.server.openai.responses import Choice, request_usage
-from iron_batch.server.openai.serving import (
-    GenerationEndpoint,
-    OpenAIServer,
-    collect,
-    first_failure,
-)
+from iron_batch.server.openai.serving import GenerationEndpoint, OpenAIServer
 from iron_batch.stream import RequestStream
 
 #: Responses kept in memory (all tenants together); the oldest goes first.
@@ -415,12 +409,8 @@ class ResponsesEndpoint(GenerationEndpoint):
         (stream,) = streams
         items = _Items(self.server, req.stream)
         if not req.stream:
-            choices = await collect(streams)
+            choices = await self.results(streams, send)
             if choices is None:
-                return
-            failure = first_failure(choices)
-            if failure is not None:
-                await send_error(send, failure)
                 return
             message, reason = assistant_message(
                 "".join(choices[0].text), choices[0].finish_reason, req.tool_plan,

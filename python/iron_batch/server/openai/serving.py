@@ -280,6 +280,18 @@ class GenerationEndpoint:
     async def send_error(self, send: Send, exc: ApiError) -> None:
         await send_error(send, exc)
 
+    async def results(self, streams: list[RequestStream], send: Send) -> list[Choice] | None:
+        """Every choice, once all are done; None when the client left, or when one failed
+        (its error is sent)."""
+        choices = await collect(streams)
+        if choices is None:
+            return None
+        failure = first_failure(choices)
+        if failure is not None:
+            await self.send_error(send, failure)
+            return None
+        return choices
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         server = self.server
         try:
@@ -326,12 +338,8 @@ class _Generation(GenerationEndpoint):
         self, req: OpenAIRequest, response_id: str, streams: list[RequestStream], send: Send
     ) -> None:
         created = int(time.time())
-        choices = await collect(streams)
+        choices = await self.results(streams, send)
         if choices is None:
-            return  # aborted: the client is gone
-        failure = first_failure(choices)
-        if failure is not None:
-            await send_error(send, failure)
             return
         token_text = self.server.token_text
         out = []
