@@ -539,6 +539,41 @@ def test_backend_fault_on_openai_paths(start_server: ServerFactory, path: str,
     srv.wait_idle()
 
 
+def _named_events(text: str) -> list[dict[str, Any]]:
+    """The data of each ``event: NAME`` / ``data: {...}`` server-sent event."""
+    return [json.loads(line[len("data: "):]) for line in text.splitlines()
+            if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_backend_fault_on_the_agent_apis(start_server: ServerFactory, path: str,
+                                         stream: bool) -> None:
+    backend = SwitchBackend(token_latency_us=100)
+    srv = start_server(backend=backend, total_kv_blocks=256, kv_block_size=4)
+    body: dict[str, Any] = ({"input": "abc", "max_output_tokens": 8} if path == "/v1/responses"
+                            else {"messages": _MSG, "max_tokens": 8})
+    body["stream"] = stream
+    backend.fail = True
+    response = httpx.post(f"{srv.url}{path}", json=body, timeout=30)
+    if stream:
+        assert response.status_code == 200
+        last = _named_events(response.text)[-1]
+        assert last["type"] == "error"
+        message = last["message"] if path == "/v1/responses" else last["error"]["message"]
+        assert "injected fault" in message
+    else:
+        assert response.status_code == 500, response.text
+        err = response.json()["error"]
+        assert "injected fault" in err["message"]
+        assert err["type"] == ("server_error" if path == "/v1/responses" else "api_error")
+    assert srv.wait_idle()["requests_failed"] == 1
+    backend.fail = False
+    ok = httpx.post(f"{srv.url}{path}", json=body, timeout=30)
+    assert ok.status_code == 200
+    srv.wait_idle()
+
+
 async def _open_raw(host: str, port: int, path: str, body: dict[str, Any]) -> tuple[Any, Any]:
     reader, writer = await asyncio.open_connection(host, port)
     payload = json.dumps(body).encode()
