@@ -165,3 +165,13 @@ def test_pooling_follows_the_sentence_transformers_config(tmp_path: Path) -> Non
     (tmp_path / "modules.json").write_text(json.dumps(modules))
     assert read_pooling_config(tmp_path) == PoolingConfig("mean", True)
     assert read_pooling_config(tmp_path, "last") == PoolingConfig("last", True)
+
+
+def test_the_offline_api_pools_too(tokenizer: Tokenizer) -> None:
+    from iron_batch import LLM, SamplingParams
+
+    llm = LLM(str(tiny_models.checkpoint("qwen3")), device="cpu", dtype="float32",
+              total_kv_blocks=64, kv_block_size=4, max_batch_tokens=8)
+    outs = llm.generate(TEXTS, SamplingParams(max_new_tokens=1, embed="mean"))
+    for text, out in zip(TEXTS, outs, strict=True):
+        assert cosine(out.embedding, reference(tokenizer.encode(text), "mean")) >= 0.9999
