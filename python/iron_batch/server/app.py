@@ -1,8 +1,11 @@
 """The Starlette app: routes, /metrics, /health and the engine's lifespan.
 
 The front ends live in their own modules: :mod:`iron_batch.server.generate` (/generate,
-NDJSON) and :mod:`iron_batch.server.openai.serving` (/v1, /tokenize, /detokenize). Imports
-run one way: errors -> fields -> admission -> asgi -> front ends -> app.
+NDJSON), :mod:`iron_batch.server.openai.serving` (/v1 chat and completions, /tokenize,
+/detokenize), :mod:`iron_batch.server.openai.responses_api` (/v1/responses),
+:mod:`iron_batch.server.openai.embeddings` (/v1/embeddings) and
+:mod:`iron_batch.server.anthropic.messages` (/v1/messages). Imports run one way: errors ->
+fields -> admission -> asgi -> front ends -> app.
 """
 
 from __future__ import annotations
