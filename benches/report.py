@@ -214,7 +214,7 @@ def run_smollm2(args: argparse.Namespace) -> dict[str, Any]:
 def run_batch1(args: argparse.Namespace) -> dict[str, Any]:
     """ms per token of one request, each engine in turn, ``--rounds`` times."""
     import numpy as np
-    from iron_batch.models.loader import resolve
+    from iron_batch.loader import resolve
     from torch_throughput import hf_ms_per_token
 
     prompt, new, vocab = 128, 64, 49152

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import uvicorn
 from iron_batch import Engine, SchedulerConfig
@@ -177,3 +178,42 @@ class TextMockBackend(MockBackend):
         super().__init__(token_latency_us, 0.0, vocab_size=26)
         self.tokenizer = CharTokenizer()  # type: ignore[assignment]
         self.model_name = "mock-text"
+
+
+class ScriptedBackend(MockBackend):
+    """A tokenizer (SmolLM2's by default), no weights: each request generates ``script``
+    (as set when it was added: text, or token ids), then the end-of-turn token."""
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        from iron_batch.loader import read_gguf_fields, resolve
+        from iron_batch.tokenizer import Tokenizer
+
+        if tokenizer is None:
+            tokenizer = Tokenizer.from_gguf_fields(read_gguf_fields(resolve("smollm2-135m").gguf))
+        super().__init__(token_latency_us=0.0, prefill_token_latency_us=0.0,
+                         vocab_size=max(tokenizer.vocab_size, 26))
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(self.tokenizer.eos_token_ids)
+        self.script: str | list[int] = ""
+        self._scripts: dict[str, list[int]] = {}
+        self._done: dict[str, int] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        super().add_request(request_id, prompt_token_ids, params)
+        assert self.tokenizer is not None
+        script = self.script
+        if isinstance(script, str):
+            script = self.tokenizer.encode(script, add_special_tokens=False)
+        self._scripts[request_id] = [*script, *self.eos_token_ids]
+        self._done[request_id] = 0
+
+    def execute(self, batch: Any) -> np.ndarray:
+        out = []
+        for rid in batch.sample_request_ids:
+            i = self._done[rid]
+            self._done[rid] = i + 1
+            # Past the end: the row an overlapped step wastes on a request that has just
+            # stopped (the engine ignores it); keep answering the end-of-turn token.
+            script = self._scripts[rid]
+            out.append(script[min(i, len(script) - 1)])
+        return np.asarray(out, dtype=np.int64)

@@ -55,3 +55,32 @@ def test_bind_tools_gets_a_call_with_valid_arguments(llm: ChatOpenAI) -> None:
         ["What is the weather in Paris?", message, get_weather.invoke(call)]
     )
     assert isinstance(answer.content, str) and answer.content
+
+
+@tool
+def get_forecast(city: str) -> str:
+    """Weather forecast for a city."""
+    return f"sunny in {city}"
+
+
+def test_forced_call_keeps_to_the_declared_arguments(llm: ChatOpenAI) -> None:
+    """The tool's schema (pydantic's) lists ``city`` and says nothing of other properties;
+    the forced call still carries only ``city``, and so parses (an undeclared argument
+    would run on until the token limit cut the JSON)."""
+    assert "additionalProperties" not in get_forecast.tool_call_schema.model_json_schema()
+    bound = llm.bind_tools([get_forecast], tool_choice="get_forecast")
+    for question in ("What is the weather in Paris?", "Tell me about the weather in Paris"):
+        message = bound.invoke(question)
+        assert not message.invalid_tool_calls  # type: ignore[attr-defined]
+        (call,) = message.tool_calls  # type: ignore[attr-defined]
+        assert set(call["args"]) == {"city"}
+        assert message.response_metadata["finish_reason"] == "tool_calls"
+
+
+def test_a_call_cut_by_the_token_limit_is_never_a_finished_call(llm: ChatOpenAI) -> None:
+    bound = llm.bind_tools([get_weather], tool_choice="get_weather").bind(max_tokens=3)
+    message = bound.invoke("What is the weather in Paris?")
+    assert message.response_metadata["finish_reason"] == "length"
+    assert message.tool_calls == []  # type: ignore[attr-defined]
+    (partial,) = message.invalid_tool_calls  # type: ignore[attr-defined]
+    assert partial["name"] == "get_weather"

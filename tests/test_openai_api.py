@@ -343,12 +343,20 @@ def test_api_key_everywhere_but_health(start_server: ServerFactory) -> None:
     for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"),
                          ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
                          ("POST", "/detokenize"), ("GET", "/openapi.json"),
-                         ("GET", "/metrics"), ("POST", "/generate")]:
+                         ("GET", "/metrics"), ("POST", "/generate"),
+                         ("POST", "/v1/responses"), ("GET", "/v1/responses/resp_x"),
+                         ("DELETE", "/v1/responses/resp_x"), ("POST", "/v1/messages"),
+                         ("POST", "/v1/messages/count_tokens")]:
         response = httpx.request(method, f"{srv.url}{path}", json={}, timeout=10)
         assert response.status_code == 401, path
     assert httpx.get(f"{srv.url}/health").status_code == 200
     doc = httpx.get(f"{srv.url}/openapi.json", headers={"authorization": "Bearer sekrit"})
     assert doc.status_code == 200
+    # Anthropic's clients send the key as x-api-key; a wrong one is no better there.
+    assert httpx.get(f"{srv.url}/v1/models", headers={"x-api-key": "sekrit"}).status_code == 200
+    assert httpx.get(f"{srv.url}/v1/models", headers={"x-api-key": "nope"}).status_code == 401
+    assert httpx.get(f"{srv.url}/v1/models", headers={
+        "x-api-key": "sekrit", "authorization": "Bearer nope"}).status_code == 401
 
 
 def test_full_server_is_503_with_retry_after(start_server: ServerFactory) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from conftest import (
     CharTokenizer,
+    ScriptedBackend,
     ServerFactory,
     ServerHandle,
     ServerStarter,
@@ -353,6 +354,85 @@ _ENDPOINT_HOSTILE: dict[str, list[tuple[str, bytes, dict[str, str]]]] = {
         ("huge temperature", _j({"messages": _MSG, "temperature": 1e308}), {}),
         ("huge prompt", _j({"messages": [{"role": "user", "content": "a" * 200_000}]}), {}),
     ],
+    "/v1/responses": [
+        ("no input", _j({}), {}),
+        ("input a number", _j({"input": 5}), {}),
+        ("empty input", _j({"input": []}), {}),
+        ("item not an object", _j({"input": [1]}), {}),
+        ("bad role", _j({"input": [{"role": "wizard", "content": "a"}]}), {}),
+        ("unknown item type", _j({"input": [{"type": "computer_call"}]}), {}),
+        ("image part", _j({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}),
+         {}),
+        ("call without arguments", _j({"input": [{"type": "function_call", "call_id": "c",
+                                                  "name": "f"}]}), {}),
+        ("output without call_id", _j({"input": [{"type": "function_call_output",
+                                                  "output": "x"}]}), {}),
+        ("untokenizable input", _j({"input": "ÄÖ"}), {}),
+        ("empty rendering", _j({"input": ""}), {}),
+        ("hosted tool", _j({"input": "abc", "tools": [{"type": "file_search"}]}), {}),
+        ("named unknown tool", _j({"input": "abc", "tool_choice": {"type": "function",
+                                                                   "name": "f"}}), {}),
+        ("bad text format", _j({"input": "abc", "text": {"format": {"type": "xml"}}}), {}),
+        ("text not an object", _j({"input": "abc", "text": "json"}), {}),
+        ("zero max_output_tokens", _j({"input": "abc", "max_output_tokens": 0}), {}),
+        ("float max_output_tokens", _j({"input": "abc", "max_output_tokens": 2.5}), {}),
+        ("unknown previous response", _j({"input": "abc", "previous_response_id": "resp_x"}),
+         {}),
+        ("previous id a number", _j({"input": "abc", "previous_response_id": 5}), {}),
+        ("store a string", _j({"input": "abc", "store": "yes"}), {}),
+        ("instructions a list", _j({"input": "abc", "instructions": ["a"]}), {}),
+        ("background", _j({"input": "abc", "background": True}), {}),
+        ("huge temperature", _j({"input": "abc", "temperature": 1e308}), {}),
+        ("huge input", _j({"input": "a" * 200_000}), {}),
+    ],
+    "/v1/messages": [
+        ("no max_tokens", _j({"messages": _MSG}), {}),
+        ("no messages", _j({"max_tokens": 3}), {}),
+        ("bool max_tokens", _j({"messages": _MSG, "max_tokens": True}), {}),
+        ("messages a string", _j({"messages": "hi", "max_tokens": 3}), {}),
+        ("system role in messages", _j({"messages": [{"role": "system", "content": "a"}],
+                                        "max_tokens": 3}), {}),
+        ("block not an object", _j({"messages": [{"role": "user", "content": [1]}],
+                                    "max_tokens": 3}), {}),
+        ("image block", _j({"messages": [{"role": "user", "content": [{"type": "image"}]}],
+                            "max_tokens": 3}), {}),
+        ("tool_use without input", _j({"messages": [{"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t", "name": "f"}]}], "max_tokens": 3}), {}),
+        ("tool_result without id", _j({"messages": [{"role": "user", "content": [
+            {"type": "tool_result", "content": "x"}]}], "max_tokens": 3}), {}),
+        ("system a number", _j({"messages": _MSG, "system": 5, "max_tokens": 3}), {}),
+        ("server tool", _j({"messages": _MSG, "max_tokens": 3,
+                            "tools": [{"type": "bash_20250124", "name": "bash"}]}), {}),
+        ("tool without schema", _j({"messages": _MSG, "max_tokens": 3,
+                                    "tools": [{"name": "f"}]}), {}),
+        ("tool_choice a string", _j({"messages": _MSG, "max_tokens": 3, "tool_choice": "any"}),
+         {}),
+        ("stop_sequences a string", _j({"messages": _MSG, "max_tokens": 3,
+                                        "stop_sequences": "a"}), {}),
+        ("empty stop sequence", _j({"messages": _MSG, "max_tokens": 3, "stop_sequences": [""]}),
+         {}),
+        ("bad thinking", _j({"messages": _MSG, "max_tokens": 3, "thinking": True}), {}),
+        ("negative top_k", _j({"messages": _MSG, "max_tokens": 3, "top_k": -4}), {}),
+        ("untokenizable content", _j({"messages": [{"role": "user", "content": "ÄÖ"}],
+                                      "max_tokens": 3}), {}),
+        ("huge prompt", _j({"messages": [{"role": "user", "content": "a" * 200_000}],
+                            "max_tokens": 3}), {}),
+    ],
+    "/v1/messages/count_tokens": [
+        ("no messages", _j({}), {}),
+        ("messages empty", _j({"messages": []}), {}),
+        ("bad role", _j({"messages": [{"role": "tool", "content": "a"}]}), {}),
+        ("bad tool", _j({"messages": _MSG, "tools": [{"name": "f", "input_schema": 5}]}), {}),
+    ],
+    "/v1/embeddings": [
+        ("no input", _j({}), {}),
+        ("empty string", _j({"input": ""}), {}),
+        ("input a number", _j({"input": 5}), {}),
+        ("unknown token id", _j({"input": [1, 26]}), {}),
+        ("bad encoding", _j({"input": "abc", "encoding_format": "int4"}), {}),
+        ("zero dimensions", _j({"input": "abc", "dimensions": 0}), {}),
+        ("too many inputs", _j({"input": ["abc"] * 1000}), {}),
+    ],
     "/tokenize": [
         ("neither prompt nor messages", _j({}), {}),
         ("both prompt and messages", _j({"prompt": "a", "messages": _MSG}), {}),
@@ -391,13 +471,17 @@ def test_hostile_bodies_on_every_endpoint_get_a_4xx(
     assert m["kv_blocks_free"] == m["kv_blocks_total"] and m["running"] == 0
 
 
-@pytest.mark.parametrize("path", list(_ENDPOINT_HOSTILE))
+# The mock backend computes no embeddings (tests/test_embeddings.py serves them).
+@pytest.mark.parametrize("path", [p for p in _ENDPOINT_HOSTILE if p != "/v1/embeddings"])
 def test_every_endpoint_still_serves_after_hostile_input(
     text_server: ServerHandle, path: str
 ) -> None:
     bodies = {
         "/v1/completions": {"prompt": "abc", "max_tokens": 3},
         "/v1/chat/completions": {"messages": _MSG, "max_tokens": 3},
+        "/v1/responses": {"input": "abc", "max_output_tokens": 3},
+        "/v1/messages": {"messages": _MSG, "max_tokens": 3},
+        "/v1/messages/count_tokens": {"messages": _MSG},
         "/tokenize": {"prompt": "abc"},
         "/detokenize": {"tokens": [0, 1, 2]},
     }
@@ -452,6 +536,41 @@ def test_backend_fault_on_openai_paths(start_server: ServerFactory, path: str,
         assert reasons.count("length") == 2
     else:
         assert [c["finish_reason"] for c in ok.json()["choices"]] == ["length", "length"]
+    srv.wait_idle()
+
+
+def _named_events(text: str) -> list[dict[str, Any]]:
+    """The data of each ``event: NAME`` / ``data: {...}`` server-sent event."""
+    return [json.loads(line[len("data: "):]) for line in text.splitlines()
+            if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_backend_fault_on_the_agent_apis(start_server: ServerFactory, path: str,
+                                         stream: bool) -> None:
+    backend = SwitchBackend(token_latency_us=100)
+    srv = start_server(backend=backend, total_kv_blocks=256, kv_block_size=4)
+    body: dict[str, Any] = ({"input": "abc", "max_output_tokens": 8} if path == "/v1/responses"
+                            else {"messages": _MSG, "max_tokens": 8})
+    body["stream"] = stream
+    backend.fail = True
+    response = httpx.post(f"{srv.url}{path}", json=body, timeout=30)
+    if stream:
+        assert response.status_code == 200
+        last = _named_events(response.text)[-1]
+        assert last["type"] == "error"
+        message = last["message"] if path == "/v1/responses" else last["error"]["message"]
+        assert "injected fault" in message
+    else:
+        assert response.status_code == 500, response.text
+        err = response.json()["error"]
+        assert "injected fault" in err["message"]
+        assert err["type"] == ("server_error" if path == "/v1/responses" else "api_error")
+    assert srv.wait_idle()["requests_failed"] == 1
+    backend.fail = False
+    ok = httpx.post(f"{srv.url}{path}", json=body, timeout=30)
+    assert ok.status_code == 200
     srv.wait_idle()
 
 
@@ -659,6 +778,40 @@ def test_slow_reader_is_aborted_and_others_complete(start_server: ServerFactory,
         slow.close()
     status, lines = srv.generate({"prompt_tokens": 3, "max_new_tokens": 2})
     assert status == 200 and lines[-1]["done"]
+
+
+# ---------------------------------------------------------------- disconnects on the agent APIs
+
+
+_AGENT_BODIES = {
+    "/v1/responses": {"input": "hi", "max_output_tokens": 4000},
+    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("path", list(_AGENT_BODIES))
+def test_a_client_that_leaves_aborts_its_request(start_server: ServerFactory, path: str,
+                                                 stream: bool) -> None:
+    backend = ScriptedBackend()
+    backend.script = "word " * 3000
+    backend.token_latency_s = 0.001
+    srv = start_server(backend, total_kv_blocks=1024)
+    payload = json.dumps({**_AGENT_BODIES[path], "stream": stream}).encode()
+    sock = socket.create_connection((srv.host, srv.port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 .encode() + b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+    if stream:
+        received = b""
+        while received.count(b"delta") < 3:  # a few tokens are through
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+    else:
+        wait_for(lambda: srv.metrics()["running"] == 1, what="request running")
+    sock.close()
+    m = srv.wait_idle()
+    assert m["requests_aborted"] == 1 and m["requests_completed"] == 0
 
 
 # ---------------------------------------------------------------- schemathesis

@@ -22,7 +22,12 @@ from iron_batch import Engine, SchedulerConfig
 from iron_batch.backends.torch_backend import TorchBackend
 from iron_batch.sampling import Sampler
 from iron_batch.sampling_params import SamplingParams
-from iron_batch.structured import choice_grammar, json_schema_grammar, regex_grammar
+from iron_batch.structured import (
+    choice_grammar,
+    json_schema_grammar,
+    regex_grammar,
+    strict_schema,
+)
 from iron_batch.structured.masking import GrammarMasker
 
 MODEL = "smollm2-135m"
@@ -239,3 +244,29 @@ def test_masks_touch_only_the_constrained_rows(backend: TorchBackend) -> None:
     assert tokens[0] == logits[0].argmax()
     assert tok.decode([int(tokens[1])]) in ("y", "ye", "yes", "n", "no")
     assert re.fullmatch(r"[0-9]{1,4}", tok.decode([int(tokens[3])]))
+
+
+def test_strict_schema_closes_only_objects_that_list_their_properties() -> None:
+    point = {"type": "object", "properties": {"x": {"type": "number"}}}
+    schema = {
+        "type": "object",
+        "properties": {"where": point, "tags": {"type": "array", "items": point},
+                       "meta": {"type": "object"},
+                       "extra": {**point, "additionalProperties": {"type": "string"}}},
+        "$defs": {"p": point},
+        "allOf": [point],
+    }
+    strict = strict_schema(schema)
+    assert "additionalProperties" not in schema  # the client's schema is left alone
+    good = {"where": {"x": 1}, "tags": [{"x": 2}], "meta": {"any": "thing"},
+            "extra": {"x": 3, "label": "ok"}}
+    jsonschema.validate(good, strict)
+    for bad in ({**good, "weather": "sunny"}, {**good, "where": {"x": 1, "y": 2}},
+                {**good, "tags": [{"x": 2, "y": 3}]}):
+        jsonschema.validate(bad, schema)  # plain JSON Schema takes undeclared properties
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, strict)
+    assert strict["$defs"]["p"]["additionalProperties"] is False
+    assert "additionalProperties" not in strict["allOf"][0]  # would forbid the others' names
+    opened = strict_schema({**point, "additionalProperties": True})
+    jsonschema.validate({"x": 1, "y": 2}, opened)

@@ -14,13 +14,9 @@ from typing import Any
 
 import httpx
 import jsonschema
-import numpy as np
 import openai
 import pytest
-from conftest import ServerHandle, ServerStarter
-from iron_batch.backends.mock import MockBackend
-from iron_batch.loader import read_gguf_fields, resolve
-from iron_batch.tokenizer import Tokenizer
+from conftest import ScriptedBackend, ServerHandle, ServerStarter
 
 MODEL = "smollm2-135m"
 WEATHER = {
@@ -187,39 +183,6 @@ def test_tool_results_reach_the_template(smol: ServerHandle) -> None:
 
 
 # ---------------------------------------------------------------- auto, on scripted text
-
-
-class ScriptedBackend(MockBackend):
-    """SmolLM2's tokenizer, no weights: each request generates ``script`` (as set when
-    it was added), then the end-of-turn token."""
-
-    def __init__(self) -> None:
-        super().__init__(token_latency_us=0.0, prefill_token_latency_us=0.0, vocab_size=49152)
-        self.tokenizer = Tokenizer.from_gguf_fields(read_gguf_fields(resolve(MODEL).gguf))
-        self.eos_token_ids = list(self.tokenizer.eos_token_ids)
-        self.script = ""
-        self._scripts: dict[str, list[int]] = {}
-        self._done: dict[str, int] = {}
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
-        super().add_request(request_id, prompt_token_ids, params)
-        assert self.tokenizer is not None
-        self._scripts[request_id] = [
-            *self.tokenizer.encode(self.script, add_special_tokens=False),
-            *self.eos_token_ids,
-        ]
-        self._done[request_id] = 0
-
-    def execute(self, batch: Any) -> np.ndarray:
-        out = []
-        for rid in batch.sample_request_ids:
-            i = self._done[rid]
-            self._done[rid] = i + 1
-            # Past the end: the row an overlapped step wastes on a request that has just
-            # stopped (the engine ignores it); keep answering the end-of-turn token.
-            script = self._scripts[rid]
-            out.append(script[min(i, len(script) - 1)])
-        return np.asarray(out, dtype=np.int64)
 
 
 @pytest.fixture(scope="module")

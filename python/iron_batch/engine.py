@@ -262,6 +262,7 @@ class Engine:
         steps: Any = backend if full else ExecuteOnly(backend)
         # An object with only ``execute`` (no BackendBase) computes tokens and nothing else.
         self._scores_prompts = full and bool(backend.supports_prompt_logprobs)
+        self._embeds = full and bool(backend.supports_embeddings)
         self._submit = steps.submit
         self._wait = steps.wait
         self.config = config if config is not None else SchedulerConfig()
@@ -566,7 +567,7 @@ class Engine:
             extras = self._sample_extras(batch, output) if batch.num_samples else None
             events = scheduler.commit(batch, output.tokens)
             if len(events):
-                self._on_commit(events, out, extras, output.prompt_logprobs)
+                self._on_commit(events, out, extras, output.prompt_logprobs, output.embeddings)
 
     def _collect_inflight(self) -> set[str]:
         """Wait out every step in flight, ignoring its result (so the backend's replies
@@ -634,6 +635,7 @@ class Engine:
         out: list[tuple[_Request, TokenEvent]],
         extras: dict[str, Logprobs] | None = None,
         prompt_logprobs: dict[str, PromptLogprobs] | None = None,
+        embeddings: dict[str, np.ndarray] | None = None,
     ) -> None:
         now = time.perf_counter()
         stats = self.stats
@@ -692,6 +694,8 @@ class Engine:
                     event.logprobs = extras.get(req.request_id)
                 if index == 0 and prompt_logprobs:
                     event.prompt_logprobs = prompt_logprobs.get(req.request_id)
+                if index == 0 and embeddings:
+                    event.embedding = embeddings.get(req.request_id)
             if finished:
                 stats.requests_completed += 1
                 event.num_cached_tokens = req.num_cached or 0
@@ -738,6 +742,9 @@ class Engine:
             self._reject(req, "prompt logprobs are not supported by this backend",
                          "ValueError", out)
             return
+        if params.embed is not None and not self._embeds:
+            self._reject(req, "embeddings are not supported by this backend", "ValueError", out)
+            return
         try:
             self.backend.add_request(request_id, req.prompt_token_ids, params)
         except (ValueError, TypeError) as exc:
@@ -747,8 +754,9 @@ class Engine:
             handle = self.scheduler.add_request(
                 request_id, req.prompt_token_ids, params.max_new_tokens, stop_ids,
                 priority=params.priority, cache_salt=params.cache_salt,
-                # A cached block has KV but no logits: score the whole prompt.
-                skip_prefix_cache=params.prompt_logprobs is not None,
+                # A cached block has KV but no logits (nor hidden states): compute the
+                # whole prompt to score it or to mean-pool it.
+                skip_prefix_cache=params.prompt_logprobs is not None or params.embed == "mean",
             )
         except (IronBatchError, ValueError, TypeError, OverflowError) as exc:
             self.backend.remove_request(request_id)

@@ -31,6 +31,9 @@ class RequestOutput:
     #: With ``SamplingParams.prompt_logprobs``: per prompt token, None for the first, else
     #: (its logprob, [(token id, logprob)] top alternatives).
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    #: With ``SamplingParams.embed``: the prompt's pooled final hidden state (a float32
+    #: numpy vector, not normalised; see ``iron_batch.pooling``).
+    embedding: Any = None
 
 
 class LLM:
@@ -152,6 +155,8 @@ class LLM:
                         raise ValueError(f"request {order.index(event.request_id)}: {event.error}")
                     if event.prompt_logprobs is not None:
                         out.prompt_logprobs = event.prompt_logprobs
+                    if event.embedding is not None:
+                        out.embedding = event.embedding
                     if event.token_id is not None:
                         out.token_ids.append(event.token_id)
                     if event.text:

@@ -91,6 +91,9 @@ class SamplingParams:
     #: llguidance grammar (its JSON or Lark text) the output must match, enforced by a
     #: token mask where sampling happens; built by :mod:`iron_batch.structured`.
     grammar: str | None = None
+    #: An embedding request: the prompt's hidden states pooled ("last" or "mean", see
+    #: :mod:`iron_batch.pooling`) come with the first token event.
+    embed: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -103,6 +106,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be {kind} in {allowed.describe()}, got {value!r}")
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise ValueError("grammar must be a string")
+        if self.embed is not None and self.embed not in ("last", "mean"):
+            raise ValueError("embed must be 'last' or 'mean'")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if self.prompt_logprobs is not None and self.max_new_tokens == 0:

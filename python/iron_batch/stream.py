@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 #: One token's log-probability and its top alternatives: (logprob, [(token id, logprob)]).
 Logprobs = tuple[float, list[tuple[int, float]]]
@@ -26,6 +27,7 @@ class TokenEvent:
     requests whose ``params.logprobs`` is set (and a backend that computes them).
     ``prompt_logprobs`` is set on a request's first token event when its
     ``params.prompt_logprobs`` is set: one entry per prompt token, None for the first.
+    ``embedding`` is set on the first token event of a request with ``params.embed``.
     ``num_cached_tokens`` is set on the finishing event: prompt tokens the prefix cache
     served at the request's first admission (the scheduler forgets it once the request ends).
     """
@@ -42,6 +44,7 @@ class TokenEvent:
         "logprobs",
         "num_cached_tokens",
         "prompt_logprobs",
+        "embedding",
     )
 
     def __init__(
@@ -68,6 +71,8 @@ class TokenEvent:
         self.logprobs = logprobs
         self.num_cached_tokens = num_cached_tokens
         self.prompt_logprobs: list[Logprobs | None] | None = None
+        #: An embedding request's pooled hidden state (float32), on its first token event.
+        self.embedding: Any = None
 
     def __repr__(self) -> str:
         return (

@@ -97,13 +97,17 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> str:
+        """The template rendered; ``template_kwargs`` are extra variables it reads (such as
+        Qwen3's ``enable_thinking``), which never replace the ones set here."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         return str(
             self._template.render(
+                **template_kwargs,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",

@@ -112,6 +112,10 @@ class Backend(Protocol):
     #: them otherwise).
     supports_prompt_logprobs: bool
 
+    #: Whether requests may set ``SamplingParams.embed`` (the engine rejects them
+    #: otherwise).
+    supports_embeddings: bool
+
 
 @dataclass(frozen=True)
 class BackendInfo:
@@ -145,6 +149,9 @@ class StepOutput:
     #: The prompt logprobs of requests that asked for them, once their prompt is
     #: computed (the step that samples their first token), by request id.
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
+    #: Embedding requests' pooled final hidden states (float32, not normalised; see
+    #: ``iron_batch.pooling``), once their prompt is computed, by request id.
+    embeddings: dict[str, np.ndarray] | None = None
 
 
 def fill_placeholders(batch: Any, previous: np.ndarray | None) -> None:
@@ -175,6 +182,8 @@ class BackendBase:
 
     def describe(self) -> BackendInfo:
         return BackendInfo(kind=type(self).__name__)
+
+    supports_embeddings: bool = False
 
     # A backend that cannot overlap: submit runs the step, wait hands back its result.
     _previous_tokens: np.ndarray | None = None

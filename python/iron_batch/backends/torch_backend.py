@@ -14,6 +14,7 @@ from iron_batch.backends.base import BackendBase, BackendInfo, StepOutput
 from iron_batch.batch import model_inputs
 from iron_batch.loader import ModelSource, load_model, read_gguf_fields, resolve
 from iron_batch.models.decoder import DecoderModel
+from iron_batch.pooling import PromptPooler
 from iron_batch.prompt_logprobs import PromptLogprobs, PromptScorer
 from iron_batch.sampling import RequestState, Sampler
 from iron_batch.sampling_params import SamplingParams
@@ -64,6 +65,7 @@ class TorchStep:
     tokens: torch.Tensor | None
     logprobs: StepLogprobs | None
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
+    embeddings: dict[str, np.ndarray] | None = None
 
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
@@ -80,6 +82,7 @@ class TorchBackend(BackendBase):
     """
 
     supports_prompt_logprobs = True
+    supports_embeddings = True
 
     def __init__(
         self,
@@ -112,6 +115,7 @@ class TorchBackend(BackendBase):
         self.sampler = Sampler(model.config.vocab_size, model.device, grammar)
         self._requests: dict[str, RequestState] = {}
         self.scorer = PromptScorer()
+        self.pooler = PromptPooler()
         # The last submitted step's sampled tokens, on the device.
         self._device_tokens: torch.Tensor | None = None
 
@@ -153,10 +157,12 @@ class TorchBackend(BackendBase):
             )
         self._requests[request_id] = self.sampler.new_state(prompt_token_ids, params)
         self.scorer.add_request(request_id, prompt_token_ids, params.prompt_logprobs)
+        self.pooler.add_request(request_id, len(prompt_token_ids), params.embed)
 
     def remove_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
         self.scorer.remove_request(request_id)
+        self.pooler.remove_request(request_id)
 
     def execute(self, batch: Batch) -> np.ndarray:
         return self.wait(self.submit(batch)).tokens
@@ -194,7 +200,12 @@ class TorchBackend(BackendBase):
             inputs["sample_indices"] = np.concatenate(
                 [np.asarray(batch.sample_indices, dtype=np.int64), scoring.rows]
             )
-        logits = self._logits(inputs)
+        pooling = self.pooler.rows(batch) if self.supports_embeddings else None
+        if pooling is not None:
+            logits, hidden = self.model.forward_with_hidden(pooling.rows, **inputs)
+            self.pooler.record(hidden, pooling)
+        else:
+            logits = self._logits(inputs)
         if scoring is not None:
             self.scorer.record(logits[num_samples:], scoring)
             logits = logits[:num_samples]
@@ -205,14 +216,16 @@ class TorchBackend(BackendBase):
             return TorchStep(None, None)
         tokens, logprobs = self.sampler.sample(logits, states)
         self._device_tokens = tokens
-        # Requests sampling here have their prompt computed: their scores are complete.
-        return TorchStep(tokens, logprobs, self.scorer.take_finished(rids))
+        # Requests sampling here have their prompt computed: their scores and pooled hidden
+        # states are complete.
+        return TorchStep(tokens, logprobs, self.scorer.take_finished(rids),
+                         self.pooler.take_finished(rids))
 
     def wait(self, handle: TorchStep) -> StepOutput:
         if handle.tokens is None:
             return StepOutput(_NO_TOKENS)
         tokens = handle.tokens.cpu().numpy().astype(np.int64, copy=False)
-        return StepOutput(tokens, handle.logprobs, handle.prompt_logprobs)
+        return StepOutput(tokens, handle.logprobs, handle.prompt_logprobs, handle.embeddings)
 
     def _logits(self, inputs: dict[str, np.ndarray | torch.Tensor]) -> torch.Tensor:
         """Float32 logits of the rows ``inputs["sample_indices"]`` names, from one forward

@@ -303,11 +303,27 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, **batch: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Float32 logits [len(sample_indices), vocab] for one flattened batch."""
+        sample_indices = batch.pop("sample_indices")
         rows = len(batch["input_ids"])
         with cpu.few_rows(self.device, self.dtype, rows, cpu_kernels.BF16_GEMV_MAX_ROWS):
-            return self._forward(**batch)  # type: ignore[arg-type]
+            h = self._hidden_states(**batch)  # type: ignore[arg-type]
+            return self._logits(h, sample_indices)  # type: ignore[arg-type]
 
-    def _forward(
+    @torch.inference_mode()
+    def forward_with_hidden(
+        self, hidden_rows: np.ndarray, **batch: np.ndarray | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s logits, and the final-normed hidden states (float32,
+        ``[len(hidden_rows), hidden]``) of the token rows ``hidden_rows`` (embeddings)."""
+        sample_indices = batch.pop("sample_indices")
+        rows = len(batch["input_ids"])
+        with cpu.few_rows(self.device, self.dtype, rows, cpu_kernels.BF16_GEMV_MAX_ROWS):
+            h = self._hidden_states(**batch)  # type: ignore[arg-type]
+            at = torch.from_numpy(np.ascontiguousarray(hidden_rows, dtype=np.int64))
+            hidden = self.norm(h[at.to(self.device)]).float()
+            return self._logits(h, sample_indices), hidden  # type: ignore[arg-type]
+
+    def _hidden_states(
         self,
         *,
         input_ids: np.ndarray | torch.Tensor,
@@ -317,8 +333,8 @@ class DecoderModel:
         seq_lens: np.ndarray,
         num_computed_before: np.ndarray,
         block_tables: np.ndarray,
-        sample_indices: np.ndarray,
     ) -> torch.Tensor:
+        """The residual stream after the last layer (before the final norm), every row."""
         c = self.config
         dev = self.device
         shard = self.shard
@@ -339,7 +355,7 @@ class DecoderModel:
                 cos, sin = self.rotary.cos_sin(pos, largest)
                 decoder.decode(h, cos, sin, slot_mapping, np.asarray(block_tables)[:, :width],
                                lens, scale=self.scale)
-                return self._logits(h, sample_indices)
+                return h
         attn = self.attention
         plan = attn.plan(
             query_start_loc=query_start_loc, seq_lens=seq_lens,
@@ -368,7 +384,7 @@ class DecoderModel:
                 h, x = layers[i + 1].input_norm.add(h, mlp)
             else:
                 h = h + mlp
-        return self._logits(h, sample_indices)
+        return h
 
     def _logits(self, h: torch.Tensor, sample_indices: np.ndarray) -> torch.Tensor:
         """Final norm and LM head over the rows of ``h`` to sample (and to score)."""

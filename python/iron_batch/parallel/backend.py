@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 
 class TensorParallelTorchBackend(TorchBackend):
+    #: Embeddings read the hidden states on rank 0 alone: not wired through the ranks.
+    supports_embeddings = False
+
     def __init__(
         self,
         loaded: LoadedRank,

@@ -1,8 +1,11 @@
 """The Starlette app: routes, /metrics, /health and the engine's lifespan.
 
 The front ends live in their own modules: :mod:`iron_batch.server.generate` (/generate,
-NDJSON) and :mod:`iron_batch.server.openai.serving` (/v1, /tokenize, /detokenize). Imports
-run one way: errors -> fields -> admission -> asgi -> front ends -> app.
+NDJSON), :mod:`iron_batch.server.openai.serving` (/v1 chat and completions, /tokenize,
+/detokenize), :mod:`iron_batch.server.openai.responses_api` (/v1/responses),
+:mod:`iron_batch.server.openai.embeddings` (/v1/embeddings) and
+:mod:`iron_batch.server.anthropic.messages` (/v1/messages). Imports run one way: errors ->
+fields -> admission -> asgi -> front ends -> app.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from iron_batch.engine import Engine
+from iron_batch.pooling import PoolingConfig
 from iron_batch.server.admission import Admission, ServerLimits
+from iron_batch.server.anthropic.messages import message_routes
 from iron_batch.server.asgi import api_key_bytes, guarded
 from iron_batch.server.generate import GenerateEndpoint
 from iron_batch.server.metrics import (
@@ -28,6 +33,12 @@ from iron_batch.server.metrics import (
     metrics_json,
     prometheus_text,
     wants_prometheus,
+)
+from iron_batch.server.openai.embeddings import EmbeddingsEndpoint
+from iron_batch.server.openai.responses_api import (
+    MAX_STORED_RESPONSES,
+    ResponseStore,
+    response_routes,
 )
 from iron_batch.server.openai.serving import OpenAIServer
 from iron_batch.server.openapi import openapi_schema
@@ -47,6 +58,9 @@ def create_app(
     limits: ServerLimits | None = None,
     ui: bool = True,
     isolate_tenant_caches: bool = True,
+    reasoning_parser: str = "auto",
+    pooling: PoolingConfig | None = None,
+    max_stored_responses: int = MAX_STORED_RESPONSES,
 ) -> Starlette:
     """The server app; its lifespan starts the engine thread and stops it.
 
@@ -58,7 +72,11 @@ def create_app(
     ``app.state.info`` is the configuration it and the console banner show.
     ``api_key`` may be several keys, one per tenant: then, with ``isolate_tenant_caches``,
     each key's requests get a prefix-cache salt of their own (no tenant can time another's
-    prompts through the cache).
+    prompts through the cache). ``reasoning_parser`` (auto, think, none) says how chat
+    output splits into reasoning and answer (see :mod:`iron_batch.server.openai.reasoning`).
+    ``pooling`` is how /v1/embeddings pools (default: last token, normalised; see
+    :func:`iron_batch.pooling.read_pooling_config`). ``max_stored_responses`` bounds the
+    Responses API's store (all tenants together; the oldest is evicted first).
     """
     limits = dataclasses.replace(limits) if limits is not None else ServerLimits()
     if max_waiting_requests is not None:
@@ -69,7 +87,7 @@ def create_app(
     tenant_keys = key if isinstance(key, tuple) and isolate_tenant_caches else None
     openai_server = OpenAIServer(
         engine, api_key=key, admission=admission, served_model_name=served_model_name,
-        tenant_keys=tenant_keys,
+        tenant_keys=tenant_keys, reasoning_parser=reasoning_parser,
     )
     schema = openapi_schema(openai_server.model.name, ui=ui)
     info = server_info(
@@ -124,6 +142,10 @@ def create_app(
         Route("/generate", GenerateEndpoint(engine, key, admission, tenant_keys),
               methods=["POST"]),
         *openai_server.routes(),
+        *response_routes(openai_server, ResponseStore(max_stored_responses)),
+        *message_routes(openai_server),
+        Route("/v1/embeddings", EmbeddingsEndpoint(openai_server, pooling or PoolingConfig()),
+              methods=["POST"]),
         Route("/metrics", guarded(metrics, key), methods=["GET"]),
         Route("/health", health, methods=["GET"]),  # never needs the API key
         Route("/openapi.json", guarded(openapi, key), methods=["GET"]),

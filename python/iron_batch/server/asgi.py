@@ -48,27 +48,32 @@ def api_key_bytes(api_key: str | Sequence[str] | None) -> ApiKeys:
 
 
 def _matched_key(scope: Scope, api_key: ApiKeys) -> bytes | None:
-    """The configured key the request's ``Authorization: Bearer`` header carries, if any."""
+    """The configured key the request carries, if any: in ``Authorization: Bearer`` (OpenAI's
+    clients) or else in ``x-api-key`` (Anthropic's)."""
     if api_key is None:
         return None
     keys = api_key if isinstance(api_key, tuple) else (api_key,)
+    token: bytes | None = None
     for name, value in scope["headers"]:
         if name == b"authorization":
-            scheme, _, token = value.partition(b" ")
+            scheme, _, bearer = value.partition(b" ")
             if scheme.lower() != b"bearer":
                 return None
-            token = token.strip()
-            found = None
-            for key in keys:  # every key compared: the time says nothing about which
-                if hmac.compare_digest(token, key):
-                    found = key
-            return found
-    return None
+            token = bearer.strip()
+            break
+        if name == b"x-api-key" and token is None:
+            token = value.strip()
+    if token is None:
+        return None
+    found = None
+    for key in keys:  # every key compared: the time says nothing about which
+        if hmac.compare_digest(token, key):
+            found = key
+    return found
 
 
 def authorized(scope: Scope, api_key: ApiKeys) -> bool:
-    """Whether the request carries ``Authorization: Bearer <key>`` with one of the server's
-    keys (always, without any)."""
+    """Whether the request carries one of the server's keys (always, without any)."""
     return api_key is None or _matched_key(scope, api_key) is not None
 
 
@@ -81,6 +86,15 @@ def tenant_salt(scope: Scope, tenant_keys: tuple[bytes, ...] | None) -> str | No
     if key is None:
         return None
     return "tenant:" + hashlib.sha256(key).hexdigest()[:32]
+
+
+def tenant_id(scope: Scope, api_key: ApiKeys) -> str | None:
+    """Who owns what a request stores: its API key's digest (None on an open server, or
+    with one key, where every client is the same tenant)."""
+    if not isinstance(api_key, tuple):
+        return None
+    key = _matched_key(scope, api_key)
+    return None if key is None else hashlib.sha256(key).hexdigest()
 
 
 def salted(tenant: str | None, client_salt: str | None) -> str | None:

@@ -167,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Python GIL switch interval in microseconds (default 200; Python's "
                    "own is 5000, which lets a busy HTTP loop delay each engine step by "
                    "up to 5 ms)")
+    model.add_argument("--reasoning-parser", choices=("auto", "think", "none"), default="auto",
+                   help="split chat output into reasoning and answer: 'think' at "
+                   "<think>...</think>, 'none' never, 'auto' (default) when the model's chat "
+                   "template writes think tags")
+    model.add_argument("--embedding-pooling", choices=("auto", "last", "mean"), default="auto",
+                   help="/v1/embeddings pooling: 'auto' (default) as the checkpoint's "
+                   "sentence-transformers config says (last token without one), or "
+                   "'last'/'mean'; normalised as that config says (yes without one)")
     server.add_argument("--no-ui", action="store_true",
                    help="do not serve the chat playground and dashboard page at /")
     server.add_argument("--log-level", default="warning",
@@ -317,6 +325,8 @@ def main(argv: list[str] | None = None) -> None:
         isolate_tenant_caches=not args.shared_prefix_cache,
         limits=limits,
         ui=not args.no_ui,
+        reasoning_parser=args.reasoning_parser,
+        pooling=_pooling(args),
     )
     from iron_batch.server.ui import banner
 
@@ -361,3 +371,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     if not server.started:
         sys.exit(1)
+
+
+def _pooling(args: argparse.Namespace) -> Any:
+    """The embedding pooling of ``--embedding-pooling`` and the checkpoint folder's config."""
+    from pathlib import Path
+
+    from iron_batch.pooling import read_pooling_config
+
+    folder = Path(args.model) if args.model and Path(args.model).is_dir() else None
+    mode = None if args.embedding_pooling == "auto" else args.embedding_pooling
+    return read_pooling_config(folder, mode)

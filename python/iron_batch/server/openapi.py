@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from iron_batch import __version__
-from iron_batch.server import fields
+from iron_batch.server import fields, openapi_agent_apis
 from iron_batch.server.fields import MAX_REQUEST_ID_LEN, nullable_schema
 
 
@@ -461,6 +461,38 @@ def openapi_schema(model_name: str, *, ui: bool = False) -> dict[str, Any]:
                           **_AUTH_ERRORS},
         }},
     }
+    paths.update(openapi_agent_apis.paths(model_name, auth_gen))
+    paths["/v1/embeddings"] = {"post": {
+        "operationId": "createEmbedding",
+        "summary": "Pooled final hidden states of each input (a torch model's backend).",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object",
+            "properties": {
+                "model": _SAMPLING["model"],
+                "input": {"anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {"type": "array", "items": {"type": "string", "minLength": 1},
+                     "minItems": 1, "maxItems": fields.MAX_CHOICES},
+                    _TOKEN_IDS,
+                    {"type": "array", "items": _TOKEN_IDS, "minItems": 1,
+                     "maxItems": fields.MAX_CHOICES}]},
+                "encoding_format": _nullable({"enum": ["float", "base64"]}),
+                "dimensions": _nullable({"type": "integer", "minimum": 1,
+                                         "description": "Keep the first components "
+                                         "(renormalised); at most the hidden size."}),
+                "user": _nullable({"type": "string"}),
+            },
+            "required": ["input"],
+        }, "example": {"model": model_name, "input": "Hello!"}}}},
+        "responses": {"200": _json({"type": "object", "properties": {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": {"type": "object", "properties": {
+                "object": {"const": "embedding"}, "index": {"type": "integer"},
+                "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}},
+                                        {"type": "string"}]}}}},
+            "usage": {"type": "object"}}, "required": ["object", "data"]}, "Embeddings."),
+            **auth_gen},
+    }}
     if ui:
         paths.update(_ui_paths())
     return {
@@ -469,15 +501,19 @@ def openapi_schema(model_name: str, *, ui: bool = False) -> dict[str, Any]:
             "title": "iron-batch",
             "version": __version__,
             "description": f"Continuous-batching LLM server serving {model_name!r}. "
-            "OpenAI-compatible under /v1.",
+            "OpenAI-compatible under /v1 (chat, completions, the Responses API), and the "
+            "Anthropic Messages API at /v1/messages.",
         },
         "paths": paths,
         "components": {
-            "schemas": _SCHEMAS,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {**_SCHEMAS, **openapi_agent_apis.SCHEMAS},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "x_api_key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
         },
         # Only enforced when the server was started with --api-key.
-        "security": [{"bearer": []}, {}],
+        "security": [{"bearer": []}, {"x_api_key": []}, {}],
     }
 
 

@@ -10,6 +10,7 @@ from iron_batch.structured.grammars import (
     json_object_grammar,
     json_schema_grammar,
     regex_grammar,
+    strict_schema,
     validate_grammar,
 )
 
@@ -19,5 +20,6 @@ __all__ = [
     "json_object_grammar",
     "json_schema_grammar",
     "regex_grammar",
+    "strict_schema",
     "validate_grammar",
 ]

@@ -45,12 +45,58 @@ def validate_grammar(grammar: str) -> str:
     return grammar
 
 
+#: Keywords whose value is one subschema, a list of them, or a name -> subschema map.
+_ONE_SCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
+               "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+#: What lets an object schema take properties it does not list.
+_OPEN_OBJECT = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def strict_schema(schema: Any, *, closable: bool = True) -> Any:
+    """``schema`` with every object that lists its ``properties`` closed to other names.
+
+    JSON Schema lets an object carry properties it never declared, and a small model under
+    such a grammar invents them (a forced tool call grows a ``"weather": "..."`` argument
+    until the token limit cuts the JSON). Generated output keeps to the declared names
+    unless the schema opens the object itself (``additionalProperties`` true or a schema,
+    ``patternProperties``). An object that declares no properties (``{"type": "object"}``)
+    stays open. ``allOf`` members are left open: closing each would forbid the others'
+    names. The client's schema is not modified.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _ONE_SCHEMA and not isinstance(value, list):
+            out[key] = strict_schema(value)
+        elif key in (*_SCHEMA_LISTS, "items") and isinstance(value, list):  # old-style items
+            out[key] = [strict_schema(v) for v in value]
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [strict_schema(v, closable=False) for v in value]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: strict_schema(v) for name, v in value.items()}
+        else:
+            out[key] = value
+    if closable and isinstance(schema.get("properties"), dict) and not any(
+        k in schema for k in _OPEN_OBJECT
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
 def json_schema_grammar(schema: Any) -> str:
-    """Output that is one JSON value valid against ``schema`` (a JSON Schema object)."""
+    """Output that is one JSON value valid against ``schema`` (a JSON Schema object),
+    keeping to the properties it declares (see :func:`strict_schema`)."""
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be an object")
+    try:
+        schema = strict_schema(schema)
+    except RecursionError:
+        raise GrammarError("invalid JSON schema: nested too deeply") from None
     llg = _llguidance()
     try:
         grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_LAYOUT)

@@ -21,6 +21,7 @@ from iron_batch.server.admission import ServerLimits, check_size
 from iron_batch.server.errors import ApiError
 from iron_batch.server.fields import MAX_CHOICES, MAX_MESSAGES, MAX_PROMPTS
 from iron_batch.server.openai import tools as openai_tools
+from iron_batch.server.openai.reasoning import ReasoningFormat, opens_reasoning
 from iron_batch.server.openai.structured import read_constraint
 
 Kind = Literal["completion", "chat"]
@@ -38,6 +39,8 @@ class ModelInfo:
     limits: ServerLimits = field(default_factory=ServerLimits)
     #: The backend enforces grammars (response_format, forced tool calls).
     structured_output: bool = False
+    #: How chat output splits into reasoning and answer (None: it does not).
+    reasoning: ReasoningFormat | None = None
 
 
 @dataclass
@@ -66,6 +69,10 @@ class OpenAIRequest:
     score_only: bool = False
     #: How a chat request uses its tools (None: no tools, or tool_choice none).
     tool_plan: openai_tools.ToolPlan | None = None
+    #: How the output splits into reasoning and answer (chat; None: it does not).
+    reasoning: ReasoningFormat | None = None
+    #: The rendered prompt opened a thinking block: the output starts inside it.
+    reasoning_open: bool = False
 
     @property
     def num_choices(self) -> int:
@@ -309,15 +316,36 @@ def messages_from(value: Any) -> list[dict[str, Any]]:
     return out
 
 
+#: Variables the server itself gives the chat template.
+_TEMPLATE_OWN = ("messages", "add_generation_prompt", "tools", "bos_token", "eos_token")
+
+
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """``chat_template_kwargs``: extra variables for the chat template (``enable_thinking``)."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ApiError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    own = [k for k in value if k in _TEMPLATE_OWN]
+    if own:
+        raise ApiError(f"chat_template_kwargs cannot set {own[0]}",
+                       param="chat_template_kwargs")
+    return dict(value)
+
+
 def render_chat(model: ModelInfo, messages: list[dict[str, Any]],
                 add_generation_prompt: bool = True,
-                tools: list[dict[str, Any]] | None = None) -> str:
+                tools: list[dict[str, Any]] | None = None,
+                kwargs: dict[str, Any] | None = None) -> str:
     tok = model.tokenizer
     if tok is None or getattr(tok, "chat_template", None) is None:
         raise ApiError("this model has no chat template; use /v1/completions",
                           param="messages")
     messages, tools = openai_tools.template_messages(messages, tools, tok.chat_template)
-    extra = {"tools": tools} if tools is not None else {}
+    extra: dict[str, Any] = dict(kwargs or {})
+    if tools is not None:
+        extra["tools"] = tools
     try:
         return str(tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                            **extra))
@@ -327,10 +355,19 @@ def render_chat(model: ModelInfo, messages: list[dict[str, Any]],
 
 def chat_prompt_ids(model: ModelInfo, messages: list[dict[str, Any]],
                     add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
-    text = render_chat(model, messages, add_generation_prompt, tools)
+                    tools: list[dict[str, Any]] | None = None,
+                    kwargs: dict[str, Any] | None = None) -> list[int]:
+    return chat_prompt(model, messages, add_generation_prompt, tools, kwargs)[0]
+
+
+def chat_prompt(model: ModelInfo, messages: list[dict[str, Any]],
+                add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None,
+                kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
+    """(token ids, text) of the rendered conversation."""
+    text = render_chat(model, messages, add_generation_prompt, tools, kwargs)
     # The template writes BOS itself where the model wants one.
-    return _encode(model, text, "messages", add_special_tokens=False)
+    return _encode(model, text, "messages", add_special_tokens=False), text
 
 
 def parse_chat(body: dict[str, Any], model: ModelInfo) -> OpenAIRequest:
@@ -342,8 +379,10 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> OpenAIRequest:
         grammar = tool_plan.grammar
     messages = messages_from(body.get("messages"))
     add_gen = _bool(body, "add_generation_prompt", True)
-    prompt = chat_prompt_ids(model, messages, add_gen,
-                             tool_plan.declarations() if tool_plan is not None else None)
+    prompt, prompt_text = chat_prompt(
+        model, messages, add_gen, tool_plan.declarations() if tool_plan is not None else None,
+        template_kwargs(body),
+    )
     if not prompt:
         raise ApiError("messages render to no tokens", param="messages")
     base = _common_params(body, model)
@@ -366,6 +405,10 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> OpenAIRequest:
         tool_plan=tool_plan,
     )
     out.continuous_usage = continuous_usage
+    # A grammar (forced call, response_format) starts the output at its JSON: no thinking.
+    if model.reasoning is not None and grammar is None:
+        out.reasoning = model.reasoning
+        out.reasoning_open = opens_reasoning(model.reasoning, prompt_text)
     return out
 
 

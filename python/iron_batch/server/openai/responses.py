@@ -156,6 +156,9 @@ class Choice:
 
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    #: An embedding request's pooled hidden state (see iron_batch.pooling).
+    embedding: Any = None
     logprobs: list[LogprobEntry] = field(default_factory=list)
     prompt_logprobs: list[Logprobs | None] | None = None
     finish_reason: str | None = None
@@ -168,8 +171,11 @@ class Choice:
     def add(self, event: TokenEvent) -> None:
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
+        if event.embedding is not None:
+            self.embedding = event.embedding
         if event.token_id is not None:
             self.num_tokens += 1
+            self.token_ids.append(event.token_id)
             if event.logprobs is not None:
                 self.logprobs.append((event.token_id, event.logprobs))
         if event.text:

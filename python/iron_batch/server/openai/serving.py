@@ -40,6 +40,7 @@ from iron_batch.server.asgi import (
 )
 from iron_batch.server.errors import ApiError, unauthorized
 from iron_batch.server.fields import parse_json_object
+from iron_batch.server.openai.output import OutputStream, assistant_message, splitter
 from iron_batch.server.openai.protocol import (
     ModelInfo,
     OpenAIRequest,
@@ -48,7 +49,9 @@ from iron_batch.server.openai.protocol import (
     messages_from,
     parse_chat,
     parse_completion,
+    template_kwargs,
 )
+from iron_batch.server.openai.reasoning import reasoning_format
 from iron_batch.server.openai.responses import (
     DONE,
     Choice,
@@ -60,7 +63,7 @@ from iron_batch.server.openai.responses import (
     scored_completion_logprobs,
     sse,
 )
-from iron_batch.server.openai.tools import ToolStream, read_tool_list
+from iron_batch.server.openai.tools import read_tool_list
 from iron_batch.stream import RequestStream, TokenEvent
 
 _SSE_START = {
@@ -85,6 +88,7 @@ class OpenAIServer:
         admission: Admission,
         served_model_name: str | None = None,
         tenant_keys: tuple[bytes, ...] | None = None,
+        reasoning_parser: str = "auto",
     ) -> None:
         self.engine = engine
         self.api_key = api_key
@@ -101,7 +105,13 @@ class OpenAIServer:
             max_seq_tokens=pool if limit is None else min(pool, limit),
             limits=admission.limits,
             structured_output=backend.supports_structured_output,
+            reasoning=reasoning_format(getattr(backend.tokenizer, "chat_template", None),
+                                       reasoning_parser),
         )
+        #: The backend pools hidden states (/v1/embeddings), of this many components.
+        self.embeddings = bool(getattr(backend, "supports_embeddings", False))
+        config_of_model = getattr(getattr(backend, "model", None), "config", None)
+        self.embedding_size: int | None = getattr(config_of_model, "hidden_size", None)
         self.created = int(time.time())
         self.token_text = TokenText(self.model.tokenizer)
         self._ids = itertools.count()
@@ -170,7 +180,7 @@ class OpenAIServer:
                                param="add_generation_prompt")
             declared = [t.declaration for t in read_tool_list(body)]
             tokens = chat_prompt_ids(self.model, messages_from(body["messages"]), add_gen,
-                                     declared or None)
+                                     declared or None, template_kwargs(body))
         return JSONResponse(
             {"tokens": tokens, "count": len(tokens), "max_model_len": self.model.max_seq_tokens}
         )
@@ -207,11 +217,18 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ generation
 
-    def submit(self, req: OpenAIRequest) -> tuple[str, list[RequestStream]]:
+    def new_id(self, prefix: str) -> str:
+        """An id unique to this server process (and across its restarts)."""
+        return f"{prefix}{self._id_prefix}{next(self._ids):x}"
+
+    def submit(
+        self, req: OpenAIRequest, prefix: str | None = None
+    ) -> tuple[str, list[RequestStream]]:
         """One engine request per (prompt, choice); choice index = prompt * n + i."""
         self.admission.check_capacity(req.num_choices, sum(len(p) for p in req.prompts) * req.n)
-        prefix = "cmpl" if req.kind == "completion" else "chatcmpl"
-        response_id = f"{prefix}-{self._id_prefix}{next(self._ids):x}"
+        if prefix is None:
+            prefix = "cmpl-" if req.kind == "completion" else "chatcmpl-"
+        response_id = self.new_id(prefix)
         streams = submit(self.engine, [
             (f"{response_id}-{p * req.n + i}", list(prompt), params)
             for p, prompt in enumerate(req.prompts)
@@ -220,12 +237,60 @@ class OpenAIServer:
         return response_id, streams
 
 
-class _Generation:
-    """POST /v1/completions and /v1/chat/completions (raw ASGI, see the module docstring)."""
+async def collect(streams: list[RequestStream]) -> list[Choice] | None:
+    """Every event of ``streams``, one :class:`Choice` each; None when one was aborted (the
+    client is gone)."""
+    choices = [Choice() for _ in streams]
 
-    def __init__(self, server: OpenAIServer, kind: str) -> None:
+    async def drain(stream: RequestStream, choice: Choice) -> None:
+        async for events in stream:
+            for event in events:
+                choice.add(event)
+
+    await asyncio.gather(*(drain(s, c) for s, c in zip(streams, choices, strict=True)))
+    return choices if all(c.done for c in choices) else None
+
+
+def first_failure(choices: list[Choice]) -> ApiError | None:
+    """The error to answer with: a rejection (the client's fault) before a failure (ours)."""
+    failures = sorted((f for c in choices if (f := c.failure()) is not None),
+                      key=lambda f: f.status)
+    return failures[0] if failures else None
+
+
+class GenerationEndpoint:
+    """A raw ASGI endpoint that generates: the API key, the body, the request's parse, its
+    submission (with the tenant's cache salt) and its in-flight context are here; a front
+    end gives ``parse`` and ``respond`` (and ``send_error``, for its own error shape)."""
+
+    #: Response id prefix (None: the OpenAI endpoints' own).
+    id_prefix: str | None = None
+
+    def __init__(self, server: OpenAIServer) -> None:
         self.server = server
-        self.kind = kind
+
+    def parse(self, body: dict[str, Any], scope: Scope) -> tuple[OpenAIRequest, Any]:
+        """(engine request, front-end context) of a JSON body; ApiError for bad input."""
+        raise NotImplementedError
+
+    async def respond(self, req: OpenAIRequest, context: Any, response_id: str,
+                      streams: list[RequestStream], send: Send) -> None:
+        raise NotImplementedError
+
+    async def send_error(self, send: Send, exc: ApiError) -> None:
+        await send_error(send, exc)
+
+    async def results(self, streams: list[RequestStream], send: Send) -> list[Choice] | None:
+        """Every choice, once all are done; None when the client left, or when one failed
+        (its error is sent)."""
+        choices = await collect(streams)
+        if choices is None:
+            return None
+        failure = first_failure(choices)
+        if failure is not None:
+            await self.send_error(send, failure)
+            return None
+        return choices
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         server = self.server
@@ -235,23 +300,37 @@ class _Generation:
             raw = await read_body(receive, server.admission.limits.max_body_bytes)
             if raw is None:
                 return  # the client left while sending
-            body = parse_json_object(raw)
-            parse = parse_completion if self.kind == "completion" else parse_chat
-            req = parse(body, server.model)
+            req, context = self.parse(parse_json_object(raw), scope)
             tenant = tenant_salt(scope, server.tenant_keys)
             if tenant is not None:
                 for per_prompt in req.params:
                     for params in per_prompt:
                         params.cache_salt = salted(tenant, params.cache_salt)
-            response_id, streams = server.submit(req)
+            response_id, streams = server.submit(req, self.id_prefix)
         except ApiError as exc:
-            await send_error(send, exc)
+            await self.send_error(send, exc)
             return
         async with in_flight(server.admission, receive, streams):
-            if req.stream:
-                await self._stream(req, response_id, streams, send)
-            else:
-                await self._complete(req, response_id, streams, send)
+            await self.respond(req, context, response_id, streams, send)
+
+
+class _Generation(GenerationEndpoint):
+    """POST /v1/completions and /v1/chat/completions (raw ASGI, see the module docstring)."""
+
+    def __init__(self, server: OpenAIServer, kind: str) -> None:
+        super().__init__(server)
+        self.kind = kind
+
+    def parse(self, body: dict[str, Any], scope: Scope) -> tuple[OpenAIRequest, Any]:
+        parse = parse_completion if self.kind == "completion" else parse_chat
+        return parse(body, self.server.model), None
+
+    async def respond(self, req: OpenAIRequest, context: Any, response_id: str,
+                      streams: list[RequestStream], send: Send) -> None:
+        if req.stream:
+            await self._stream(req, response_id, streams, send)
+        else:
+            await self._complete(req, response_id, streams, send)
 
     # ---------------------------------------------------------------- non-streaming
 
@@ -259,20 +338,8 @@ class _Generation:
         self, req: OpenAIRequest, response_id: str, streams: list[RequestStream], send: Send
     ) -> None:
         created = int(time.time())
-        choices = [Choice() for _ in streams]
-
-        async def collect(stream: RequestStream, choice: Choice) -> None:
-            async for events in stream:
-                for event in events:
-                    choice.add(event)
-
-        await asyncio.gather(*(collect(s, c) for s, c in zip(streams, choices, strict=True)))
-        if not all(c.done for c in choices):
-            return  # aborted: the client is gone
-        # A rejection (the client's fault) wins over a failure (ours).
-        for failure in sorted((f for c in choices if (f := c.failure()) is not None),
-                              key=lambda f: f.status):
-            await send_error(send, failure)
+        choices = await self.results(streams, send)
+        if choices is None:
             return
         token_text = self.server.token_text
         out = []
@@ -298,10 +365,10 @@ class _Generation:
             else:
                 if req.logprobs is not None:
                     lp = chat_logprobs(c.logprobs, req.logprobs, token_text)
-                message: dict[str, Any] = {"role": "assistant", "content": text}
-                reason = c.finish_reason
-                if req.tool_plan is not None:
-                    message, reason = req.tool_plan.message(text, reason)
+                message, reason = assistant_message(
+                    text, c.finish_reason, req.tool_plan,
+                    splitter(req.reasoning, req.reasoning_open),
+                )
                 out.append({"index": index, "message": message, "logprobs": lp,
                             "finish_reason": reason})
         body = {
@@ -368,8 +435,12 @@ class _Generation:
                             "more_body": True})
             open_streams = len(streams)
             text_offsets = [0] * len(streams)
-            plan = req.tool_plan
-            tool_streams = [ToolStream(plan) for _ in streams] if plan is not None else None
+            output_streams = None
+            if req.tool_plan is not None or req.reasoning is not None:
+                output_streams = [
+                    OutputStream(req.tool_plan, splitter(req.reasoning, req.reasoning_open))
+                    for _ in streams
+                ]
             while open_streams:
                 items = [await queue.get()]
                 while not queue.empty():  # everything this step produced, in one write
@@ -390,7 +461,7 @@ class _Generation:
                                         "body": b"".join(parts) + DONE, "more_body": False})
                             return
                         chunk = self._chunk(req, index, event, token_text, text_offsets,
-                                            tool_streams)
+                                            output_streams)
                         if chunk is not None:
                             parts.append(sse({**head, "choices": [chunk], **tail_now()}))
                 if parts:
@@ -415,12 +486,12 @@ class _Generation:
         event: TokenEvent,
         token_text: TokenText,
         text_offsets: list[int],
-        tool_streams: list[ToolStream] | None = None,
+        output_streams: list[OutputStream] | None = None,
     ) -> dict[str, Any] | None:
         text = event.text or ""
         reason = event.finish_reason if event.finished else None
-        if tool_streams is not None:
-            delta, reason = tool_streams[index].feed(text, event.finished, reason)
+        if output_streams is not None:
+            delta, reason = output_streams[index].feed(text, event.finished, reason)
             lp = None
             if req.logprobs is not None and event.token_id is not None and event.logprobs:
                 lp = chat_logprobs([(event.token_id, event.logprobs)], req.logprobs, token_text)
