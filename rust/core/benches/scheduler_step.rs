@@ -23,6 +23,7 @@ impl Steady {
             max_running_seqs: running + 1,
             enable_prefix_caching: true,
             max_model_len: None,
+            ..Default::default()
         };
         let mut w = Steady {
             s: Scheduler::new(cfg).unwrap(),
