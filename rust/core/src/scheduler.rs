@@ -679,6 +679,7 @@ impl Scheduler {
             let seq = self.seqs[slot].as_ref().expect("running slot is live");
             let steps = Self::sample_steps(seq, start + n, lookahead);
             let mut self_preempted = false;
+            let mut wait = false;
             while !Self::blocks_needed(
                 &mut need,
                 &self.allocs,
@@ -687,11 +688,27 @@ impl Scheduler {
                 steps,
                 bs,
             ) {
+                if self.sliding && self.running.last() == Some(&slot) {
+                    let inflight = self.seqs[slot].as_ref().expect("live").num_inflight;
+                    if inflight > 0 {
+                        // Its open steps' commits release sliding blocks: wait for them
+                        // rather than start over (which would only repeat the same).
+                        wait = true;
+                        break;
+                    }
+                }
                 preempted = true;
                 if self.preempt_last() == slot {
                     self_preempted = true;
                     break;
                 }
+            }
+            if wait {
+                if let (Some((_, ck)), Some(pool)) = (save, self.state.as_mut()) {
+                    pool.release_uncached_first(ck);
+                }
+                i += 1;
+                continue;
             }
             if self_preempted {
                 if let (Some((_, ck)), Some(pool)) = (save, self.state.as_mut()) {
