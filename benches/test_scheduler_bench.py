@@ -15,13 +15,19 @@ import itertools
 
 import numpy as np
 import pytest
-from iron_batch import Scheduler, SchedulerConfig
+from iron_batch import CacheGroup, Scheduler, SchedulerConfig
 
 
 class Steady:
-    def __init__(self, running: int, prefill_per_step: int = 0) -> None:
-        self.s = Scheduler(SchedulerConfig(total_kv_blocks=running * 20 + 256, kv_block_size=16,
-                                           max_batch_tokens=8192, max_running_seqs=running + 1))
+    def __init__(self, running: int, prefill_per_step: int = 0, two_groups: bool = False) -> None:
+        blocks = running * 20 + 256
+        # Two groups: a 64-token sliding window (sequences reach 208 tokens, so blocks are
+        # released) beside a full group, each with the one-group pool.
+        groups = ([CacheGroup("sliding", blocks, window=64), CacheGroup("full", blocks)]
+                  if two_groups else [])
+        self.s = Scheduler(SchedulerConfig(total_kv_blocks=blocks, kv_block_size=16,
+                                           max_batch_tokens=8192, max_running_seqs=running + 1,
+                                           cache_groups=groups))
         self.ids = itertools.count()
         self.prefill_per_step = prefill_per_step
         self.sampled = np.full(running + 1, 7, dtype=np.int64)
@@ -82,3 +88,12 @@ def test_decode_step(benchmark, running: int) -> None:
 def test_mixed_step_256_decodes_plus_512_prefill(benchmark) -> None:
     w = Steady(256, prefill_per_step=512)
     benchmark(w.step)
+
+
+@pytest.mark.parametrize("two_groups", [False, True], ids=["one_group", "two_groups"])
+def test_decode_step_256_cache_groups(benchmark, two_groups: bool) -> None:
+    w = Steady(256, two_groups=two_groups)
+    benchmark(w.step)
+    assert w.s.num_running + w.s.num_waiting == 256
+    if two_groups:
+        assert w.s.stats()["sliding_blocks_released"] > 0

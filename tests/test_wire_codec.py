@@ -56,6 +56,14 @@ def good_batch() -> dict[str, np.ndarray]:
         "sample_max_steps": np.array([1, 2], i32),
         "pending_token_indices": np.zeros(0, i64),
         "pending_sample_rows": np.zeros(0, i64),
+        # One full-attention group and no state group: the cache-group fields are empty.
+        "group_slot_mapping": np.zeros((0, 4), i64),
+        "group_block_tables": np.zeros((0, 0), i32),
+        "block_table_offsets": np.zeros((1, 2), i32),
+        "state_slots": np.zeros(0, i32),
+        "state_fresh": np.zeros(0, i32),
+        "state_restore": np.zeros(0, i32),
+        "state_save": np.zeros(0, i32),
         "sample_handles": np.array([10, 11], i64),
         "remove_handles": np.array([3], i64),
         "add_handles": np.array([10], i64),
@@ -263,7 +271,7 @@ def test_short_bodies_and_wrong_array_counts_are_refused() -> None:
     assert refused(bytearray(b"\x01\x00\x00\x00")) == "truncated EXECUTE body"
     # The 8-byte prefix alone is whole; the arrays it announces are what is missing.
     count = len(wire.EXECUTE_FIELDS)
-    assert count == 19  # 12 batch arrays (placeholders too), 7 of request bookkeeping
+    assert count == 26  # 19 batch arrays (placeholders, cache groups), 7 of bookkeeping
     assert refused(bytearray(struct.pack("<II", 1, count))) == "array 0: truncated header"
     fields = good_batch()
     assert f"carries {count - 1} arrays, expected {count}" in refused(
@@ -388,7 +396,8 @@ def test_each_inconsistency_is_refused_by_name(
 
 
 def test_an_empty_step_is_allowed() -> None:
-    empty = {name: np.zeros((0, 0) if name == "block_tables" else 0, dt)
+    two_d = {f.name for f in BATCH_FIELDS if f.ndim == 2}
+    empty = {name: np.zeros((0, 0) if name in two_d else 0, dt)
              for name, dt in wire.EXECUTE_FIELDS}
     empty["query_start_loc"] = np.zeros(1, wire.I32)
     empty["add_params"] = np.frombuffer(b"[]", wire.U8)
@@ -518,6 +527,13 @@ def batches(draw: st.DrawFn) -> tuple[int, dict[str, np.ndarray], list[Any], wir
         "sample_max_steps": np.array([max_steps[i] for i in rows], i32),
         "pending_token_indices": np.zeros(0, i64),
         "pending_sample_rows": np.zeros(0, i64),
+        "group_slot_mapping": np.zeros((0, len(positions)), i64),
+        "group_block_tables": np.zeros((0, 0), i32),
+        "block_table_offsets": np.zeros((1, n), i32),
+        "state_slots": np.zeros(0, i32),
+        "state_fresh": np.zeros(0, i32),
+        "state_restore": np.zeros(0, i32),
+        "state_save": np.zeros(0, i32),
         "sample_handles": np.array([draw(st.integers(0, 2**40)) for _ in rows], i64),
         "remove_handles": np.array(draw(st.lists(st.integers(0, 2**40), max_size=3)), i64),
         "seq_handles": np.array([draw(st.integers(0, 2**40)) for _ in range(n)], i64),
@@ -542,3 +558,69 @@ def test_every_consistent_execute_round_trips(
         got = getattr(req, name)
         assert got.dtype == fields[name].dtype and np.array_equal(got, fields[name]), name
     assert req.adds == [(h, p, json.loads(json.dumps(s))) for h, p, s in adds]
+
+
+def hybrid_batch() -> dict[str, np.ndarray]:
+    """good_batch with a second (sliding) attention group and a state group: sequence "1"
+    has released its sliding group's block 0, so that table starts at logical block 1."""
+    i32, i64 = wire.I32, wire.I64
+    return with_(
+        group_slot_mapping=np.array([[12, 13, 14, 21]], i64),
+        group_block_tables=np.array([[3], [5]], i32),
+        block_table_offsets=np.array([[0, 0], [0, 1]], i32),
+        state_slots=np.array([0, 1], i32),
+        state_fresh=np.array([1, 0], i32),
+        state_restore=np.array([-1, -1], i32),
+        state_save=np.array([2, -1], i32),
+    )
+
+
+def test_an_execute_with_cache_groups_decodes_to_what_was_encoded() -> None:
+    fields = hybrid_batch()
+    batch = [fields[name] for name, _ in wire.EXECUTE_FIELDS[:NUM_BATCH_FIELDS]]
+    encoded = body_of(wire.encode_execute(2, batch, fields["sample_handles"], [3],
+                                          [(10, [5, 6, 7], {"temperature": 0.5, "seed": None})],
+                                          fields["seq_handles"]))
+    req = wire.decode_execute(encoded, LIMITS)
+    for name in ("group_slot_mapping", "group_block_tables", "block_table_offsets",
+                 "state_slots", "state_fresh", "state_restore", "state_save"):
+        assert np.array_equal(getattr(req, name), fields[name]), name
+        assert np.array_equal(req.batch()[name], fields[name]), name
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"group_slot_mapping": np.zeros((1, 3), np.int64)}, "group_slot_mapping must be"),
+        ({"group_block_tables": np.zeros((1, 1), np.int32)}, "group_block_tables must have"),
+        ({"block_table_offsets": np.zeros((1, 2), np.int32)}, "block_table_offsets must be"),
+        ({"block_table_offsets": np.array([[0, -1], [0, 0]], np.int32)}, "negative block"),
+        ({"group_slot_mapping": np.array([[0, 1, 2, 10**6]], np.int64)}, "group slot out"),
+        ({"group_block_tables": np.array([[3], [10**6]], np.int32)}, "group block id out"),
+        ({"state_fresh": np.array([1], np.int32)}, "state arrays must be"),
+        ({"state_slots": np.array([0, -1], np.int32)}, "negative state slot"),
+        ({"state_fresh": np.array([2, 0], np.int32)}, "state_fresh must be 0 or 1"),
+        ({"state_save": np.array([-2, 0], np.int32)}, "state checkpoint slots"),
+        # The first group's offset moves its reach: sequence 1 reaches block 2 + 1 = 3.
+        ({"block_table_offsets": np.array([[0, 0], [0, 1]], np.int32),
+          "seq_lens": np.array([3, 9], np.int32),
+          "num_computed_before": np.array([0, 8], np.int32)}, "outgrows its block table"),
+    ],
+)
+def test_bad_cache_group_fields_are_refused(changes: dict[str, np.ndarray],
+                                            message: str) -> None:
+    fields = hybrid_batch()
+    fields.update(changes)
+    assert message in refused(execute_body(fields))
+
+
+def test_a_sliding_first_group_may_reach_past_its_table_width() -> None:
+    # Sequence 1 decodes position 9 from a table of 2 columns starting at logical block 1.
+    fields = hybrid_batch()
+    fields.update(block_table_offsets=np.array([[0, 1], [0, 1]], np.int32),
+                  seq_lens=np.array([3, 10], np.int32),
+                  num_computed_before=np.array([0, 9], np.int32),
+                  sample_max_steps=np.array([1, 1], np.int32),
+                  positions=np.array([0, 1, 2, 9], np.int64))
+    req = wire.decode_execute(execute_body(fields), LIMITS)
+    assert req.seq_lens.tolist() == [3, 10]

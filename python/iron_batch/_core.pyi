@@ -5,6 +5,7 @@ One engine step is ``schedule()`` -> model forward -> ``commit(batch, sampled)``
 """
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -32,6 +33,37 @@ class OutOfBlocks(IronBatchError, RuntimeError):
 class BatchMismatch(IronBatchError, ValueError):
     """``commit`` got a batch that is not the last scheduled one, or the wrong number of tokens."""
 
+class CacheGroup:
+    """Layers with one cache spec: ``kind`` "full" (K and V of every token), "sliding" (of
+    the last ``window`` tokens: position p attends to p - window + 1 ..= p) or "state" (one
+    fixed-size recurrent state per sequence). ``size`` is the group's pool in blocks, or in
+    state slots; ``unit_bytes`` the bytes of one block or slot (for the usage figures)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def window(self) -> int | None: ...
+    @property
+    def unit_bytes(self) -> int: ...
+    def __init__(
+        self, kind: str, size: int, window: int | None = None, unit_bytes: int = 0
+    ) -> None: ...
+
+def split_pool(
+    pool_bytes: int,
+    groups: Sequence[tuple[str, int | None, int]],
+    kv_block_size: int,
+    max_running_seqs: int,
+    context: int,
+    chunk: int,
+) -> list[CacheGroup]:
+    """Split a pool of bytes between groups given as (kind, window, bytes per token or per
+    state slot): a state group gets two slots per running sequence; the attention groups share
+    the rest so that each serves as many sequences of ``context`` tokens (a sliding one
+    holds its window and a chunk of ``chunk`` tokens)."""
+
 class SchedulerConfig:
     total_kv_blocks: int
     kv_block_size: int
@@ -39,6 +71,12 @@ class SchedulerConfig:
     max_running_seqs: int
     enable_prefix_caching: bool
     max_model_len: int | None
+    #: Empty: one full group of ``total_kv_blocks`` (which is otherwise unused). At most one
+    #: state group and at least one attention group.
+    cache_groups: list[CacheGroup]
+    #: With a state group: save a checkpoint every this many blocks, besides the one at the
+    #: end of each prompt (0: only those).
+    state_checkpoint_interval: int
     def __init__(
         self,
         total_kv_blocks: int = 4096,
@@ -47,6 +85,8 @@ class SchedulerConfig:
         max_running_seqs: int = 256,
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
+        cache_groups: Sequence[CacheGroup] = ...,
+        state_checkpoint_interval: int = 0,
     ) -> None: ...
 
 class Batch:
@@ -105,6 +145,31 @@ class Batch:
     @property
     def num_computed_before(self) -> npt.NDArray[np.int32]:
         """[num_seqs] tokens already in the KV cache before this step."""
+    @property
+    def group_slot_mapping(self) -> npt.NDArray[np.int64]:
+        """[attention groups - 1, num_tokens] KV slots of the attention groups after the
+        first (whose slots are ``slot_mapping``)."""
+    @property
+    def group_block_tables(self) -> npt.NDArray[np.int32]:
+        """[(attention groups - 1) * num_seqs, width]: group g's (g >= 1) block table is rows
+        (g - 1) * num_seqs .. g * num_seqs, padded with 0."""
+    @property
+    def block_table_offsets(self) -> npt.NDArray[np.int32]:
+        """[attention groups, num_seqs] logical block of each table row's first column: a
+        sliding group's blocks before it are released; 0 in full groups."""
+    @property
+    def state_slots(self) -> npt.NDArray[np.int32]:
+        """[num_seqs] each sequence's state slot (empty without a state group)."""
+    @property
+    def state_fresh(self) -> npt.NDArray[np.int32]:
+        """[num_seqs] 1 where the step begins a fresh (zero) state in the slot."""
+    @property
+    def state_restore(self) -> npt.NDArray[np.int32]:
+        """[num_seqs] checkpoint slot to copy into the state slot before the step, or -1."""
+    @property
+    def state_save(self) -> npt.NDArray[np.int32]:
+        """[num_seqs] slot to copy the state into after the step's own tokens (a checkpoint
+        at the end of the row's chunk, which is block-aligned), or -1."""
 
 FINISH_REASONS: tuple[None, str, str, str]
 """``FINISH_REASONS[code]`` names a ``StepEvents.finish_reasons`` code:
@@ -211,7 +276,12 @@ class Scheduler:
     def stats(self) -> dict[str, int]:
         """Counters: total_blocks, free_blocks, used_blocks, cached_blocks, running, waiting,
         preemptions, prefix_cache_queries, prefix_cache_hit_tokens, prefix_cache_query_tokens,
-        requests_added, requests_finished, requests_aborted."""
+        requests_added, requests_finished, requests_aborted, sliding_blocks_released,
+        state_checkpoints_saved, state_checkpoint_hits. The block counts are the first
+        attention group's."""
+    def group_stats(self) -> list[dict[str, Any]]:
+        """Each cache group's pool in config order: kind, window, total, used, free, cached
+        (blocks or state slots) and unit_bytes."""
     def check_invariants(self) -> None:
         """Raise AllocatorError if any internal invariant is broken (for tests)."""
 

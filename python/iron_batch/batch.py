@@ -42,9 +42,37 @@ BATCH_FIELDS: tuple[BatchField, ...] = (
     # in its sample rows pending_sample_rows (filled in by the backend before the forward).
     BatchField("pending_token_indices", I64, False),  # [P]
     BatchField("pending_sample_rows", I64, False),  # [P]
+    # Cache groups (G attention groups; see _core.Batch): the other groups' slots and
+    # tables, every group's table offsets, and the recurrent state slots ([0] without one).
+    BatchField("group_slot_mapping", I64, False, ndim=2),  # [G - 1, T]
+    BatchField("group_block_tables", I32, False, ndim=2),  # [(G - 1) * S, B']
+    BatchField("block_table_offsets", I32, False, ndim=2),  # [G, S]
+    BatchField("state_slots", I32, False),  # [S] or [0]
+    BatchField("state_fresh", I32, False),  # [S] or [0]
+    BatchField("state_restore", I32, False),  # [S] or [0]
+    BatchField("state_save", I32, False),  # [S] or [0]
 )
 BATCH_FIELD_NAMES = tuple(f.name for f in BATCH_FIELDS)
 MODEL_INPUTS = tuple(f.name for f in BATCH_FIELDS if f.model_input)
+#: The cache-group fields: what a backend needs beyond the model inputs for a model with
+#: sliding-window or recurrent-state layers (and what the tensor-parallel broadcast carries).
+CACHE_GROUP_FIELDS = (
+    "group_slot_mapping", "group_block_tables", "block_table_offsets",
+    "state_slots", "state_fresh", "state_restore", "state_save",
+)
+
+
+def absolute_block_tables(block_tables: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """A sliding group's tables (row ``r`` starting at logical block ``offsets[r]``) laid
+    out from block 0, the released columns holding block 0: for attention code that indexes
+    tables by position and hides what lies before the window with its mask."""
+    if not offsets.size or not offsets.any():
+        return block_tables
+    rows, width = block_tables.shape
+    out = np.zeros((rows, int(offsets.max()) + width), dtype=block_tables.dtype)
+    cols = offsets.astype(np.int64)[:, None] + np.arange(width)
+    out[np.arange(rows)[:, None], cols] = block_tables
+    return out
 
 
 def batch_arrays(batch: Any) -> list[np.ndarray]:

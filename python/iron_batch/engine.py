@@ -495,6 +495,8 @@ class Engine:
         # Readers on other threads (/metrics, admission) see this snapshot, never the
         # scheduler itself.
         self.stats.scheduler = self.scheduler.stats()
+        if self.config.cache_groups:
+            self.stats.cache_groups = self.scheduler.group_stats()
 
     def _publish(self, items: list[tuple[_Request, TokenEvent]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, TokenEvent]]] = {}

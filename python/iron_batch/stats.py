@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 # Bucket edges grow by 5% from 1 µs to ~170 s: a percentile read from a bucket is off by
 # at most 5%, good enough for p50/p99, and 390 ints of memory whatever the traffic.
@@ -102,6 +103,9 @@ class EngineStats:
         # Latest Scheduler.stats() snapshot, refreshed by the engine thread after every step
         # so that readers never touch the scheduler from another thread.
         self.scheduler: dict[str, int] = {}
+        # Scheduler.group_stats() with cache groups configured (empty without): each
+        # group's kind, window, total, used, free and cached blocks or state slots.
+        self.cache_groups: list[dict[str, Any]] = []
 
     @property
     def elapsed_secs(self) -> float:

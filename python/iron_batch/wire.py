@@ -51,7 +51,9 @@ MAGIC = b"IBW1"
 #: 2: RESULT carries JSON extras (logprobs), EXECUTE the sequences' handles (main's v2).
 #: 3: EXECUTE also carries the batch's placeholders (overlapped steps, several frames in
 #: flight): both of the earlier, separately numbered v2 changes.
-PROTOCOL = 3
+#: 4: EXECUTE carries the cache-group fields (other groups' slots and tables, table
+#: offsets, recurrent state slots).
+PROTOCOL = 4
 HEADER = struct.Struct("<4sBBHI")
 _ARRAY_HEADER = struct.Struct("<BB6xII")
 _EXECUTE_PREFIX = struct.Struct("<II")
@@ -325,6 +327,36 @@ def _check_params(obj: Any) -> dict[str, Any]:
     return out
 
 
+def _check_cache_groups(named: dict[str, np.ndarray], t: int, s: int,
+                        limits: WorkerLimits) -> None:
+    """Shapes and ranges of the cache-group fields (G attention groups)."""
+    slots, tables = named["group_slot_mapping"], named["group_block_tables"]
+    offsets = named["block_table_offsets"]
+    g = slots.shape[0] + 1
+    _fail_unless(slots.shape[1] == t or (slots.shape[0] == 0 and slots.size == 0),
+                 "group_slot_mapping must be [groups - 1, num_tokens]")
+    _fail_unless(tables.shape[0] == (g - 1) * s, "group_block_tables must have a row per "
+                 "sequence of each group after the first")
+    _fail_unless(offsets.shape == (g, s) or (s == 0 and offsets.size == 0),
+                 "block_table_offsets must be [groups, num_seqs]")
+    if offsets.size:
+        _fail_unless(offsets.min() >= 0, "negative block table offset")
+    if slots.size:
+        _fail_unless(slots.min() >= 0 and slots.max() < limits.num_kv_blocks
+                     * limits.kv_block_size, "group slot out of range")
+    if tables.size:
+        _fail_unless(tables.min() >= 0 and tables.max() < limits.num_kv_blocks,
+                     "group block id out of range")
+    state = [named[n] for n in ("state_slots", "state_fresh", "state_restore", "state_save")]
+    _fail_unless(all(len(a) == len(state[0]) for a in state)
+                 and len(state[0]) in (0, s), "state arrays must be empty or one per sequence")
+    if len(state[0]):
+        _fail_unless(state[0].min() >= 0, "negative state slot")
+        _fail_unless(bool(np.isin(state[1], (0, 1)).all()), "state_fresh must be 0 or 1")
+        _fail_unless(state[2].min() >= -1 and state[3].min() >= -1,
+                     "state checkpoint slots must be -1 or a slot")
+
+
 def decode_execute(body: bytearray, limits: WorkerLimits) -> ExecuteRequest:
     """Parse and check an EXECUTE body whole; raises WireError naming the first problem."""
     _fail_unless(len(body) >= _EXECUTE_PREFIX.size, "truncated EXECUTE body")
@@ -362,11 +394,14 @@ def decode_execute(body: bytearray, limits: WorkerLimits) -> ExecuteRequest:
     _fail_unless(qsl[0] == 0 and qsl[-1] == t, "query_start_loc must run from 0 to num_tokens")
     qlen = np.diff(qsl)
     _fail_unless(s == 0 or qlen.min() >= 1, "every sequence needs at least one token")
+    _check_cache_groups(named, t, s, limits)
+    # A sliding first group's table starts at its offset: it covers up to (offset + B) blocks.
+    reach = (named["block_table_offsets"][0].astype(np.int64) + b) * bs if s else 0
     if s:
         _fail_unless(before.min() >= 0, "negative num_computed_before")
         _fail_unless(np.array_equal(seq_lens, before + qlen),
                      "seq_lens != num_computed_before + query length")
-        _fail_unless(int(seq_lens.max()) <= b * bs, "a sequence outgrows its block table")
+        _fail_unless(bool((seq_lens <= reach).all()), "a sequence outgrows its block table")
         if tables.size:
             _fail_unless(tables.min() >= 0 and tables.max() < limits.num_kv_blocks,
                          "block id out of range")
@@ -380,7 +415,8 @@ def decode_execute(body: bytearray, limits: WorkerLimits) -> ExecuteRequest:
                      "sample_max_steps out of 1..steps")
         # Lookahead step j writes position seq_lens + j - 1; the last one must fit the table.
         last = seq_lens[row_seqs].astype(np.int64) + max_steps - 2
-        _fail_unless(int(last.max()) < b * bs, "lookahead steps outgrow the block table")
+        _fail_unless(bool((last < reach[row_seqs]).all()),
+                     "lookahead steps outgrow the block table")
     holes, hole_rows = named["pending_token_indices"], named["pending_sample_rows"]
     _fail_unless(len(holes) == len(hole_rows), "placeholder arrays differ in length")
     if len(holes):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from iron_batch import flags
-from iron_batch._core import SchedulerConfig
+from iron_batch._core import CacheGroup, SchedulerConfig
 from iron_batch.backends.base import Backend
 from iron_batch.backends.mock import DEFAULT_PREFILL_TOKEN_LATENCY_US, DEFAULT_TOKEN_LATENCY_US
 from iron_batch.backends.remote import DEFAULT_TIMEOUT_S
@@ -164,11 +164,16 @@ def scheduler_config(
     if own_size is not None and kv_block_size is not None and kv_block_size != own_size:
         raise BackendConfigError(f"--kv-block-size {kv_block_size} differs from the "
                                  f"backend's {own_size}")
+    blocks = int(total_kv_blocks or own_blocks or DEFAULTS.total_kv_blocks)
+    # A model whose every layer has a sliding window is one sliding cache group.
+    window = getattr(backend, "sliding_window", None)
+    groups = [CacheGroup("sliding", blocks, window=window)] if window else []
     try:
         return SchedulerConfig(
-            total_kv_blocks=int(total_kv_blocks or own_blocks or DEFAULTS.total_kv_blocks),
+            total_kv_blocks=blocks,
             kv_block_size=int(own_size or kv_block_size or DEFAULTS.kv_block_size),
             max_model_len=backend.max_model_len,
+            cache_groups=groups,
             **{k: v for k, v in options.items() if v is not None},
         )
     except (ValueError, OverflowError) as exc:

@@ -11,7 +11,7 @@ import torch
 
 from iron_batch._core import SchedulerConfig
 from iron_batch.backends.base import BackendBase, BackendInfo, StepOutput
-from iron_batch.batch import model_inputs
+from iron_batch.batch import absolute_block_tables, model_inputs
 from iron_batch.loader import ModelSource, load_model, read_gguf_fields, resolve
 from iron_batch.models.decoder import DecoderModel
 from iron_batch.pooling import PromptPooler
@@ -101,6 +101,9 @@ class TorchBackend(BackendBase):
         self.num_kv_blocks: int = num_kv_blocks
         self.kv_block_size: int = kv_block_size
         self.max_model_len: int | None = model.config.max_position_embeddings
+        #: Every layer attends over this many tokens (Mistral): the scheduler then keeps one
+        #: sliding cache group and releases the blocks before the window.
+        self.sliding_window: int | None = model.config.sliding_window
         self.vocab_size = model.config.vocab_size
         eos = list(model.config.eos_token_ids)
         for i in tokenizer.eos_token_ids if tokenizer else []:
@@ -181,6 +184,11 @@ class TorchBackend(BackendBase):
         if batch.block_tables.size and int(batch.block_tables.max()) >= self.num_kv_blocks:
             raise ValueError("batch uses a KV block id beyond this backend's num_kv_blocks")
         inputs: dict[str, np.ndarray | torch.Tensor] = dict(model_inputs(batch))
+        offsets = getattr(batch, "block_table_offsets", None)
+        if offsets is not None and offsets.size and offsets[0].any():
+            # A sliding group's tables start at their offsets; the attention indexes them by
+            # position and its window mask hides the released columns.
+            inputs["block_tables"] = absolute_block_tables(batch.block_tables, offsets[0])
         holes = getattr(batch, "pending_token_indices", None)
         if holes is not None and len(holes):
             # Placeholders are filled before the forward (and before a tensor-parallel

@@ -35,7 +35,7 @@ def metrics_json(stats: EngineStats) -> dict[str, Any]:
     elapsed = stats.elapsed_secs
     query_tokens = sched.get("prefix_cache_query_tokens", 0)
     hits = sched.get("prefix_cache_hit_tokens", 0)
-    return {
+    out = {
         "elapsed_secs": round(elapsed, 3),
         "tokens_generated": stats.tokens_generated,
         "requests_completed": stats.requests_completed,
@@ -53,6 +53,10 @@ def metrics_json(stats: EngineStats) -> dict[str, Any]:
         "preemptions": sched.get("preemptions", 0),
         "prefix_cache_hit_rate": round(hits / query_tokens, 4) if query_tokens else 0.0,
     }
+    if stats.cache_groups:
+        # With cache groups, each group's pool (blocks, or state slots), in config order.
+        out["cache_groups"] = [dict(g) for g in stats.cache_groups]
+    return out
 
 
 def _histogram(
@@ -105,6 +109,16 @@ class _EngineCollector:
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"iron_batch_{name}", doc, value=value)
+        if stats.cache_groups:
+            for field, doc in (("total", "in the pool"), ("used", "held by sequences"),
+                               ("cached", "free with reusable content")):
+                family = GaugeMetricFamily(
+                    f"iron_batch_cache_group_{field}",
+                    f"Blocks (attention groups) or state slots of each cache group {doc}.",
+                    labels=["group", "kind"])
+                for i, g in enumerate(stats.cache_groups):
+                    family.add_metric([str(i), g["kind"]], g[field])
+                yield family
         yield _histogram(
             "iron_batch_time_to_first_token_seconds",
             "Time from request arrival to its first token.",

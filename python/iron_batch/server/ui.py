@@ -98,6 +98,8 @@ def server_info(
             "max_waiting_tokens": limits.max_waiting_tokens,
         },
         "auth": auth,
+        "cache_groups": [{"kind": g.kind, "window": g.window, "size": g.size}
+                         for g in config.cache_groups],
     }
 
 
@@ -151,6 +153,7 @@ def banner(info: dict[str, Any], urls: list[str], *, ui: bool) -> str:
     lines += [
         f"  {'model':<9}{model}",
         f"  {'KV pool':<9}{pool}",
+        *_group_lines(info.get("cache_groups", [])),
         f"  {'limits':<9}{', '.join(parts)}",
     ]
     if info.get("switches"):
@@ -163,6 +166,18 @@ def banner(info: dict[str, Any], urls: list[str], *, ui: bool) -> str:
         + ("; API key required" if info["auth"] else ""),
     ]
     return "\n".join(lines)
+
+
+def _group_lines(groups: list[dict[str, Any]]) -> list[str]:
+    """The banner's line of cache groups (none without them)."""
+    if not groups:
+        return []
+    each = []
+    for i, g in enumerate(groups):
+        unit = "slots" if g["kind"] == "state" else "blocks"
+        kind = f"sliding {g['window']}" if g["kind"] == "sliding" else g["kind"]
+        each.append(f"{i}: {kind}, {g['size']} {unit}")
+    return [f"  {'groups':<9}{'; '.join(each)}"]
 
 
 def _window_percentiles(
@@ -244,6 +259,7 @@ class MetricsHistory:
             "kv_blocks_total": sched.get("total_blocks", 0),
             "kv_blocks_used": sched.get("used_blocks", 0),
             "kv_blocks_cached": sched.get("cached_blocks", 0),
+            "cache_groups": stats.cache_groups,
             "prefix_cache_hit_rate": hit_rate,
             "preemptions": preemptions,
             "preemptions_per_sec": preempt_s,

@@ -23,6 +23,13 @@ pub struct Batch {
     sample_max_steps: Py<PyArray1<i32>>,
     pending_token_indices: Py<PyArray1<i64>>,
     pending_sample_rows: Py<PyArray1<i64>>,
+    group_slot_mapping: Py<PyArray2<i64>>,
+    group_block_tables: Py<PyArray2<i32>>,
+    block_table_offsets: Py<PyArray2<i32>>,
+    state_slots: Py<PyArray1<i32>>,
+    state_fresh: Py<PyArray1<i32>>,
+    state_restore: Py<PyArray1<i32>>,
+    state_save: Py<PyArray1<i32>>,
 }
 
 impl Batch {
@@ -38,7 +45,27 @@ impl Batch {
         let tables = std::mem::take(&mut b.block_tables)
             .into_pyarray(py)
             .reshape([rows, width])?;
+        let groups = b.num_attention_groups.max(1);
+        let tokens = b.input_ids.len();
+        let group_slots = std::mem::take(&mut b.group_slot_mapping)
+            .into_pyarray(py)
+            .reshape([groups - 1, tokens])?;
+        let group_tables = std::mem::take(&mut b.group_block_tables)
+            .into_pyarray(py)
+            .reshape([(groups - 1) * rows, b.group_max_blocks])?;
+        let mut offsets = std::mem::take(&mut b.block_table_offsets);
+        offsets.resize(groups * rows, 0);
+        let offsets = offsets.into_pyarray(py).reshape([groups, rows])?;
         Ok(Batch {
+            group_slot_mapping: group_slots.unbind(),
+            group_block_tables: group_tables.unbind(),
+            block_table_offsets: offsets.unbind(),
+            state_slots: std::mem::take(&mut b.state_slots).into_pyarray(py).unbind(),
+            state_fresh: std::mem::take(&mut b.state_fresh).into_pyarray(py).unbind(),
+            state_restore: std::mem::take(&mut b.state_restore)
+                .into_pyarray(py)
+                .unbind(),
+            state_save: std::mem::take(&mut b.state_save).into_pyarray(py).unbind(),
             input_ids: std::mem::take(&mut b.input_ids).into_pyarray(py).unbind(),
             positions: std::mem::take(&mut b.positions).into_pyarray(py).unbind(),
             slot_mapping: std::mem::take(&mut b.slot_mapping)
@@ -139,6 +166,38 @@ impl Batch {
     #[getter]
     fn pending_sample_rows(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
         self.pending_sample_rows.clone_ref(py)
+    }
+    /// `[attention groups - 1, num_tokens]`: the cache slots of the groups after the first.
+    #[getter]
+    fn group_slot_mapping(&self, py: Python<'_>) -> Py<PyArray2<i64>> {
+        self.group_slot_mapping.clone_ref(py)
+    }
+    /// `[(attention groups - 1) * num_seqs, width]`: group g's table is rows
+    /// `(g - 1) * num_seqs` to `g * num_seqs`.
+    #[getter]
+    fn group_block_tables(&self, py: Python<'_>) -> Py<PyArray2<i32>> {
+        self.group_block_tables.clone_ref(py)
+    }
+    /// `[attention groups, num_seqs]`: the logical block of each table row's first column.
+    #[getter]
+    fn block_table_offsets(&self, py: Python<'_>) -> Py<PyArray2<i32>> {
+        self.block_table_offsets.clone_ref(py)
+    }
+    #[getter]
+    fn state_slots(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.state_slots.clone_ref(py)
+    }
+    #[getter]
+    fn state_fresh(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.state_fresh.clone_ref(py)
+    }
+    #[getter]
+    fn state_restore(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.state_restore.clone_ref(py)
+    }
+    #[getter]
+    fn state_save(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.state_save.clone_ref(py)
     }
     #[getter]
     fn request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {

@@ -27,6 +27,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
     m.add_class::<scheduler::SchedulerConfig>()?;
+    m.add_class::<scheduler::CacheGroup>()?;
+    m.add_function(wrap_pyfunction!(scheduler::split_pool, m)?)?;
     m.add_class::<scheduler::Scheduler>()?;
     m.add_class::<batch::Batch>()?;
     m.add_class::<events::StepEvents>()?;

@@ -17,6 +17,133 @@ use crate::convert::token_ids;
 use crate::errors::{alloc_err, new_err, sched_err, Kind};
 use crate::events::StepEvents;
 
+/// One cache group: `kind` is "full", "sliding" (with `window`) or "state"; `size` is its
+/// pool in blocks (attention) or state slots; `unit_bytes` the bytes of one block or slot.
+#[pyclass(module = "iron_batch._core", get_all, eq, frozen, from_py_object)]
+#[derive(Clone, PartialEq)]
+pub struct CacheGroup {
+    pub kind: String,
+    pub size: usize,
+    pub window: Option<usize>,
+    pub unit_bytes: usize,
+}
+
+#[pymethods]
+impl CacheGroup {
+    #[new]
+    #[pyo3(signature = (kind, size, window = None, unit_bytes = 0))]
+    fn new(kind: &str, size: usize, window: Option<usize>, unit_bytes: usize) -> PyResult<Self> {
+        let g = CacheGroup {
+            kind: kind.to_string(),
+            size,
+            window,
+            unit_bytes,
+        };
+        g.to_core()?;
+        Ok(g)
+    }
+
+    fn __repr__(&self) -> String {
+        let window = self
+            .window
+            .map_or_else(String::new, |w| format!(", window={w}"));
+        format!(
+            "CacheGroup({:?}, size={}{window}, unit_bytes={})",
+            self.kind, self.size, self.unit_bytes
+        )
+    }
+}
+
+impl CacheGroup {
+    fn to_core(&self) -> PyResult<core::CacheGroup> {
+        let kind = match (self.kind.as_str(), self.window) {
+            ("full", None) => core::CacheKind::Full,
+            ("sliding", Some(window)) => core::CacheKind::Sliding { window },
+            ("state", None) => core::CacheKind::State,
+            ("sliding", None) => {
+                return Err(pyo3::exceptions::PyValueError::new_err(
+                    "a sliding cache group needs a window",
+                ))
+            }
+            ("full" | "state", Some(_)) => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "a {} cache group has no window",
+                    self.kind
+                )))
+            }
+            (other, _) => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "unknown cache group kind {other:?} (full, sliding or state)"
+                )))
+            }
+        };
+        Ok(core::CacheGroup {
+            kind,
+            size: self.size,
+            unit_bytes: self.unit_bytes,
+        })
+    }
+
+    pub fn from_core(g: &core::CacheGroup) -> Self {
+        let (kind, window) = match g.kind {
+            core::CacheKind::Full => ("full", None),
+            core::CacheKind::Sliding { window } => ("sliding", Some(window)),
+            core::CacheKind::State => ("state", None),
+        };
+        CacheGroup {
+            kind: kind.to_string(),
+            size: g.size,
+            window,
+            unit_bytes: g.unit_bytes,
+        }
+    }
+}
+
+/// Split `pool_bytes` between groups described by (kind, window or None, bytes per token
+/// or per state slot), as the core's `split_pool` does.
+#[pyfunction]
+#[pyo3(signature = (pool_bytes, groups, kv_block_size, max_running_seqs, context, chunk))]
+pub fn split_pool(
+    pool_bytes: usize,
+    groups: Vec<(String, Option<usize>, usize)>,
+    kv_block_size: usize,
+    max_running_seqs: usize,
+    context: usize,
+    chunk: usize,
+) -> PyResult<Vec<CacheGroup>> {
+    let specs = groups
+        .iter()
+        .map(|(kind, window, bytes)| {
+            let g = CacheGroup {
+                kind: kind.clone(),
+                size: 1,
+                window: *window,
+                unit_bytes: 0,
+            };
+            Ok(core::GroupSpec {
+                kind: g.to_core()?.kind,
+                bytes: *bytes,
+            })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    if kv_block_size == 0 {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "kv_block_size must be at least 1",
+        ));
+    }
+    Ok(core::split_pool(
+        pool_bytes,
+        &specs,
+        kv_block_size,
+        max_running_seqs,
+        context,
+        chunk,
+    )
+    .iter()
+    .map(CacheGroup::from_core)
+    .collect())
+}
+
 #[pyclass(module = "iron_batch._core", get_all, set_all, eq, from_py_object)]
 #[derive(Clone, PartialEq)]
 pub struct SchedulerConfig {
@@ -26,6 +153,8 @@ pub struct SchedulerConfig {
     pub max_running_seqs: usize,
     pub enable_prefix_caching: bool,
     pub max_model_len: Option<usize>,
+    pub cache_groups: Vec<CacheGroup>,
+    pub state_checkpoint_interval: usize,
 }
 
 #[pymethods]
@@ -33,7 +162,9 @@ impl SchedulerConfig {
     #[new]
     #[pyo3(signature = (total_kv_blocks = 4096, kv_block_size = 16, max_batch_tokens = 8192,
                         max_running_seqs = 256, enable_prefix_caching = true,
-                        max_model_len = None))]
+                        max_model_len = None, cache_groups = Vec::new(),
+                        state_checkpoint_interval = 0))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         total_kv_blocks: usize,
         kv_block_size: usize,
@@ -41,6 +172,8 @@ impl SchedulerConfig {
         max_running_seqs: usize,
         enable_prefix_caching: bool,
         max_model_len: Option<usize>,
+        cache_groups: Vec<CacheGroup>,
+        state_checkpoint_interval: usize,
     ) -> Self {
         SchedulerConfig {
             total_kv_blocks,
@@ -49,13 +182,25 @@ impl SchedulerConfig {
             max_running_seqs,
             enable_prefix_caching,
             max_model_len,
+            cache_groups,
+            state_checkpoint_interval,
         }
     }
 
     fn __repr__(&self) -> String {
+        let groups = if self.cache_groups.is_empty() {
+            String::new()
+        } else {
+            let each: Vec<String> = self.cache_groups.iter().map(CacheGroup::__repr__).collect();
+            format!(
+                ", cache_groups=[{}], state_checkpoint_interval={}",
+                each.join(", "),
+                self.state_checkpoint_interval
+            )
+        };
         format!(
             "SchedulerConfig(total_kv_blocks={}, kv_block_size={}, max_batch_tokens={}, \
-             max_running_seqs={}, enable_prefix_caching={}, max_model_len={})",
+             max_running_seqs={}, enable_prefix_caching={}, max_model_len={}{groups})",
             self.total_kv_blocks,
             self.kv_block_size,
             self.max_batch_tokens,
@@ -72,15 +217,21 @@ impl SchedulerConfig {
 }
 
 impl SchedulerConfig {
-    fn to_core(&self) -> core::SchedulerConfig {
-        core::SchedulerConfig {
+    fn to_core(&self) -> PyResult<core::SchedulerConfig> {
+        Ok(core::SchedulerConfig {
             total_kv_blocks: self.total_kv_blocks,
             kv_block_size: self.kv_block_size,
             max_batch_tokens: self.max_batch_tokens,
             max_running_seqs: self.max_running_seqs,
             enable_prefix_caching: self.enable_prefix_caching,
             max_model_len: self.max_model_len,
-        }
+            cache_groups: self
+                .cache_groups
+                .iter()
+                .map(CacheGroup::to_core)
+                .collect::<PyResult<_>>()?,
+            state_checkpoint_interval: self.state_checkpoint_interval,
+        })
     }
 }
 
@@ -118,7 +269,7 @@ fn lookup_id(py: Python<'_>, inner: &Inner, slot: usize) -> Py<PyString> {
 impl Scheduler {
     #[new]
     fn new(config: SchedulerConfig) -> PyResult<Self> {
-        let core = core::Scheduler::new(config.to_core()).map_err(|e| {
+        let core = core::Scheduler::new(config.to_core()?).map_err(|e| {
             pyo3::exceptions::PyValueError::new_err(e.to_string().replace("request rejected: ", ""))
         })?;
         Ok(Scheduler {
@@ -316,7 +467,33 @@ impl Scheduler {
         d.set_item("requests_added", s.requests_added)?;
         d.set_item("requests_finished", s.requests_finished)?;
         d.set_item("requests_aborted", s.requests_aborted)?;
+        d.set_item("sliding_blocks_released", s.sliding_blocks_released)?;
+        d.set_item("state_checkpoints_saved", s.state_checkpoints_saved)?;
+        d.set_item("state_checkpoint_hits", s.state_checkpoint_hits)?;
         Ok(d)
+    }
+
+    /// Each cache group's pool: kind, window, total, used, free, cached (blocks or state
+    /// slots) and unit_bytes, in config order (one full group without cache groups).
+    fn group_stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let inner = self.lock();
+        inner
+            .core
+            .group_usage()
+            .iter()
+            .map(|u| {
+                let g = CacheGroup::from_core(&u.group);
+                let d = PyDict::new(py);
+                d.set_item("kind", g.kind)?;
+                d.set_item("window", g.window)?;
+                d.set_item("total", u.total)?;
+                d.set_item("used", u.used)?;
+                d.set_item("free", u.free)?;
+                d.set_item("cached", u.cached)?;
+                d.set_item("unit_bytes", g.unit_bytes)?;
+                Ok(d)
+            })
+            .collect()
     }
 
     fn check_invariants(&self) -> PyResult<()> {

@@ -3,7 +3,7 @@
 //! the cost of finishing and admitting is included at its natural rate.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use iron_batch_core::{Scheduler, SchedulerConfig};
+use iron_batch_core::{CacheGroup, Scheduler, SchedulerConfig};
 
 struct Steady {
     s: Scheduler,
@@ -16,13 +16,23 @@ struct Steady {
 
 impl Steady {
     fn new(running: usize, prefill_per_step: usize) -> Self {
+        Self::with_groups(running, prefill_per_step, Vec::new())
+    }
+
+    /// As `new` with these cache groups (their sizes set to the one-group pool).
+    fn with_groups(running: usize, prefill_per_step: usize, mut groups: Vec<CacheGroup>) -> Self {
+        for g in &mut groups {
+            g.size = running * 20 + 256;
+        }
         let cfg = SchedulerConfig {
+            cache_groups: groups,
             total_kv_blocks: running * 20 + 256,
             kv_block_size: 16,
             max_batch_tokens: 8192,
             max_running_seqs: running + 1,
             enable_prefix_caching: true,
             max_model_len: None,
+            ..Default::default()
         };
         let mut w = Steady {
             s: Scheduler::new(cfg).unwrap(),
@@ -80,6 +90,12 @@ fn scheduler_step(c: &mut Criterion) {
             b.iter(|| w.step())
         });
     }
+    // Two groups: a sliding window of 64 tokens (so blocks are released as sequences pass
+    // it: sequences reach 16 + 192 tokens) beside a full group; the same workload.
+    let two = || vec![CacheGroup::sliding(64, 0), CacheGroup::full(0)];
+    let mut w = Steady::with_groups(256, 0, two());
+    g.throughput(Throughput::Elements(256));
+    g.bench_function("decode_two_groups/256", |b| b.iter(|| w.step()));
     let mut w = Steady::new(256, 512);
     g.throughput(Throughput::Elements(257));
     g.bench_function("mixed_256_decode_plus_512_prefill", |b| b.iter(|| w.step()));

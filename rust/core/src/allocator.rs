@@ -151,12 +151,41 @@ impl BlockAllocator {
         }
     }
 
+    /// Drop one reference; a block whose count reaches zero and that has no cached content
+    /// goes to the front of the free queue, to be reused before any cached block is
+    /// evicted (the state pool: a finished sequence's slot before a checkpoint).
+    pub(crate) fn release_uncached_first(&mut self, id: BlockId) {
+        let i = id as usize;
+        debug_assert!(self.ref_counts[i] > 0);
+        self.ref_counts[i] -= 1;
+        if self.ref_counts[i] == 0 {
+            if self.content[i].is_some() {
+                self.free.push_back(id);
+            } else {
+                self.free.push_front(id);
+            }
+        }
+    }
+
     /// Publish a full block whose KV has been computed. Returns its chained hash, which the
     /// caller keeps as the parent of its next block. If identical content is already
     /// cached in another block this one stays unpublished (the cache keeps the first).
     pub fn publish(
         &mut self,
         id: BlockId,
+        parent: Option<BlockHash>,
+        tokens: &[u32],
+    ) -> Result<BlockHash, AllocError> {
+        let hash = (self.hasher)(parent, tokens);
+        self.publish_hashed(id, hash, parent, tokens)
+    }
+
+    /// As `publish`, with the hash already computed (`hash` of the same parent and tokens):
+    /// the scheduler hashes a block once for all its groups.
+    pub fn publish_hashed(
+        &mut self,
+        id: BlockId,
+        hash: BlockHash,
         parent: Option<BlockHash>,
         tokens: &[u32],
     ) -> Result<BlockHash, AllocError> {
@@ -171,7 +200,6 @@ impl BlockAllocator {
         if let Some(c) = &self.content[i] {
             return Ok(c.hash);
         }
-        let hash = (self.hasher)(parent, tokens);
         if self.caching && self.ref_counts[i] > 0 && !self.cache.contains_key(&hash) {
             self.cache.insert(hash, id);
             self.content[i] = Some(CachedContent {
@@ -181,6 +209,35 @@ impl BlockAllocator {
             });
         }
         Ok(hash)
+    }
+
+    /// The chained hash of a block of `tokens` after `parent`.
+    pub fn hash(&self, parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
+        (self.hasher)(parent, tokens)
+    }
+
+    /// The cached block with this content (`hash` of `parent` and `tokens`), if any; takes
+    /// no reference (see `acquire`).
+    pub fn lookup(
+        &self,
+        hash: BlockHash,
+        parent: Option<BlockHash>,
+        tokens: &[u32],
+    ) -> Option<BlockId> {
+        let &id = self.cache.get(&hash)?;
+        let c = self.content[id as usize]
+            .as_ref()
+            .expect("cache map points at a block with content");
+        // A hash collision is a miss rather than wrong KV.
+        (c.parent == parent && &*c.tokens == tokens).then_some(id)
+    }
+
+    /// Take a reference on a block `lookup` returned, reviving it from the free queue.
+    pub fn acquire(&mut self, id: BlockId) {
+        if self.ref_counts[id as usize] == 0 {
+            self.free.remove(id);
+        }
+        self.ref_counts[id as usize] += 1;
     }
 
     /// Longest chain of cached full blocks that starts `tokens`, never covering the last

@@ -50,6 +50,21 @@ impl FreeList {
         self.len += 1;
     }
 
+    pub fn push_front(&mut self, id: u32) {
+        debug_assert!(!self.member[id as usize]);
+        let i = id as usize;
+        self.prev[i] = NIL;
+        self.next[i] = self.head;
+        if self.head == NIL {
+            self.tail = id;
+        } else {
+            self.prev[self.head as usize] = id;
+        }
+        self.head = id;
+        self.member[i] = true;
+        self.len += 1;
+    }
+
     pub fn pop_front(&mut self) -> Option<u32> {
         if self.head == NIL {
             return None;
@@ -137,5 +152,18 @@ mod tests {
         l.push_back(2);
         assert_eq!(l.iter().collect::<Vec<_>>(), [2]);
         assert_eq!(l.pop_front(), Some(2));
+        // The front too, on an empty list and before others.
+        l.push_front(1);
+        l.push_front(3);
+        l.push_back(0);
+        assert_eq!(l.iter().collect::<Vec<_>>(), [3, 1, 0]);
+        l.remove(0);
+        l.push_front(2);
+        assert_eq!(l.iter().collect::<Vec<_>>(), [2, 3, 1]);
+        assert_eq!(
+            (l.pop_front(), l.pop_front(), l.pop_front()),
+            (Some(2), Some(3), Some(1))
+        );
+        assert_eq!(l.len(), 0);
     }
 }

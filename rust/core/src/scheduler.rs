@@ -1,15 +1,21 @@
 //! Continuous batching: admission under token, sequence and block budgets, chunked
 //! prefill, preemption with exact resume, and the commit of sampled tokens.
+//!
+//! Memory comes in cache groups (`SchedulerConfig::cache_groups`): each attention group
+//! (full or sliding window) has its own block pool and block table per sequence, and a
+//! recurrent-state group has a pool of state slots, one per running sequence, which also
+//! holds the state checkpoints that prefix hits resume from. Every budget, admission,
+//! preemption and never-fits decision accounts for every group.
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::allocator::BlockAllocator;
-use crate::batch::Batch;
-use crate::block_hash::{hash_block, hash_salt, BlockHasher};
-use crate::config::SchedulerConfig;
+use crate::allocator::{BlockAllocator, BlockId};
+use crate::batch::{Batch, StateOps};
+use crate::block_hash::{hash_block, hash_salt, BlockHash, BlockHasher};
+use crate::config::{CacheGroup, CacheKind, SchedulerConfig};
 use crate::error::{AllocError, SchedulerError};
 pub use crate::events::StepEvent;
-use crate::sequence::{FinishReason, RequestOptions, SeqState, Sequence};
+use crate::sequence::{FinishReason, GroupTable, RequestOptions, SeqState, Sequence};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SchedulerStats {
@@ -22,12 +28,42 @@ pub struct SchedulerStats {
     pub requests_added: u64,
     pub requests_finished: u64,
     pub requests_aborted: u64,
+    /// Blocks of sliding groups released as their sequences moved past them.
+    pub sliding_blocks_released: u64,
+    /// State checkpoints saved, and admissions that resumed from one.
+    pub state_checkpoints_saved: u64,
+    pub state_checkpoint_hits: u64,
+}
+
+/// One cache group's pool as `/metrics` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupUsage {
+    pub group: CacheGroup,
+    /// Blocks or slots: in the pool, held by some sequence (or checkpoint in flight), free.
+    pub total: usize,
+    pub used: usize,
+    pub free: usize,
+    /// Free blocks (or slots) whose content the prefix cache can still serve.
+    pub cached: usize,
 }
 
 #[derive(Debug)]
 pub struct Scheduler {
     cfg: SchedulerConfig,
-    alloc: BlockAllocator,
+    /// The attention groups, in config order, and one allocator for each.
+    groups: Vec<CacheGroup>,
+    allocs: Vec<BlockAllocator>,
+    /// The state group's slot pool (block size `kv_block_size`, so that a checkpoint is
+    /// published under its block's hash), if there is one.
+    state: Option<BlockAllocator>,
+    /// Any sliding group (else no release work per step).
+    sliding: bool,
+    /// Per attention group: blocks a sequence needs this step (scratch, no allocation).
+    need: Vec<usize>,
+    /// Prefix matching scratch: chained hashes of the prompt, and per group whether block
+    /// `j` is cached.
+    match_hashes: Vec<BlockHash>,
+    match_hits: Vec<Vec<Option<BlockId>>>,
     seqs: Vec<Option<Sequence>>,
     ids: Vec<String>,
     free_slots: Vec<usize>,
@@ -60,15 +96,36 @@ impl Scheduler {
     /// `BlockAllocator::with_hasher`).
     pub fn with_hasher(cfg: SchedulerConfig, hasher: BlockHasher) -> Result<Self, SchedulerError> {
         cfg.validate().map_err(SchedulerError::Rejected)?;
-        let alloc = BlockAllocator::with_hasher(
-            cfg.total_kv_blocks,
-            cfg.kv_block_size,
-            cfg.enable_prefix_caching,
-            hasher,
-        );
+        let all = cfg.groups();
+        let groups: Vec<CacheGroup> = all.iter().copied().filter(|g| g.is_attention()).collect();
+        let allocs = groups
+            .iter()
+            .map(|g| {
+                BlockAllocator::with_hasher(
+                    g.size,
+                    cfg.kv_block_size,
+                    cfg.enable_prefix_caching,
+                    hasher,
+                )
+            })
+            .collect();
+        let state = all.iter().find(|g| !g.is_attention()).map(|g| {
+            BlockAllocator::with_hasher(
+                g.size,
+                cfg.kv_block_size,
+                cfg.enable_prefix_caching,
+                hasher,
+            )
+        });
         Ok(Scheduler {
+            sliding: groups.iter().any(|g| g.window().is_some()),
+            need: vec![0; groups.len()],
+            match_hashes: Vec::new(),
+            match_hits: vec![Vec::new(); groups.len()],
+            groups,
+            allocs,
+            state,
             cfg,
-            alloc,
             seqs: Vec::new(),
             ids: Vec::new(),
             free_slots: Vec::new(),
@@ -88,8 +145,39 @@ impl Scheduler {
     pub fn config(&self) -> &SchedulerConfig {
         &self.cfg
     }
+    /// The first attention group's allocator (the only one without cache groups).
     pub fn allocator(&self) -> &BlockAllocator {
-        &self.alloc
+        &self.allocs[0]
+    }
+    /// Attention group `g`'s allocator (groups in config order, the state group left out).
+    pub fn group_allocator(&self, g: usize) -> &BlockAllocator {
+        &self.allocs[g]
+    }
+    /// The state group's slot pool, if there is one.
+    pub fn state_allocator(&self) -> Option<&BlockAllocator> {
+        self.state.as_ref()
+    }
+    /// Usage of every cache group, in config order.
+    pub fn group_usage(&self) -> Vec<GroupUsage> {
+        let mut attn = self.groups.iter().zip(&self.allocs);
+        self.cfg
+            .groups()
+            .iter()
+            .map(|g| {
+                let a = if g.is_attention() {
+                    attn.next().expect("one allocator per attention group").1
+                } else {
+                    self.state.as_ref().expect("a state group has a pool")
+                };
+                GroupUsage {
+                    group: *g,
+                    total: a.total(),
+                    used: a.num_used(),
+                    free: a.num_free(),
+                    cached: a.num_cached(),
+                }
+            })
+            .collect()
     }
     pub fn stats(&self) -> &SchedulerStats {
         &self.stats
@@ -120,9 +208,17 @@ impl Scheduler {
         self.seqs[slot].as_ref()
     }
 
-    /// Tokens a request can hold at most: the KV pool, and the model's context if bounded.
+    /// Tokens a request can hold at most: the smallest full group's pool (sliding and
+    /// state groups hold a bounded amount whatever the length), and the model's context if
+    /// bounded.
     pub fn max_sequence_tokens(&self) -> usize {
-        let pool = self.cfg.total_kv_blocks * self.cfg.kv_block_size;
+        let pool = self
+            .groups
+            .iter()
+            .filter(|g| g.kind == CacheKind::Full)
+            .map(|g| g.size * self.cfg.kv_block_size)
+            .min()
+            .unwrap_or(usize::MAX);
         self.cfg.max_model_len.map_or(pool, |m| m.min(pool))
     }
 
@@ -144,6 +240,45 @@ impl Scheduler {
         )
     }
 
+    /// Why a request of `need` tokens could never run alone, if it could not: per group,
+    /// the most blocks it holds at once against the group's pool.
+    fn never_fits(&self, prompt_len: usize, max_new_tokens: usize) -> Option<String> {
+        let need = prompt_len.saturating_add(max_new_tokens);
+        let bs = self.cfg.kv_block_size;
+        let single = self.cfg.cache_groups.is_empty();
+        for (g, group) in self.groups.iter().enumerate() {
+            let pool = group.size * bs;
+            match group.kind {
+                CacheKind::Full if need > pool => {
+                    let what = if single {
+                        String::new()
+                    } else {
+                        format!(" of cache group {g}")
+                    };
+                    return Some(format!(
+                        "prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = \
+                         {need} tokens exceeds the KV pool{what} of {pool} tokens"
+                    ));
+                }
+                CacheKind::Sliding { window } => {
+                    let chunk = self.cfg.max_batch_tokens.min(need);
+                    let peak =
+                        CacheGroup::sliding_peak_blocks(window, chunk, bs).min(need.div_ceil(bs));
+                    if peak > group.size {
+                        return Some(format!(
+                            "prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) \
+                             needs up to {peak} blocks at once in cache group {g} (sliding \
+                             window of {window} tokens), which has {} blocks",
+                            group.size
+                        ));
+                    }
+                }
+                _ => {}
+            }
+        }
+        None
+    }
+
     /// `add_request` with a priority, a cache salt or no prefix-cache lookup.
     pub fn add_request_with(
         &mut self,
@@ -161,15 +296,10 @@ impl Scheduler {
                 "the prompt must have at least one token".into(),
             ));
         }
-        let pool = self.cfg.total_kv_blocks * self.cfg.kv_block_size;
-        let need = prompt.len().saturating_add(max_new_tokens);
-        if need > pool {
-            return Err(SchedulerError::Rejected(format!(
-                "prompt ({} tokens) + max_new_tokens ({max_new_tokens}) = {need} tokens exceeds \
-                 the KV pool of {pool} tokens",
-                prompt.len()
-            )));
+        if let Some(why) = self.never_fits(prompt.len(), max_new_tokens) {
+            return Err(SchedulerError::Rejected(why));
         }
+        let need = prompt.len().saturating_add(max_new_tokens);
         if let Some(limit) = self.cfg.max_model_len {
             if need > limit {
                 return Err(SchedulerError::Rejected(format!(
@@ -208,7 +338,7 @@ impl Scheduler {
             prompt_len: prompt.len(),
             max_new_tokens,
             stop_token_ids: stop_token_ids.to_vec(),
-            blocks: Vec::new(),
+            tables: vec![GroupTable::default(); self.groups.len()],
             block_hashes: Vec::new(),
             num_computed: 0,
             state: SeqState::Waiting,
@@ -222,6 +352,9 @@ impl Scheduler {
             num_open_entries: 0,
             last_sample_step: 0,
             last_sample_row: 0,
+            state_slot: None,
+            restore_from: None,
+            pending_save: None,
         });
         self.by_id.insert(request_id.to_string(), slot);
         self.enqueue_waiting(slot);
@@ -250,23 +383,83 @@ impl Scheduler {
         self.running.insert(at, slot);
     }
 
-    /// Free all blocks of a sequence, tail first, so eviction takes a prompt's end before
-    /// its shared beginning.
-    fn release_blocks(alloc: &mut BlockAllocator, seq: &mut Sequence) {
-        for &b in seq.blocks.iter().rev() {
-            alloc.release(b);
+    /// Free everything a sequence holds: its blocks in every group (tail first, so
+    /// eviction takes a prompt's end before its shared beginning), its state slot, and
+    /// the checkpoints it restores from or saves into.
+    fn release_all(
+        allocs: &mut [BlockAllocator],
+        state: &mut Option<BlockAllocator>,
+        seq: &mut Sequence,
+    ) {
+        for (table, alloc) in seq.tables.iter_mut().zip(allocs.iter_mut()) {
+            for &b in table.blocks.iter().rev() {
+                alloc.release(b);
+            }
+            table.blocks.clear();
+            table.offset = 0;
         }
-        seq.blocks.clear();
+        if let Some(pool) = state.as_mut() {
+            let held = [
+                seq.state_slot.take(),
+                seq.restore_from.take(),
+                seq.pending_save.take().map(|(s, _, _)| s),
+            ];
+            for slot in held.into_iter().flatten() {
+                pool.release_uncached_first(slot);
+            }
+        }
         seq.block_hashes.clear();
         seq.num_computed = 0;
+    }
+
+    /// Release the blocks of sliding groups that lie wholly before the window of the first
+    /// position still to compute (`num_computed`: positions in flight still read theirs).
+    /// Oldest first, so the prefix cache evicts a sequence's earliest window first.
+    fn release_out_of_window(
+        groups: &[CacheGroup],
+        allocs: &mut [BlockAllocator],
+        seq: &mut Sequence,
+        bs: usize,
+        stats: &mut SchedulerStats,
+    ) {
+        for ((group, table), alloc) in groups.iter().zip(&mut seq.tables).zip(allocs) {
+            let Some(window) = group.window() else {
+                continue;
+            };
+            let keep_from = (seq.num_computed + 1).saturating_sub(window) / bs;
+            if keep_from <= table.offset {
+                continue;
+            }
+            let k = (keep_from - table.offset).min(table.blocks.len());
+            for &b in &table.blocks[..k] {
+                alloc.release(b);
+            }
+            table.blocks.drain(..k);
+            table.offset += k;
+            stats.sliding_blocks_released += k as u64;
+        }
     }
 
     /// Preempt the running sequence that orders last (lowest priority, latest arrival);
     /// returns its slot. It waits again in its place by the same order.
     fn preempt_last(&mut self) -> usize {
         let slot = self.running.pop().expect("preempt with nothing running");
+        self.requeue(slot);
+        slot
+    }
+
+    /// Preempt the running sequence in `slot`.
+    fn preempt_slot(&mut self, slot: usize) {
+        let pos = self.running.iter().position(|&s| s == slot);
+        self.running
+            .remove(pos.expect("preempting a running sequence"));
+        self.requeue(slot);
+    }
+
+    /// Free what a sequence just taken off the running list holds and queue it again.
+    fn requeue(&mut self, slot: usize) {
         let seq = self.seqs[slot].as_mut().expect("running slot is live");
-        Self::release_blocks(&mut self.alloc, seq);
+        Self::release_all(&mut self.allocs, &mut self.state, seq);
         // Its pending tokens, if any, still arrive with their commits; it is re-admitted
         // only after them (see `num_open_entries`).
         seq.num_inflight = 0;
@@ -274,7 +467,6 @@ impl Scheduler {
         seq.num_preemptions += 1;
         self.enqueue_waiting(slot);
         self.stats.preemptions += 1;
-        slot
     }
 
     /// Plan the next step. An empty batch means nothing to compute now (there may still be
@@ -317,10 +509,32 @@ impl Scheduler {
             return;
         }
         self.open.clear();
+        if self.state.is_some() {
+            // A discarded step may have run and folded its tokens into the state: unlike KV,
+            // that cannot be written again, so such a sequence starts over from the cache.
+            let touched: Vec<usize> = self
+                .running
+                .iter()
+                .copied()
+                .filter(|&s| {
+                    self.seqs[s]
+                        .as_ref()
+                        .is_some_and(|q| q.num_open_entries > 0)
+                })
+                .collect();
+            for slot in touched {
+                self.preempt_slot(slot);
+            }
+        }
         for seq in self.seqs.iter_mut().flatten() {
             seq.num_pending = 0;
             seq.num_inflight = 0;
             seq.num_open_entries = 0;
+            // A checkpoint an open step was to save is never committed now.
+            if let (Some((slot, _, _)), Some(pool)) = (seq.pending_save.take(), self.state.as_mut())
+            {
+                pool.release_uncached_first(slot);
+            }
         }
     }
 
@@ -343,12 +557,70 @@ impl Scheduler {
         Ok(self.schedule_open(lookahead))
     }
 
-    /// KV blocks a sequence still needs to compute up to `end` and then run `steps` tokens:
-    /// every token but the last sampled one gets its KV written.
-    fn blocks_needed(seq: &Sequence, end: usize, steps: usize, bs: usize) -> usize {
-        (end + steps.saturating_sub(1))
-            .div_ceil(bs)
-            .saturating_sub(seq.blocks.len())
+    /// Blocks a sequence still needs in each attention group (into `need`) to compute up
+    /// to `end` and then run `steps` tokens: every token but the last sampled one gets its
+    /// KV written. True if every group has them free.
+    fn blocks_needed(
+        need: &mut [usize],
+        allocs: &[BlockAllocator],
+        seq: &Sequence,
+        end: usize,
+        steps: usize,
+        bs: usize,
+    ) -> bool {
+        let blocks = (end + steps.saturating_sub(1)).div_ceil(bs);
+        let mut fits = true;
+        for ((n, table), alloc) in need.iter_mut().zip(&seq.tables).zip(allocs) {
+            *n = blocks.saturating_sub(table.end());
+            fits &= alloc.num_free() >= *n;
+        }
+        fits
+    }
+
+    /// Allocate what `blocks_needed` found, in every group (free blocks checked).
+    fn allocate_needed(need: &[usize], allocs: &mut [BlockAllocator], seq: &mut Sequence) {
+        for ((&n, table), alloc) in need.iter().zip(&mut seq.tables).zip(allocs) {
+            alloc
+                .allocate_into(n, &mut table.blocks)
+                .expect("free blocks checked");
+        }
+    }
+
+    /// The first block-aligned position after `start` and at most `end` where a state
+    /// checkpoint is due: the last one within the prompt, and every
+    /// `state_checkpoint_interval` blocks.
+    fn checkpoint_in(&self, seq: &Sequence, start: usize, end: usize) -> Option<usize> {
+        let bs = self.cfg.kv_block_size;
+        let prompt_end = seq.prompt_len / bs * bs;
+        let mut best = (start < prompt_end && prompt_end <= end).then_some(prompt_end);
+        if self.cfg.state_checkpoint_interval > 0 {
+            let every = self.cfg.state_checkpoint_interval * bs;
+            let next = (start / every + 1) * every;
+            if next <= end {
+                best = Some(best.map_or(next, |b| b.min(next)));
+            }
+        }
+        best
+    }
+
+    /// With a state group and the prefix cache on: where this step's chunk of `seq` from
+    /// `start` should end to save a checkpoint (the chunk is cut there), and a slot for it.
+    /// None when no checkpoint is due, one is already in flight, or no slot is free.
+    fn plan_checkpoint(
+        &mut self,
+        seq_slot: usize,
+        start: usize,
+        n: usize,
+    ) -> Option<(usize, BlockId)> {
+        let seq = self.seqs[seq_slot].as_ref().expect("live");
+        let pool = self.state.as_ref()?;
+        if !pool.caching_enabled() || seq.pending_save.is_some() || pool.num_free() == 0 {
+            return None;
+        }
+        let at = self.checkpoint_in(seq, start, start + n)?;
+        let pool = self.state.as_mut().expect("checked above");
+        let slot = pool.allocate(1).expect("a free slot checked")[0];
+        Some((at, slot))
     }
 
     /// `schedule`, reserving KV slots so that each sampled sequence can run `lookahead`
@@ -369,14 +641,25 @@ impl Scheduler {
         let mut batch = Batch::new(
             self.step,
             (self.running.len() + 1).min(self.cfg.max_running_seqs),
+            self.groups.len(),
         );
         let mut budget = self.cfg.max_batch_tokens;
         let mut preempted = false;
+        let mut need = std::mem::take(&mut self.need);
 
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let slot = self.running[i];
-            let seq = self.seqs[slot].as_ref().expect("running slot is live");
+            let seq = self.seqs[slot].as_mut().expect("running slot is live");
+            if self.sliding {
+                Self::release_out_of_window(
+                    &self.groups,
+                    &mut self.allocs,
+                    seq,
+                    bs,
+                    &mut self.stats,
+                );
+            }
             if seq.num_pending > 0
                 && (seq.last_sample_step + 1 != step
                     || seq.num_output() + seq.num_pending >= seq.max_new_tokens
@@ -388,25 +671,63 @@ impl Scheduler {
                 continue;
             }
             let start = seq.num_computed + seq.num_inflight;
-            let n = (seq.scheduled_len() - start).min(budget);
+            let mut n = (seq.scheduled_len() - start).min(budget);
+            let save = self.plan_checkpoint(slot, start, n);
+            if let Some((at, _)) = save {
+                n = at - start;
+            }
+            let seq = self.seqs[slot].as_ref().expect("running slot is live");
             let steps = Self::sample_steps(seq, start + n, lookahead);
-            let need = Self::blocks_needed(seq, start + n, steps, bs);
             let mut self_preempted = false;
-            while self.alloc.num_free() < need {
+            let mut wait = false;
+            while !Self::blocks_needed(
+                &mut need,
+                &self.allocs,
+                self.seqs[slot].as_ref().expect("live"),
+                start + n,
+                steps,
+                bs,
+            ) {
+                if self.sliding && self.running.last() == Some(&slot) {
+                    let inflight = self.seqs[slot].as_ref().expect("live").num_inflight;
+                    if inflight > 0 {
+                        // Its open steps' commits release sliding blocks: wait for them
+                        // rather than start over (which would only repeat the same).
+                        wait = true;
+                        break;
+                    }
+                }
                 preempted = true;
                 if self.preempt_last() == slot {
                     self_preempted = true;
                     break;
                 }
             }
+            if wait {
+                if let (Some((_, ck)), Some(pool)) = (save, self.state.as_mut()) {
+                    pool.release_uncached_first(ck);
+                }
+                i += 1;
+                continue;
+            }
             if self_preempted {
+                if let (Some((_, ck)), Some(pool)) = (save, self.state.as_mut()) {
+                    pool.release_uncached_first(ck);
+                }
                 break;
             }
             let seq = self.seqs[slot].as_mut().expect("running slot is live");
-            self.alloc
-                .allocate_into(need, &mut seq.blocks)
-                .expect("free blocks checked");
-            batch.push(slot, seq, start, n, steps, bs);
+            Self::allocate_needed(&need, &mut self.allocs, seq);
+            if let Some((at, ck)) = save {
+                seq.pending_save = Some((ck, step, at));
+            }
+            let ops = seq.state_slot.map(|own| StateOps {
+                slot: own,
+                fresh: start == 0,
+                restore: None,
+                save: save.map(|(_, ck)| ck),
+            });
+            batch.push(slot, seq, start, n, steps, bs, ops);
             Self::note_scheduled(seq, n, steps, step, &batch);
             budget -= n;
             i += 1;
@@ -417,29 +738,26 @@ impl Scheduler {
             let Some(&slot) = self.waiting.front() else {
                 break;
             };
-            let seq = self.seqs[slot].as_mut().expect("waiting slot is live");
+            let seq = self.seqs[slot].as_ref().expect("waiting slot is live");
             if seq.num_open_entries > 0 {
                 // Preempted while open steps still compute for it: its pending tokens come
                 // with their commits, and it resumes after them.
                 break;
             }
-            debug_assert!(seq.blocks.is_empty() && seq.num_computed == 0);
+            debug_assert!(seq.tables.iter().all(|t| t.blocks.is_empty()) && seq.num_computed == 0);
             debug_assert!(seq.num_pending == 0 && seq.num_inflight == 0);
-            let lookup = self.alloc.caching_enabled() && !seq.skip_prefix_cache;
-            if lookup {
-                seq.blocks = self.alloc.match_prefix_salted(
-                    &seq.tokens,
-                    seq.cache_salt,
-                    &mut seq.block_hashes,
-                );
-            }
-            let computed = seq.blocks.len() * bs;
-            let n = (seq.tokens.len() - computed).min(budget);
+            let lookup = self.allocs[0].caching_enabled() && !seq.skip_prefix_cache;
+            let computed = if lookup { self.match_prefix(slot) } else { 0 };
+            let seq = self.seqs[slot].as_ref().expect("waiting slot is live");
+            let mut n = (seq.tokens.len() - computed).min(budget);
+            let wants_slot = self.state.is_some();
+            let slot_free = self.state.as_ref().is_none_or(|p| p.num_free() > 0);
             let steps = Self::sample_steps(seq, computed + n, lookahead);
-            let need = Self::blocks_needed(seq, computed + n, steps, bs);
-            if self.alloc.num_free() < need {
+            let fits = Self::blocks_needed(&mut need, &self.allocs, seq, computed + n, steps, bs);
+            if !fits || !slot_free {
                 // Head of line waits for blocks; give back what the cache lookup took.
-                Self::release_blocks(&mut self.alloc, seq);
+                let seq = self.seqs[slot].as_mut().expect("waiting slot is live");
+                Self::release_all(&mut self.allocs, &mut self.state, seq);
                 break;
             }
             if lookup {
@@ -447,24 +765,163 @@ impl Scheduler {
                 self.stats.prefix_cache_query_tokens += seq.tokens.len() as u64;
                 self.stats.prefix_cache_hit_tokens += computed as u64;
             }
-            self.alloc
-                .allocate_into(need, &mut seq.blocks)
-                .expect("free blocks checked");
+            if wants_slot {
+                let own = self
+                    .state
+                    .as_mut()
+                    .expect("state group")
+                    .allocate(1)
+                    .expect("a free slot checked")[0];
+                self.seqs[slot].as_mut().expect("live").state_slot = Some(own);
+            }
+            // A checkpoint due inside the chunk cuts it (fewer blocks, so they still fit).
+            let save = self.plan_checkpoint(slot, computed, n);
+            let mut steps = steps;
+            if let Some((at, _)) = save {
+                n = at - computed;
+                let seq = self.seqs[slot].as_ref().expect("live");
+                steps = Self::sample_steps(seq, computed + n, lookahead);
+                Self::blocks_needed(&mut need, &self.allocs, seq, computed + n, steps, bs);
+            }
+            let seq = self.seqs[slot].as_mut().expect("live");
+            Self::allocate_needed(&need, &mut self.allocs, seq);
             seq.num_computed = computed;
             if seq.num_cached_prompt.is_none() {
                 seq.num_cached_prompt = Some(computed.min(seq.prompt_len));
             }
             seq.state = SeqState::Running;
+            if let Some((at, ck)) = save {
+                seq.pending_save = Some((ck, step, at));
+            }
+            if seq.restore_from.is_some() {
+                self.stats.state_checkpoint_hits += 1;
+            }
+            let restore = seq.restore_from;
+            let ops = seq.state_slot.map(|own| StateOps {
+                slot: own,
+                fresh: computed == 0,
+                restore,
+                save: save.map(|(_, ck)| ck),
+            });
             self.waiting.pop_front();
             self.insert_running(slot);
             let seq = self.seqs[slot].as_mut().expect("live");
-            batch.push(slot, seq, computed, n, steps, bs);
+            batch.push(slot, seq, computed, n, steps, bs, ops);
             Self::note_scheduled(seq, n, steps, step, &batch);
             budget -= n;
         }
 
+        self.need = need;
         batch.finish_block_tables(&self.seqs);
         batch
+    }
+
+    /// Look the waiting sequence in `slot` up in the prefix cache: the longest block-aligned
+    /// prefix at which every group can resume (a full group holds all its blocks, a sliding
+    /// group the blocks of the window before it, a state group a checkpoint there). Takes
+    /// references on what it uses, fills the sequence's tables (and `restore_from`) and
+    /// returns the tokens it covers (never the last token: its logits are needed).
+    fn match_prefix(&mut self, slot: usize) -> usize {
+        let bs = self.cfg.kv_block_size;
+        let seq = self.seqs[slot].as_mut().expect("waiting slot is live");
+        if seq.tokens.is_empty() {
+            return 0;
+        }
+        let full_blocks = (seq.tokens.len() - 1) / bs;
+        self.match_hashes.clear();
+        for hits in &mut self.match_hits {
+            hits.clear();
+        }
+        let mut parent = seq.cache_salt;
+        // Walk the chain while some k past it could still be served: a full group stops
+        // it at its first miss; sliding and state groups alone walk the whole prompt.
+        for j in 0..full_blocks {
+            let chunk = &seq.tokens[j * bs..(j + 1) * bs];
+            let hash = self.allocs[0].hash(parent, chunk);
+            let mut full_miss = false;
+            for ((g, alloc), hits) in self
+                .groups
+                .iter()
+                .zip(&self.allocs)
+                .zip(&mut self.match_hits)
+            {
+                let hit = alloc.lookup(hash, parent, chunk);
+                full_miss |= g.kind == CacheKind::Full && hit.is_none();
+                hits.push(hit);
+            }
+            if full_miss {
+                for hits in &mut self.match_hits {
+                    hits.pop();
+                }
+                break;
+            }
+            self.match_hashes.push(hash);
+            parent = Some(hash);
+        }
+        // The longest k whose window (sliding) and checkpoint (state) are all there.
+        let mut k = self.match_hashes.len();
+        let checkpoint = |k: usize, seq: &Sequence| -> Option<BlockId> {
+            let pool = self.state.as_ref()?;
+            let parent = if k >= 2 {
+                Some(self.match_hashes[k - 2])
+            } else {
+                seq.cache_salt
+            };
+            pool.lookup(
+                self.match_hashes[k - 1],
+                parent,
+                &seq.tokens[(k - 1) * bs..k * bs],
+            )
+        };
+        let mut restore = None;
+        while k > 0 {
+            let c = k * bs;
+            let windows_ok =
+                self.groups
+                    .iter()
+                    .zip(&self.match_hits)
+                    .all(|(g, hits)| match g.window() {
+                        Some(w) => hits[(c + 1).saturating_sub(w) / bs..k]
+                            .iter()
+                            .all(Option::is_some),
+                        None => true,
+                    });
+            if windows_ok {
+                if self.state.is_none() {
+                    break;
+                }
+                if let Some(ck) = checkpoint(k, seq) {
+                    restore = Some(ck);
+                    break;
+                }
+            }
+            k -= 1;
+        }
+        let c = k * bs;
+        for (((g, alloc), hits), table) in self
+            .groups
+            .iter()
+            .zip(&mut self.allocs)
+            .zip(&self.match_hits)
+            .zip(&mut seq.tables)
+        {
+            let from = g
+                .window()
+                .map_or(0, |w| (c + 1).saturating_sub(w) / bs)
+                .min(k);
+            table.offset = from;
+            for hit in &hits[from..k] {
+                let id = hit.expect("checked present");
+                alloc.acquire(id);
+                table.blocks.push(id);
+            }
+        }
+        if let (Some(ck), Some(pool)) = (restore, self.state.as_mut()) {
+            pool.acquire(ck);
+            seq.restore_from = Some(ck);
+        }
+        seq.block_hashes.extend_from_slice(&self.match_hashes[..k]);
+        c
     }
 
     /// Apply the step's sampled tokens (one per sample row of `batch`) and return its
@@ -581,10 +1038,50 @@ impl Scheduler {
                     Some(p) => Some(seq.block_hashes[p]),
                     None => seq.cache_salt,
                 };
-                let hash =
-                    self.alloc
-                        .publish(seq.blocks[j], parent, &seq.tokens[j * bs..(j + 1) * bs])?;
+                let chunk = &seq.tokens[j * bs..(j + 1) * bs];
+                let hash = self.allocs[0].hash(parent, chunk);
+                for (table, alloc) in seq.tables.iter().zip(&mut self.allocs) {
+                    // A sliding group publishes before it releases: a block before its
+                    // table's offset is published already.
+                    if j >= table.offset {
+                        alloc.publish_hashed(
+                            table.blocks[j - table.offset],
+                            hash,
+                            parent,
+                            chunk,
+                        )?;
+                    }
+                }
                 seq.block_hashes.push(hash);
+            }
+            if let Some(pool) = self.state.as_mut() {
+                // The checkpoint this step restored from has been copied: let it go.
+                if let Some(ck) = seq.restore_from.take() {
+                    pool.release_uncached_first(ck);
+                }
+                // The checkpoint it saved is complete: publish it under its block's hash
+                // and leave it to the cache (least recently used goes first).
+                if let Some((ck, at_step, at)) = seq.pending_save {
+                    if at_step == batch.step {
+                        seq.pending_save = None;
+                        let k = at / bs;
+                        if running && k >= 1 && seq.block_hashes.len() >= k {
+                            let parent = if k >= 2 {
+                                Some(seq.block_hashes[k - 2])
+                            } else {
+                                seq.cache_salt
+                            };
+                            pool.publish_hashed(
+                                ck,
+                                seq.block_hashes[k - 1],
+                                parent,
+                                &seq.tokens[(k - 1) * bs..k * bs],
+                            )?;
+                            self.stats.state_checkpoints_saved += 1;
+                        }
+                        pool.release_uncached_first(ck);
+                    }
+                }
             }
         }
         if finished {
@@ -598,10 +1095,10 @@ impl Scheduler {
         Ok(events)
     }
 
-    /// Remove a live sequence and free its blocks (tail first).
+    /// Remove a live sequence and free everything it holds.
     fn end(&mut self, slot: usize) {
         let mut seq = self.seqs[slot].take().expect("ending a live sequence");
-        Self::release_blocks(&mut self.alloc, &mut seq);
+        Self::release_all(&mut self.allocs, &mut self.state, &mut seq);
         match seq.state {
             SeqState::Running => {
                 let pos = self.running.iter().rposition(|&s| s == slot);
@@ -638,16 +1135,35 @@ impl Scheduler {
         true
     }
 
-    /// Check allocator and queue invariants against the sequences' block tables.
+    /// Check allocator and queue invariants against the sequences' block tables and state
+    /// slots, in every cache group.
     pub fn check_invariants(&self) -> Result<(), AllocError> {
         let bad = |m: String| Err(AllocError::Invariant(m));
-        let mut refs = vec![0u32; self.alloc.total()];
+        let mut refs: Vec<Vec<u32>> = self.allocs.iter().map(|a| vec![0u32; a.total()]).collect();
+        let mut state_refs = vec![0u32; self.state.as_ref().map_or(0, |p| p.total())];
+        let bs = self.cfg.kv_block_size;
         let mut live = 0;
         for (slot, seq) in self.seqs.iter().enumerate() {
             let Some(seq) = seq else { continue };
             live += 1;
-            for &b in &seq.blocks {
-                refs[b as usize] += 1;
+            for (table, group_refs) in seq.tables.iter().zip(&mut refs) {
+                for &b in &table.blocks {
+                    group_refs[b as usize] += 1;
+                }
+            }
+            let own = seq.state_slot;
+            for s in [own, seq.restore_from, seq.pending_save.map(|(s, _, _)| s)]
+                .into_iter()
+                .flatten()
+            {
+                state_refs[s as usize] += 1;
+            }
+            if let Some(s) = own {
+                // No state slot is shared: it is its sequence's alone (nothing else refers
+                // to it, not even a checkpoint).
+                if state_refs[s as usize] > 1 {
+                    return bad(format!("state slot {s} is shared by two holders"));
+                }
             }
             if self.by_id.get(seq.request_id.as_str()) != Some(&slot) {
                 return bad(format!(
@@ -655,9 +1171,20 @@ impl Scheduler {
                     seq.request_id
                 ));
             }
+            let holds_blocks = seq.tables.iter().any(|t| !t.blocks.is_empty());
             match seq.state {
-                SeqState::Waiting if !seq.blocks.is_empty() => {
+                SeqState::Waiting if holds_blocks => {
                     return bad(format!("waiting request {} holds blocks", seq.request_id));
+                }
+                SeqState::Waiting
+                    if own.is_some()
+                        || seq.restore_from.is_some()
+                        || seq.pending_save.is_some() =>
+                {
+                    return bad(format!(
+                        "waiting request {} holds state slots",
+                        seq.request_id
+                    ));
                 }
                 SeqState::Waiting if seq.num_inflight > 0 => {
                     return bad(format!(
@@ -666,10 +1193,18 @@ impl Scheduler {
                     ));
                 }
                 SeqState::Running
-                    if seq.blocks.len() * self.cfg.kv_block_size
-                        < seq.num_computed + seq.num_inflight =>
+                    if seq
+                        .tables
+                        .iter()
+                        .any(|t| t.end() * bs < seq.num_computed + seq.num_inflight) =>
                 {
                     return bad(format!("request {} under-allocated", seq.request_id));
+                }
+                SeqState::Running if self.state.is_some() && own.is_none() => {
+                    return bad(format!(
+                        "running request {} has no state slot",
+                        seq.request_id
+                    ));
                 }
                 _ => {}
             }
@@ -699,7 +1234,24 @@ impl Scheduler {
         if !self.waiting.iter().map(|&k| self.key(k)).is_sorted() {
             return bad("waiting queue out of (priority, arrival) order".into());
         }
-        self.alloc.check_invariants(Some(&refs))
+        for (g, (alloc, group_refs)) in self.allocs.iter().zip(&refs).enumerate() {
+            alloc
+                .check_invariants(Some(group_refs))
+                .map_err(|e| match e {
+                    AllocError::Invariant(m) if g > 0 => {
+                        AllocError::Invariant(format!("cache group {g}: {m}"))
+                    }
+                    e => e,
+                })?;
+        }
+        if let Some(pool) = &self.state {
+            pool.check_invariants(Some(&state_refs))
+                .map_err(|e| match e {
+                    AllocError::Invariant(m) => AllocError::Invariant(format!("state slots: {m}")),
+                    e => e,
+                })?;
+        }
+        Ok(())
     }
 }
 
@@ -731,6 +1283,7 @@ mod tests {
             max_running_seqs: 2,
             enable_prefix_caching: true,
             max_model_len: None,
+            ..Default::default()
         })
         .unwrap();
         s.add_request("a", &[1, 2, 3, 4, 5], 4, &[]).unwrap();
@@ -758,8 +1311,8 @@ mod tests {
     #[test]
     fn a_waiting_request_that_holds_blocks_is_reported() {
         let mut s = healthy();
-        let free = s.alloc.allocate(1).unwrap();
-        seq_mut(&mut s, "c").blocks.extend(free);
+        let free = s.allocs[0].allocate(1).unwrap();
+        seq_mut(&mut s, "c").tables[0].blocks.extend(free);
         assert_eq!(broken(&s), "waiting request c holds blocks");
     }
 
@@ -767,7 +1320,7 @@ mod tests {
     fn a_running_request_with_kv_beyond_its_blocks_is_reported() {
         let mut s = healthy();
         // "a" holds two blocks of 4: eight computed tokens fill them exactly, nine do not fit.
-        assert_eq!(seq_mut(&mut s, "a").blocks.len(), 2);
+        assert_eq!(seq_mut(&mut s, "a").tables[0].blocks.len(), 2);
         seq_mut(&mut s, "a").num_computed = 8;
         s.check_invariants().unwrap();
         seq_mut(&mut s, "a").num_computed = 9;
@@ -878,8 +1431,8 @@ mod tests {
     #[test]
     fn a_block_table_entry_the_allocator_does_not_count_is_reported() {
         let mut s = healthy();
-        let unheld = s.alloc.free_queue()[0];
-        seq_mut(&mut s, "b").blocks.push(unheld);
+        let unheld = s.allocs[0].free_queue()[0];
+        seq_mut(&mut s, "b").tables[0].blocks.push(unheld);
         assert_eq!(
             broken(&s),
             format!("block {unheld} has ref count 0, 1 holders")

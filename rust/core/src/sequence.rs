@@ -60,8 +60,11 @@ pub struct Sequence {
     pub prompt_len: usize,
     pub max_new_tokens: usize,
     pub stop_token_ids: Vec<u32>,
-    pub blocks: Vec<BlockId>,
-    /// Chained hash of `blocks[i]` for every full block whose KV has been computed.
+    /// One block table per attention group (`SchedulerConfig::groups` order, state group
+    /// left out).
+    pub tables: Vec<GroupTable>,
+    /// Chained hash of logical block `i` for every full block whose KV has been computed
+    /// (the same in every group).
     pub block_hashes: Vec<BlockHash>,
     /// Tokens whose KV is in the cache.
     pub num_computed: usize,
@@ -89,6 +92,33 @@ pub struct Sequence {
     /// that token in the next step.
     pub last_sample_step: u64,
     pub last_sample_row: usize,
+    /// Its slot in the state pool (with a state group, while running).
+    pub state_slot: Option<BlockId>,
+    /// A state checkpoint its admission restores from: held until that step is committed.
+    pub restore_from: Option<BlockId>,
+    /// A slot that an open step saves a checkpoint of its state into, the step, and the
+    /// position the checkpoint is of (the end of that step's chunk).
+    pub pending_save: Option<(BlockId, u64, usize)>,
+}
+
+/// A sequence's blocks in one attention group. A sliding group releases blocks from the
+/// front: `blocks[i]` holds logical block `offset + i` (tokens `(offset + i) * block_size..`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GroupTable {
+    pub blocks: Vec<BlockId>,
+    pub offset: usize,
+}
+
+impl GroupTable {
+    /// Logical blocks covered, released ones included.
+    pub fn end(&self) -> usize {
+        self.offset + self.blocks.len()
+    }
+    /// The block holding token position `p` (which must not be released).
+    #[inline]
+    pub fn block_of(&self, p: usize, block_size: usize) -> BlockId {
+        self.blocks[p / block_size - self.offset]
+    }
 }
 
 /// Per-request scheduling options beyond the prompt and the limits.

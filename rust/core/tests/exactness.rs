@@ -45,6 +45,7 @@ fn cfg(blocks: usize, tokens: usize, caching: bool) -> SchedulerConfig {
         max_running_seqs: 64,
         enable_prefix_caching: caching,
         max_model_len: None,
+        ..Default::default()
     }
 }
 

@@ -47,6 +47,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
             max_running_seqs: seqs,
             enable_prefix_caching: caching,
             max_model_len: None,
+            ..Default::default()
         },
     )
 }

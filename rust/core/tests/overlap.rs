@@ -19,6 +19,7 @@ fn cfg(blocks: usize, bs: usize, tokens: usize, seqs: usize) -> SchedulerConfig 
         max_running_seqs: seqs,
         enable_prefix_caching: true,
         max_model_len: None,
+        ..Default::default()
     }
 }
 
@@ -341,6 +342,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
             max_running_seqs: seqs,
             enable_prefix_caching: caching,
             max_model_len: None,
+            ..Default::default()
         },
     )
 }

@@ -11,6 +11,7 @@ fn cfg(blocks: usize, bs: usize, tokens: usize, seqs: usize) -> SchedulerConfig 
         max_running_seqs: seqs,
         enable_prefix_caching: true,
         max_model_len: None,
+        ..Default::default()
     }
 }
 

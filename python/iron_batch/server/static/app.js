@@ -272,7 +272,8 @@ function renderDashboard() {
   $("stat-waiting").textContent = s.waiting;
   const pct = s.kv_blocks_total ? (100 * s.kv_blocks_used) / s.kv_blocks_total : 0;
   $("stat-kv").textContent = fmt(pct) + "%";
-  $("stat-kv").title = s.kv_blocks_used + " used, " + s.kv_blocks_cached + " cached of " + s.kv_blocks_total + " blocks";
+  $("stat-kv").title = s.kv_blocks_used + " used, " + s.kv_blocks_cached + " cached of " + s.kv_blocks_total + " blocks"
+    + (s.cache_groups || []).map((g, i) => "\ngroup " + i + " (" + g.kind + (g.window ? " " + g.window : "") + "): " + g.used + " used, " + g.cached + " cached of " + g.total).join("");
   $("stat-hit").textContent = s.prefix_cache_hit_rate === null ? "–" : fmt(100 * s.prefix_cache_hit_rate) + "%";
   $("stat-preempt").textContent = fmt(s.preemptions, 0);
   $("stat-ttft").textContent = fmtMs(s.ttft_p50_ms) + " / " + fmtMs(s.ttft_p99_ms);

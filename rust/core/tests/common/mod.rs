@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod hybrid;
+
 use std::collections::{HashMap, VecDeque};
 
 use iron_batch_core::{Batch, Scheduler, StepEvent};
