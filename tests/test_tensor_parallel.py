@@ -194,7 +194,7 @@ def test_server_tp2_on_smollm2_matches_tp1() -> None:
 
 def test_a_rank_lost_while_idle_ends_the_server(paths: dict[str, str]) -> None:
     args = (*TINY, "--model", paths["llama"], "--tensor-parallel-size", "2",
-            "--tp-timeout", "3")
+            "--tp-timeout", "10")
     with _server(*args) as (proc, _):
         (rank1,) = _children(proc.pid)
         os.kill(rank1, signal.SIGKILL)
@@ -207,7 +207,7 @@ def test_a_rank_lost_while_idle_ends_the_server(paths: dict[str, str]) -> None:
 def test_a_lost_rank_fails_requests_and_the_server_exits(paths: dict[str, str],
                                                          how: str) -> None:
     args = (*TINY, "--model", paths["llama"], "--tensor-parallel-size", "2",
-            "--tp-timeout", "3")
+            "--tp-timeout", "10")
     with _server(*args) as (proc, url):
         (rank1,) = _children(proc.pid)
         body = {"prompt_token_ids": [5, 6, 7], "max_new_tokens": 500, "ignore_eos": True}

@@ -41,7 +41,7 @@ def test_bfloat16_shards_run_the_cpu_kernels_to_the_same_first_tokens(
 
 def test_a_rank_killed_under_llm_raises_instead_of_hanging() -> None:
     llm = LLM(model=str(checkpoint("qwen2")), tensor_parallel_size=2, device="cpu",
-              dtype="float32", total_kv_blocks=64, kv_block_size=4, tp_timeout=5)
+              dtype="float32", total_kv_blocks=64, kv_block_size=4, tp_timeout=10)
     try:
         params = SamplingParams(max_new_tokens=4, ignore_eos=True)
         assert len(llm.generate([[5, 6, 7]], params)[0].token_ids) == 4
