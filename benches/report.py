@@ -221,16 +221,16 @@ def run_batch1(args: argparse.Namespace) -> dict[str, Any]:
     gguf = str(resolve("smollm2-135m").gguf)
     have_llama = importlib.util.find_spec("llama_cpp") is not None
     skipped = None if have_llama else (
-        "llama-cpp-python is not installed (pip install -e '.[bench]' compiles llama.cpp "
-        "for many minutes): llama.cpp not measured")
+        "llama-cpp-python is not installed; `pip install -e '.[bench]'` compiles llama.cpp "
+        "for many minutes")
     if skipped:
         print(skipped, flush=True)
     engines = ["iron_batch"]
     # Without AVX-512 BF16 the quantized kernels take a portable path that is exact, not
     # fast: timing it would say nothing about the kernels.
     gguf_skipped = None if "AVX-512 BF16" in machine()["cpu"] else (
-        "this CPU has no AVX-512 BF16, where --quantization gguf runs a portable exact "
-        "path, not the kernels: not measured")
+        "this CPU has no AVX-512 BF16, where it runs a portable exact path, not the "
+        "kernels")
     if gguf_skipped:
         print(gguf_skipped, flush=True)
     else:
@@ -508,8 +508,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             plot_batch1(d, f"SmolLM2-135M, one request, {d['new_tokens']} tokens after "
                         f"{d['prompt_tokens']}; {d['machine']['date']}", DOCS / "batch1.png")
-        body = (f"Measured on {describe(d['machine'])}, with "
-                f"`{command.format(part=part)}`:\n\n{tables[part](d, meta)}\n")
+        body = (f"Measured with `{command.format(part=part)}` on {describe(d['machine'])}."
+                f"\n\n{tables[part](d, meta)}\n")
         text = replace_block(text, part, body)
         print(f"\n{part}:\n{body}")
     if not args.no_benchmarks_md:
