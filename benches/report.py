@@ -221,18 +221,28 @@ def run_batch1(args: argparse.Namespace) -> dict[str, Any]:
     gguf = str(resolve("smollm2-135m").gguf)
     have_llama = importlib.util.find_spec("llama_cpp") is not None
     skipped = None if have_llama else (
-        "llama-cpp-python is not installed (pip install -e '.[bench]' compiles llama.cpp "
-        "for many minutes): llama.cpp not measured")
+        "llama-cpp-python is not installed; `pip install -e '.[bench]'` compiles llama.cpp "
+        "for many minutes")
     if skipped:
         print(skipped, flush=True)
+    engines = ["iron_batch"]
+    # Without AVX-512 BF16 the quantized kernels take a portable path that is exact, not
+    # fast: timing it would say nothing about the kernels.
+    gguf_skipped = None if "AVX-512 BF16" in machine()["cpu"] else (
+        "this CPU has no AVX-512 BF16, where it runs a portable exact path, not the "
+        "kernels")
+    if gguf_skipped:
+        print(gguf_skipped, flush=True)
+    else:
+        engines.append("iron_batch_gguf")
     rounds: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model, hf = _smollm2_checkpoint(args.dtype, Path(tmp))
         servers = {}
         try:
-            for name, extra in (("iron_batch", ["--model", model, "--dtype", args.dtype]),
-                                ("iron_batch_gguf", ["--model", gguf, "--quantization",
-                                                     "gguf"])):
+            for name in engines:
+                extra = (["--model", model, "--dtype", args.dtype] if name == "iron_batch"
+                         else ["--model", gguf, "--quantization", "gguf"])
                 port = free_port()
                 servers[name] = Process([sys.executable, "-m", "iron_batch.server",
                                          "--backend", "torch", "--device", "cpu", *extra,
@@ -261,7 +271,7 @@ def run_batch1(args: argparse.Namespace) -> dict[str, Any]:
             for s in servers.values():
                 s.stop()
     return {"prompt_tokens": prompt, "new_tokens": new, "dtype": args.dtype,
-            "rounds": rounds, "llama_cpp_skipped": skipped}
+            "rounds": rounds, "llama_cpp_skipped": skipped, "gguf_skipped": gguf_skipped}
 
 
 # --- tables and plots ----------------------------------------------------------------------
@@ -329,10 +339,11 @@ def table_batch1(d: dict[str, Any], meta: dict[str, Any]) -> str:
         vs_t = f"**{v / med['transformers']:.2f}x**"
         vs_l = f"{v / med['llama_cpp']:.2f}x" if "llama_cpp" in med else ""
         lines.append(f"| {_B1_NAMES[k].format(dtype=d['dtype'])} | {v:.2f} | {vs_t} | {vs_l} |")
-    if d.get("llama_cpp_skipped"):
-        lines.append("")
-        lines.append(f"llama.cpp: not measured in this run ({d['llama_cpp_skipped']}); its "
-                     "figures are in the quantized-weights table below.")
+    for key, what in (("gguf_skipped", "`--quantization gguf`"),
+                      ("llama_cpp_skipped", "llama.cpp")):
+        if d.get(key):
+            lines += ["", f"{what}: not measured in this run ({d[key]}); its figures are in "
+                      "the quantized-weights table below."]
     return "\n".join(lines)
 
 
@@ -388,8 +399,8 @@ def plot_batch1(d: dict[str, Any], title: str, path: Path) -> None:
                   color=[colors[k] for k in order])
     ax.bar_label(bars, fmt="%.1f")
     ax.set(ylabel="ms per token (lower is better)")
-    if d.get("llama_cpp_skipped"):
-        title += "\n(llama.cpp not installed here: see BENCHMARKS.md for its figures)"
+    if d.get("llama_cpp_skipped") or d.get("gguf_skipped"):
+        title += "\n(GGUF rows not measured on this machine: see BENCHMARKS.md)"
     ax.set_title(title, fontsize=9)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -497,8 +508,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             plot_batch1(d, f"SmolLM2-135M, one request, {d['new_tokens']} tokens after "
                         f"{d['prompt_tokens']}; {d['machine']['date']}", DOCS / "batch1.png")
-        body = (f"Measured on {describe(d['machine'])}, with "
-                f"`{command.format(part=part)}`:\n\n{tables[part](d, meta)}\n")
+        body = (f"Measured with `{command.format(part=part)}` on {describe(d['machine'])}."
+                f"\n\n{tables[part](d, meta)}\n")
         text = replace_block(text, part, body)
         print(f"\n{part}:\n{body}")
     if not args.no_benchmarks_md:
