@@ -55,11 +55,11 @@ def run(cfg: SchedulerConfig, requests: int, prompt: int, new: int) -> dict[str,
 def one_sequence_units(cfg: SchedulerConfig, context: int) -> int:
     """Layer-unit blocks one sequence holds when it decodes its last token alone."""
     s = Scheduler(cfg)
-    s.add_request("one", np.arange(context - 1) % 30000, 1)
+    s.add_request("one", np.arange(context - 64) % 30000, 64)
     units = 0
     while s.has_work():
         batch = s.schedule()
-        if batch.num_samples:
+        if batch.num_samples and batch.num_tokens == 1:
             units = sum(g["used"] * (5 if g["kind"] == "sliding" else
                                      6 if not cfg.cache_groups else 1) for g in s.group_stats())
         s.commit(batch, np.full(batch.num_samples, 5))

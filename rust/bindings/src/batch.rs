@@ -4,6 +4,7 @@
 use iron_batch_core as core;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyString};
 
 #[pyclass(module = "iron_batch._core", frozen)]
@@ -23,13 +24,12 @@ pub struct Batch {
     sample_max_steps: Py<PyArray1<i32>>,
     pending_token_indices: Py<PyArray1<i64>>,
     pending_sample_rows: Py<PyArray1<i64>>,
-    group_slot_mapping: Py<PyArray2<i64>>,
-    group_block_tables: Py<PyArray2<i32>>,
-    block_table_offsets: Py<PyArray2<i32>>,
-    state_slots: Py<PyArray1<i32>>,
-    state_fresh: Py<PyArray1<i32>>,
-    state_restore: Py<PyArray1<i32>>,
-    state_save: Py<PyArray1<i32>>,
+    // The cache-group arrays are made on first access (copied from `core`): a model
+    // without cache groups never pays for them.
+    group_slot_mapping: PyOnceLock<Py<PyArray2<i64>>>,
+    group_block_tables: PyOnceLock<Py<PyArray2<i32>>>,
+    block_table_offsets: PyOnceLock<Py<PyArray2<i32>>>,
+    state_arrays: [PyOnceLock<Py<PyArray1<i32>>>; 4],
 }
 
 impl Batch {
@@ -45,27 +45,11 @@ impl Batch {
         let tables = std::mem::take(&mut b.block_tables)
             .into_pyarray(py)
             .reshape([rows, width])?;
-        let groups = b.num_attention_groups.max(1);
-        let tokens = b.input_ids.len();
-        let group_slots = std::mem::take(&mut b.group_slot_mapping)
-            .into_pyarray(py)
-            .reshape([groups - 1, tokens])?;
-        let group_tables = std::mem::take(&mut b.group_block_tables)
-            .into_pyarray(py)
-            .reshape([(groups - 1) * rows, b.group_max_blocks])?;
-        let mut offsets = std::mem::take(&mut b.block_table_offsets);
-        offsets.resize(groups * rows, 0);
-        let offsets = offsets.into_pyarray(py).reshape([groups, rows])?;
         Ok(Batch {
-            group_slot_mapping: group_slots.unbind(),
-            group_block_tables: group_tables.unbind(),
-            block_table_offsets: offsets.unbind(),
-            state_slots: std::mem::take(&mut b.state_slots).into_pyarray(py).unbind(),
-            state_fresh: std::mem::take(&mut b.state_fresh).into_pyarray(py).unbind(),
-            state_restore: std::mem::take(&mut b.state_restore)
-                .into_pyarray(py)
-                .unbind(),
-            state_save: std::mem::take(&mut b.state_save).into_pyarray(py).unbind(),
+            group_slot_mapping: PyOnceLock::new(),
+            group_block_tables: PyOnceLock::new(),
+            block_table_offsets: PyOnceLock::new(),
+            state_arrays: [const { PyOnceLock::new() }; 4],
             input_ids: std::mem::take(&mut b.input_ids).into_pyarray(py).unbind(),
             positions: std::mem::take(&mut b.positions).into_pyarray(py).unbind(),
             slot_mapping: std::mem::take(&mut b.slot_mapping)
@@ -98,6 +82,18 @@ impl Batch {
             owner,
             ids,
         })
+    }
+}
+
+impl Batch {
+    fn groups(&self) -> usize {
+        self.core.num_attention_groups.max(1)
+    }
+
+    fn state_array(&self, py: Python<'_>, i: usize, values: &[i32]) -> Py<PyArray1<i32>> {
+        self.state_arrays[i]
+            .get_or_init(py, || PyArray1::from_slice(py, values).unbind())
+            .clone_ref(py)
     }
 }
 
@@ -169,35 +165,55 @@ impl Batch {
     }
     /// `[attention groups - 1, num_tokens]`: the cache slots of the groups after the first.
     #[getter]
-    fn group_slot_mapping(&self, py: Python<'_>) -> Py<PyArray2<i64>> {
-        self.group_slot_mapping.clone_ref(py)
+    fn group_slot_mapping(&self, py: Python<'_>) -> PyResult<Py<PyArray2<i64>>> {
+        let cell = self.group_slot_mapping.get_or_try_init(py, || {
+            let tokens = self.input_ids.bind(py).len();
+            PyArray1::from_slice(py, &self.core.group_slot_mapping)
+                .reshape([self.groups() - 1, tokens])
+                .map(Bound::unbind)
+        })?;
+        Ok(cell.clone_ref(py))
     }
     /// `[(attention groups - 1) * num_seqs, width]`: group g's table is rows
     /// `(g - 1) * num_seqs` to `g * num_seqs`.
     #[getter]
-    fn group_block_tables(&self, py: Python<'_>) -> Py<PyArray2<i32>> {
-        self.group_block_tables.clone_ref(py)
+    fn group_block_tables(&self, py: Python<'_>) -> PyResult<Py<PyArray2<i32>>> {
+        let cell = self.group_block_tables.get_or_try_init(py, || {
+            let rows = (self.groups() - 1) * self.core.entries.len();
+            PyArray1::from_slice(py, &self.core.group_block_tables)
+                .reshape([rows, self.core.group_max_blocks])
+                .map(Bound::unbind)
+        })?;
+        Ok(cell.clone_ref(py))
     }
     /// `[attention groups, num_seqs]`: the logical block of each table row's first column.
     #[getter]
-    fn block_table_offsets(&self, py: Python<'_>) -> Py<PyArray2<i32>> {
-        self.block_table_offsets.clone_ref(py)
+    fn block_table_offsets(&self, py: Python<'_>) -> PyResult<Py<PyArray2<i32>>> {
+        let cell = self.block_table_offsets.get_or_try_init(py, || {
+            let rows = self.core.entries.len();
+            let mut offsets = self.core.block_table_offsets.clone();
+            offsets.resize(self.groups() * rows, 0);
+            PyArray1::from_vec(py, offsets)
+                .reshape([self.groups(), rows])
+                .map(Bound::unbind)
+        })?;
+        Ok(cell.clone_ref(py))
     }
     #[getter]
     fn state_slots(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
-        self.state_slots.clone_ref(py)
+        self.state_array(py, 0, &self.core.state_slots)
     }
     #[getter]
     fn state_fresh(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
-        self.state_fresh.clone_ref(py)
+        self.state_array(py, 1, &self.core.state_fresh)
     }
     #[getter]
     fn state_restore(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
-        self.state_restore.clone_ref(py)
+        self.state_array(py, 2, &self.core.state_restore)
     }
     #[getter]
     fn state_save(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
-        self.state_save.clone_ref(py)
+        self.state_array(py, 3, &self.core.state_save)
     }
     #[getter]
     fn request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {

@@ -179,7 +179,7 @@ impl Batch {
             self.slot_mapping
                 .push(block * block_size as i64 + (p % block_size) as i64);
         }
-        for (dst, table) in self.extra_slots.iter_mut().zip(&seq.tables[1..]) {
+        for (dst, table) in self.extra_slots.iter_mut().zip(seq.tables.rest()) {
             for p in start..end {
                 let block = table.block_of(p, block_size) as i64;
                 dst.push(block * block_size as i64 + (p % block_size) as i64);
@@ -195,10 +195,10 @@ impl Batch {
         self.seq_lens.push(end as i32);
         self.num_computed_before.push(start as i32);
         self.max_blocks = self.max_blocks.max(first.blocks.len());
-        for (dst, table) in self.offsets.iter_mut().zip(&seq.tables) {
+        for (dst, table) in self.offsets.iter_mut().zip(seq.tables.iter()) {
             dst.push(table.offset as i32);
         }
-        for table in &seq.tables[1..] {
+        for table in seq.tables.rest() {
             self.group_max_blocks = self.group_max_blocks.max(table.blocks.len());
         }
         if let Some(st) = state {
@@ -236,7 +236,7 @@ impl Batch {
             for (d, &b) in dst.iter_mut().zip(blocks) {
                 *d = b as i32;
             }
-            for (g, table) in tables[1..].iter().enumerate() {
+            for (g, table) in tables.rest().iter().enumerate() {
                 let at = (g * rows + row) * gw;
                 let dst = &mut self.group_block_tables[at..at + table.blocks.len()];
                 for (d, &b) in dst.iter_mut().zip(&table.blocks) {

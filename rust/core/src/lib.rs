@@ -18,4 +18,4 @@ pub use config::{split_pool, CacheGroup, CacheKind, GroupSpec, SchedulerConfig};
 pub use error::{AllocError, SchedulerError};
 pub use events::{StepEvent, StepEvents};
 pub use scheduler::{GroupUsage, Scheduler, SchedulerStats};
-pub use sequence::{FinishReason, GroupTable, RequestOptions, SeqState, Sequence};
+pub use sequence::{FinishReason, GroupTable, GroupTables, RequestOptions, SeqState, Sequence};

@@ -15,7 +15,7 @@ use crate::block_hash::{hash_block, hash_salt, BlockHash, BlockHasher};
 use crate::config::{CacheGroup, CacheKind, SchedulerConfig};
 use crate::error::{AllocError, SchedulerError};
 pub use crate::events::StepEvent;
-use crate::sequence::{FinishReason, GroupTable, RequestOptions, SeqState, Sequence};
+use crate::sequence::{FinishReason, GroupTables, RequestOptions, SeqState, Sequence};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SchedulerStats {
@@ -338,7 +338,7 @@ impl Scheduler {
             prompt_len: prompt.len(),
             max_new_tokens,
             stop_token_ids: stop_token_ids.to_vec(),
-            tables: vec![GroupTable::default(); self.groups.len()],
+            tables: GroupTables::new(self.groups.len()),
             block_hashes: Vec::new(),
             num_computed: 0,
             state: SeqState::Waiting,
@@ -422,7 +422,7 @@ impl Scheduler {
         bs: usize,
         stats: &mut SchedulerStats,
     ) {
-        for ((group, table), alloc) in groups.iter().zip(&mut seq.tables).zip(allocs) {
+        for ((group, table), alloc) in groups.iter().zip(seq.tables.iter_mut()).zip(allocs) {
             let Some(window) = group.window() else {
                 continue;
             };
@@ -570,7 +570,7 @@ impl Scheduler {
     ) -> bool {
         let blocks = (end + steps.saturating_sub(1)).div_ceil(bs);
         let mut fits = true;
-        for ((n, table), alloc) in need.iter_mut().zip(&seq.tables).zip(allocs) {
+        for ((n, table), alloc) in need.iter_mut().zip(seq.tables.iter()).zip(allocs) {
             *n = blocks.saturating_sub(table.end());
             fits &= alloc.num_free() >= *n;
         }
@@ -579,7 +579,7 @@ impl Scheduler {
 
     /// Allocate what `blocks_needed` found, in every group (free blocks checked).
     fn allocate_needed(need: &[usize], allocs: &mut [BlockAllocator], seq: &mut Sequence) {
-        for ((&n, table), alloc) in need.iter().zip(&mut seq.tables).zip(allocs) {
+        for ((&n, table), alloc) in need.iter().zip(seq.tables.iter_mut()).zip(allocs) {
             alloc
                 .allocate_into(n, &mut table.blocks)
                 .expect("free blocks checked");
@@ -903,7 +903,7 @@ impl Scheduler {
             .iter()
             .zip(&mut self.allocs)
             .zip(&self.match_hits)
-            .zip(&mut seq.tables)
+            .zip(seq.tables.iter_mut())
         {
             let from = g
                 .window()

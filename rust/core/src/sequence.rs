@@ -62,7 +62,7 @@ pub struct Sequence {
     pub stop_token_ids: Vec<u32>,
     /// One block table per attention group (`SchedulerConfig::groups` order, state group
     /// left out).
-    pub tables: Vec<GroupTable>,
+    pub tables: GroupTables,
     /// Chained hash of logical block `i` for every full block whose KV has been computed
     /// (the same in every group).
     pub block_hashes: Vec<BlockHash>,
@@ -147,5 +147,61 @@ impl Sequence {
     /// Length once every open step is committed: committed tokens plus pending ones.
     pub fn scheduled_len(&self) -> usize {
         self.tokens.len() + self.num_pending
+    }
+}
+
+/// A sequence's tables, one per attention group. The first is kept inline: the scheduler
+/// touches it for every sequence every step, and one group is the common case.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GroupTables {
+    first: GroupTable,
+    rest: Vec<GroupTable>,
+}
+
+impl GroupTables {
+    pub fn new(groups: usize) -> Self {
+        GroupTables {
+            first: GroupTable::default(),
+            rest: vec![GroupTable::default(); groups.saturating_sub(1)],
+        }
+    }
+    pub fn len(&self) -> usize {
+        1 + self.rest.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+    /// The tables after the first.
+    pub fn rest(&self) -> &[GroupTable] {
+        &self.rest
+    }
+    pub fn iter(&self) -> impl Iterator<Item = &GroupTable> {
+        std::iter::once(&self.first).chain(&self.rest)
+    }
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut GroupTable> {
+        std::iter::once(&mut self.first).chain(&mut self.rest)
+    }
+}
+
+impl std::ops::Index<usize> for GroupTables {
+    type Output = GroupTable;
+    #[inline]
+    fn index(&self, g: usize) -> &GroupTable {
+        if g == 0 {
+            &self.first
+        } else {
+            &self.rest[g - 1]
+        }
+    }
+}
+
+impl std::ops::IndexMut<usize> for GroupTables {
+    #[inline]
+    fn index_mut(&mut self, g: usize) -> &mut GroupTable {
+        if g == 0 {
+            &mut self.first
+        } else {
+            &mut self.rest[g - 1]
+        }
     }
 }

@@ -431,3 +431,42 @@ fn a_hybrid_model_is_exact_under_pools_that_force_preemption() {
         assert_all_free(&s);
     }
 }
+
+#[test]
+fn a_chunk_cut_at_a_checkpoint_leaves_the_rest_to_the_next_step() {
+    // Two running sequences mid-prefill with budget to spare: each chunk ends at its
+    // checkpoint (every 2 blocks of 2), and no sequence appears twice in a step, even though
+    // the budget would cover the rest of its prompt.
+    let groups = vec![CacheGroup::full(64), CacheGroup::state(8)];
+    let mut s = Scheduler::new(SchedulerConfig {
+        state_checkpoint_interval: 2,
+        ..cfg(groups.clone(), 2, 64, 2)
+    })
+    .unwrap();
+    let mut m = HybridModel::new(&groups, 2);
+    let mut out = Outputs::new();
+    let (a, b): (Vec<u32>, Vec<u32>) = ((1..=13).collect(), (20..=29).collect());
+    s.add_request("a", &a, 2, &[]).unwrap();
+    s.add_request("b", &b, 2, &[]).unwrap();
+    let mut steps = Vec::new();
+    while s.has_work() {
+        let batch = step(&mut s, &mut m, &mut out);
+        let mut uids: Vec<u64> = batch.entries.iter().map(|e| e.uid).collect();
+        uids.dedup();
+        assert_eq!(uids.len(), batch.num_seqs(), "a sequence twice in one step");
+        steps.push((batch.num_computed_before.clone(), batch.seq_lens.clone()));
+    }
+    // a: 0..4, 4..8, 8..12 (12 is also its prompt's end), 12..13; b: 0..4, 4..8, 8..10.
+    assert_eq!(
+        steps[..4],
+        [
+            (vec![0, 0], vec![4, 4]),
+            (vec![4, 4], vec![8, 8]),
+            (vec![8, 8], vec![12, 10]),
+            (vec![12, 10], vec![13, 11]),
+        ]
+    );
+    let prompts = HashMap::from([("a".to_string(), a), ("b".to_string(), b)]);
+    assert_exact(&groups, &prompts, &out);
+    assert_all_free(&s);
+}
