@@ -208,6 +208,10 @@ class ScriptedBackend(MockBackend):
         self._done[request_id] = 0
 
     def execute(self, batch: Any) -> np.ndarray:
+        # The mock's latency model holds here too (zero unless a test sets one), so a test
+        # can keep a request running long enough to act on it mid-flight.
+        if (delay := self.step_seconds(batch)) > 0:
+            time.sleep(delay)
         out = []
         for rid in batch.sample_request_ids:
             i = self._done[rid]
