@@ -35,9 +35,10 @@ def test_overlapped_greedy_matches_transformers_under_preemption_and_chunking(
     def on_step(batch: Any) -> None:
         holes.append(len(batch.pending_token_indices))
 
-    # 20 blocks of 4 and 7 tokens per step: preemption and chunked prefill both happen.
+    # 12 blocks of 4 and 7 tokens per step: preemption and chunked prefill both happen (in
+    # a sliding group too, which holds at most a window and a chunk of each sequence).
     outs, stats = run_scheduler(
-        backend(name), prompts, max_new, total_kv_blocks=20, max_batch_tokens=7,
+        backend(name), prompts, max_new, total_kv_blocks=12, max_batch_tokens=7,
         overlap_depth=1, on_step=on_step,
     )
     assert stats["preemptions"] > 0

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
-from iron_batch import Scheduler, SchedulerConfig
+from iron_batch import Scheduler
+from iron_batch.backends.build import scheduler_config
 from iron_batch.backends.torch_backend import TorchBackend
 from iron_batch.sampling_params import SamplingParams
 
@@ -66,6 +67,42 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         num_attention_heads=4, num_key_value_heads=2, sliding_window=24,
         tie_word_embeddings=False,
     )),
+    # A sliding and a global layer, GeGLU, sandwich norms, soft caps small enough to bite.
+    "gemma2": ("Gemma2Config", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=24,
+        query_pre_attn_scalar=24, attn_logit_softcapping=4.0, final_logit_softcapping=6.0,
+    )),
+    # q/k norms, a local rope base of its own, linear scaling on the global layer, untied.
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=20,
+        query_pre_attn_scalar=32, layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+        rope_layers={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                        "rope_theta": 1000000.0},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    )),
+    # Fused qkv and gate/up, rotary over 3/4 of each head, LongRoPE (long factors past
+    # position 256: test_new_families checks those against transformers separately).
+    "phi3": ("Phi3Config", dict(
+        num_attention_heads=4, num_key_value_heads=2, original_max_position_embeddings=256,
+        rope_scaling={"rope_type": "longrope", "partial_rotary_factor": 0.75,
+                      "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                      "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0]},
+    )),
+    # Norms after the sublayers, q/k norms over whole projections.
+    "olmo2": ("Olmo2Config", dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )),
+    # The four multipliers.
+    "granite": ("GraniteConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=3.0,
+        attention_multiplier=0.2, residual_multiplier=0.6, logits_scaling=2.5,
+        tie_word_embeddings=True,
+    )),
+    # The second layer without rotary (NoPE).
+    "smollm3": ("SmolLM3Config", dict(
+        num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[1, 0],
+    )),
 }
 
 _ROOT = Path(tempfile.mkdtemp(prefix="iron_batch_tiny_"))
@@ -75,9 +112,12 @@ atexit.register(shutil.rmtree, _ROOT, True)
 def _rope_kwargs(cls_name: str, extra: dict[str, Any]) -> dict[str, Any]:
     # transformers 5 moved rope settings into rope_parameters.
     extra = dict(extra)
+    per_layer_type = extra.pop("rope_layers", None)
     scaling = extra.pop("rope_scaling", None)
     theta = extra.pop("rope_theta", 10000.0)
-    if int(transformers.__version__.split(".")[0]) >= 5:
+    if per_layer_type is not None:  # Gemma 3's rope settings by layer type
+        extra["rope_parameters"] = per_layer_type
+    elif int(transformers.__version__.split(".")[0]) >= 5:
         params = {"rope_type": "default", **(scaling or {}), "rope_theta": theta}
         extra["rope_parameters"] = params
     else:
@@ -210,10 +250,9 @@ def run_scheduler(
     """Drive the real scheduler with the backend until every request ends. With
     ``overlap_depth`` > 0, that many steps stay submitted (``be.submit``) while the next is
     scheduled over them (placeholders filled in by the backend), as the engine does."""
-    sched = Scheduler(SchedulerConfig(
-        total_kv_blocks=total_kv_blocks or be.num_kv_blocks,
-        kv_block_size=be.kv_block_size,
-        max_batch_tokens=max_batch_tokens,
+    # The backend's cache groups (sliding-window layers release their old blocks).
+    sched = Scheduler(scheduler_config(
+        be, total_kv_blocks=total_kv_blocks, max_batch_tokens=max_batch_tokens,
         max_running_seqs=max_running_seqs,
     ))
     n = len(prompts)
@@ -242,4 +281,5 @@ def run_scheduler(
                     be.remove_request(rid)
         sched.check_invariants()
     assert sched.num_free_blocks == sched.config.total_kv_blocks
+    assert all(g["used"] == 0 for g in sched.group_stats())
     return [outputs[rid] for rid in ids], sched.stats()

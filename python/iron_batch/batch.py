@@ -75,6 +75,33 @@ def absolute_block_tables(block_tables: np.ndarray, offsets: np.ndarray) -> np.n
     return out
 
 
+#: Cache-group fields the model's forward takes (models with more than one attention group).
+GROUP_MODEL_INPUTS = ("group_slot_mapping", "group_block_tables")
+
+
+def group_model_inputs(batch: Any, group_blocks: list[int]) -> dict[str, np.ndarray]:
+    """The forward's inputs for attention groups after the first: their slots, and their
+    block tables laid out from block 0 (see :func:`absolute_block_tables`), each checked
+    against its group's pool of ``group_blocks[g]`` blocks."""
+    s = len(batch.seq_lens)
+    tables, offsets = batch.group_block_tables, batch.block_table_offsets
+    if s and len(offsets) != len(group_blocks):
+        raise ValueError(f"the batch has {len(offsets)} cache groups, the model "
+                         f"{len(group_blocks)}: schedule it with the backend's cache_groups")
+    parts = []
+    for g in range(1, len(group_blocks)):
+        t = tables[(g - 1) * s : g * s]
+        if t.size and int(t.max()) >= group_blocks[g]:
+            raise ValueError(f"batch uses a block id beyond cache group {g}'s "
+                             f"{group_blocks[g]} blocks")
+        parts.append(absolute_block_tables(t, offsets[g]) if offsets.size else t)
+    width = max((p.shape[1] for p in parts), default=0)
+    joined = np.zeros((s * len(parts), width), dtype=np.int32)
+    for g, p in enumerate(parts):
+        joined[g * s : (g + 1) * s, : p.shape[1]] = p
+    return {"group_slot_mapping": batch.group_slot_mapping, "group_block_tables": joined}
+
+
 def batch_arrays(batch: Any) -> list[np.ndarray]:
     """The batch's arrays in :data:`BATCH_FIELDS` order."""
     return [getattr(batch, name) for name in BATCH_FIELD_NAMES]

@@ -81,17 +81,19 @@ class AttentionBackend:
         heads: int,
         kv_heads: int,
         head_dim: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         q_norm: HeadTransform | None,
         k_norm: HeadTransform | None,
         cache: torch.Tensor,
         plan: AttentionPlan,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Split the fused projection ``qkv`` [T, (heads + 2 kv_heads) * hd], norm and
-        rotate q and k, store K/V at the plan's slots; returns (q, k, v) with k and v None
+        rotate q and k (the tables' width of each head: partial rotary; not at all when
+        ``cos`` is None), store K/V at the plan's slots; returns (q, k, v) with k and v None
         where attention needs only the cache."""
-        if self.fused_rope and q_norm is None and plan.decodes is not None and (
+        full_rotary = cos is not None and cos.shape[-1] == head_dim
+        if self.fused_rope and full_rotary and q_norm is None and plan.decodes is not None and (
             plan.decodes.all_rows
         ):
             # A decode-only step: every row's K/V goes to the cache, and attention reads
@@ -105,7 +107,11 @@ class AttentionBackend:
         if q_norm is not None and k_norm is not None:
             q = q_norm(qkv[:, :q_size].view(n, heads, head_dim))
             k = k_norm(qkv[:, q_size : q_size + kv_size].view(n, kv_heads, head_dim))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if cos is not None and sin is not None:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        elif cos is None or sin is None:
+            q = qkv[:, :q_size].view(n, heads, head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(n, kv_heads, head_dim)
         else:
             # One rotation over q and k heads together: half the elementwise calls,
             # which on a small CPU cost more in dispatch than in arithmetic.
@@ -122,9 +128,11 @@ class AttentionBackend:
         cache: torch.Tensor,
         plan: AttentionPlan,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """[T, heads * hd] attention outputs of this step's queries."""
-        return paged.paged_attention(q, k, v, cache, plan, scale)
+        """[T, heads * hd] attention outputs of this step's queries (``softcap``: scores
+        become ``softcap * tanh(score / softcap)`` before the mask and softmax)."""
+        return paged.paged_attention(q, k, v, cache, plan, scale, softcap)
 
 
 class TorchAttention(AttentionBackend):

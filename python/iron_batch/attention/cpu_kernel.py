@@ -30,10 +30,13 @@ def paged_decode_attention(
     seq_lens: np.ndarray,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [S, heads, hd] -> [S, heads * hd]; ``cache`` [2, blocks, block_size, kv_heads, hd];
     ``block_tables`` int32 [S, width] and ``seq_lens`` int32 [S] of the decoding sequences
     (lengths include the new token, whose K/V is already in the cache)."""
+    if softcap is not None:
+        raise NotImplementedError("the CPU attention kernel has no soft-capping")
     num_seqs, num_heads, head_dim = q.shape
     _, num_blocks, block_size, kv_heads, cache_hd = cache.shape
     # The kernel trusts these: it gets addresses, not tensors.

@@ -165,9 +165,11 @@ def scheduler_config(
         raise BackendConfigError(f"--kv-block-size {kv_block_size} differs from the "
                                  f"backend's {own_size}")
     blocks = int(total_kv_blocks or own_blocks or DEFAULTS.total_kv_blocks)
-    # A model whose every layer has a sliding window is one sliding cache group.
-    window = getattr(backend, "sliding_window", None)
-    groups = [CacheGroup("sliding", blocks, window=window)] if window else []
+    # A model with sliding-window layers has a cache group per kind of layer (the backend
+    # sizes their pools; ``total_kv_blocks`` may only shrink each).
+    groups = [CacheGroup(g.kind, min(g.size, total_kv_blocks or g.size), window=g.window,
+                         unit_bytes=g.unit_bytes)
+              for g in getattr(backend, "cache_groups", None) or []]
     try:
         return SchedulerConfig(
             total_kv_blocks=blocks,

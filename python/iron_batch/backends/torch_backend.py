@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from iron_batch._core import SchedulerConfig
+from iron_batch._core import CacheGroup, SchedulerConfig, split_pool
 from iron_batch.backends.base import BackendBase, BackendInfo, StepOutput
-from iron_batch.batch import absolute_block_tables, model_inputs
+from iron_batch.batch import absolute_block_tables, group_model_inputs, model_inputs
 from iron_batch.loader import ModelSource, load_model, read_gguf_fields, resolve
 from iron_batch.models.decoder import DecoderModel
 from iron_batch.pooling import PromptPooler
@@ -36,6 +36,8 @@ _CORE_DEFAULTS = SchedulerConfig()
 
 # KV pool size when neither a block count nor a memory budget is given, on CPU.
 _DEFAULT_CPU_KV_GB = 1.0
+# The context length the groups of a hybrid pool are sized to serve alike.
+_SPLIT_CONTEXT = 8192
 # Share of free GPU memory (after weights) given to the KV pool by default.
 _CUDA_KV_FRACTION = 0.85
 
@@ -90,27 +92,38 @@ class TorchBackend(BackendBase):
         tokenizer: Tokenizer | None,
         *,
         model_name: str,
-        num_kv_blocks: int,
+        num_kv_blocks: int | list[int],
         kv_block_size: int,
     ) -> None:
+        """``num_kv_blocks``: the KV pool in blocks, of each cache group (a list: one count
+        per ``model.cache_groups`` entry)."""
         self.model = model
         # torch CPU ops run to the end when called; CUDA ones are queued on a stream.
         self.asynchronous_submit = model.device.type == "cuda"
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.num_kv_blocks: int = num_kv_blocks
+        groups = model.cache_groups
+        per_group = (list(num_kv_blocks) if isinstance(num_kv_blocks, list)
+                     else [num_kv_blocks] * len(groups))
+        self.num_kv_blocks: int = per_group[0]
         self.kv_block_size: int = kv_block_size
         self.max_model_len: int | None = model.config.max_position_embeddings
-        #: Every layer attends over this many tokens (Mistral): the scheduler then keeps one
-        #: sliding cache group and releases the blocks before the window.
-        self.sliding_window: int | None = model.config.sliding_window
+        #: The scheduler's cache groups (empty: one full-attention group of
+        #: ``num_kv_blocks``): a sliding group releases the blocks before its window.
+        self.cache_groups: list[CacheGroup] = []
+        if groups != [("full", None)]:
+            unit = [b * kv_block_size for b in model.kv_bytes_per_token()]
+            self.cache_groups = [CacheGroup(kind, size, window=window, unit_bytes=u)
+                                 for (kind, window), size, u in zip(groups, per_group, unit,
+                                                                    strict=True)]
+        self._group_blocks = per_group
         self.vocab_size = model.config.vocab_size
         eos = list(model.config.eos_token_ids)
         for i in tokenizer.eos_token_ids if tokenizer else []:
             if i not in eos:
                 eos.append(i)
         self.eos_token_ids = eos
-        model.allocate_kv_cache(num_kv_blocks, kv_block_size)
+        model.allocate_kv_cache(per_group, kv_block_size)
         grammar = None
         if tokenizer is not None and llguidance_installed():
             grammar = GrammarMasker(tokenizer, model.config.vocab_size, eos)
@@ -138,13 +151,18 @@ class TorchBackend(BackendBase):
         dev = pick_device(device)
         net = load_model(source, device=dev, dtype=pick_dtype(dtype, dev, quantization),
                          quantization=quantization)
-        if total_kv_blocks is None:
-            total_kv_blocks = kv_blocks_for_memory(net, kv_block_size, kv_cache_memory_gb)
+        blocks: int | list[int]
+        if total_kv_blocks is not None:
+            blocks = total_kv_blocks
+        elif len(net.cache_groups) > 1:
+            blocks = group_blocks_for_memory(net, kv_block_size, kv_cache_memory_gb)
+        else:
+            blocks = kv_blocks_for_memory(net, kv_block_size, kv_cache_memory_gb)
         return cls(
             net,
             load_tokenizer(source),
             model_name=source.name,
-            num_kv_blocks=total_kv_blocks,
+            num_kv_blocks=blocks,
             kv_block_size=kv_block_size,
         )
 
@@ -189,6 +207,8 @@ class TorchBackend(BackendBase):
             # A sliding group's tables start at their offsets; the attention indexes them by
             # position and its window mask hides the released columns.
             inputs["block_tables"] = absolute_block_tables(batch.block_tables, offsets[0])
+        if len(self._group_blocks) > 1:
+            inputs.update(group_model_inputs(batch, self._group_blocks))
         holes = getattr(batch, "pending_token_indices", None)
         if holes is not None and len(holes):
             # Placeholders are filled before the forward (and before a tensor-parallel
@@ -274,6 +294,21 @@ def kv_blocks_for_memory(net: DecoderModel, block_size: int, memory_gb: float | 
     if blocks < 1:
         raise ValueError("KV cache memory budget is smaller than one block")
     return blocks
+
+
+def group_blocks_for_memory(
+    net: DecoderModel, block_size: int, memory_gb: float | None
+) -> list[int]:
+    """Blocks of each cache group from one memory budget, split by the core so that each
+    group serves as many sequences (a sliding group holds a window and a chunk of each)."""
+    budget = kv_blocks_for_memory(net, block_size, memory_gb) * net.kv_bytes_per_block(
+        block_size)
+    specs = [(kind, window, per_token) for (kind, window), per_token
+             in zip(net.cache_groups, net.kv_bytes_per_token(), strict=True)]
+    context = min(net.config.max_position_embeddings, _SPLIT_CONTEXT)
+    groups = split_pool(budget, specs, block_size, _CORE_DEFAULTS.max_running_seqs, context,
+                        _CORE_DEFAULTS.max_batch_tokens)
+    return [g.size for g in groups]
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer | None:

@@ -1,5 +1,5 @@
-"""RMSNorm over the last dimension, plain or with the residual add before it, and the
-per-head form (Qwen3's q/k norms).
+"""RMSNorm over the last dimension, plain or with the residual add before it, the
+per-head form (Qwen3's and Gemma 3's q/k norms) and the whole-projection form (OLMo 2's).
 
 Statistics are taken in float32 like the reference implementations whatever the compute
 dtype. On CPU with the fused kernels (``platform/cpu.py``) one Rust call does the add and
@@ -7,6 +7,8 @@ the norm, rounding where the torch chain rounds (bf16 outputs equal bit for bit)
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -56,3 +58,37 @@ class HeadNorm:
         t, heads, hd = x.shape
         flat = x.reshape(t * heads, hd).contiguous()
         return cpu_kernels.add_rms_norm_(flat, None, self.weight, self.eps).view(t, heads, hd)
+
+
+class ProjectionNorm:
+    """RMSNorm of a whole q or k projection (OLMo 2): ``x`` [T, heads, head_dim] normed
+    over all its heads at once. A tensor-parallel rank holds some heads: ``all_reduce``
+    then sums the squares over the ranks, and ``width`` is the full projection's."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        width: int,
+        all_reduce: Callable[[torch.Tensor], None] | None = None,
+        fused: bool = False,
+    ) -> None:
+        self.weight = weight
+        self.eps = float(eps)
+        self.width = width
+        self.all_reduce = all_reduce
+        self.fused = fused and all_reduce is None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        t, heads, hd = x.shape
+        flat = x.reshape(t, heads * hd)
+        if self.fused:
+            out = cpu_kernels.add_rms_norm_(flat.contiguous(), None, self.weight, self.eps)
+            return out.view(t, heads, hd)
+        xf = flat.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)
+        if self.all_reduce is not None:
+            self.all_reduce(squares)
+        xf = xf * torch.rsqrt(squares / self.width + self.eps)
+        return (self.weight * xf.to(x.dtype)).view(t, heads, hd)

@@ -18,7 +18,38 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch
         return inv_freq / float(scaling["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (default, linear, llama3)")
+    if rope_type == "longrope":
+        return _longrope_inv_freq(head_dim, theta, scaling["short_factor"])
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} "
+                     f"(supported: {', '.join(ROPE_TYPES)})")
+
+
+#: Rope scaling types :func:`rope_inv_freq` implements.
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+def _longrope_inv_freq(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    ext = torch.tensor(factors, dtype=torch.float32)
+    if ext.shape != (head_dim // 2,):
+        raise ValueError(f"longrope: {len(factors)} factors for {head_dim // 2} frequencies")
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (ext * theta**shape)
+
+
+def _longrope(
+    head_dim: int, theta: float, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, int, float]:
+    """LongRoPE (Phi-3): the long factors' inverse frequencies, the position from which
+    they apply, and the factor both sets scale cos and sin by."""
+    original = int(scaling["original_max_position_embeddings"])
+    long = _longrope_inv_freq(head_dim, theta, scaling["long_factor"])
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        factor = scaling.get("factor")
+        if factor is None:
+            factor = float(scaling.get("max_position_embeddings") or original) / original
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return long, original, float(attention)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -48,7 +79,12 @@ def rope_cos_sin(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [num_tokens, heads, head_dim] in the half-split layout HF checkpoints use."""
+    """Rotate [num_tokens, heads, head_dim] in the half-split layout HF checkpoints use;
+    with tables narrower than the head (partial rotary) only its leading dimensions, the
+    rest passed through."""
+    dim = cos.shape[-1]
+    if dim != x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat((-x2, x1), dim=-1)
@@ -68,10 +104,21 @@ class RotaryEmbedding:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
+        """``head_dim``: the rotated dimensions of each head (fewer than the head's with
+        partial rotary)."""
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
         self.device = device
         self.dtype = dtype
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+        # LongRoPE: positions from `_long_from` on rotate by the long factors (per token,
+        # so a sequence's rotation never depends on what else is in the batch), and every
+        # table is scaled by the attention factor.
+        self._long: torch.Tensor | None = None
+        self._long_from = 0
+        self._factor = 1.0
+        if scaling.get("rope_type") == "longrope":
+            long, self._long_from, self._factor = _longrope(head_dim, theta, scaling)
+            self._long = long.to(device)
 
     def cos_sin(
         self, pos: torch.Tensor, largest: int
@@ -81,6 +128,18 @@ class RotaryEmbedding:
         if self._table is None or self._table[0].shape[0] < need:
             size = max(need, 256, 2 * (0 if self._table is None else len(self._table[0])))
             every = torch.arange(size, device=self.device)
-            self._table = rope_cos_sin(every, self.inv_freq, self.dtype)
+            if self._long is None:
+                self._table = rope_cos_sin(every, self.inv_freq, self.dtype)
+            else:
+                self._table = self._longrope_table(every)
         cos, sin = self._table
         return cos[pos], sin[pos]
+
+    def _longrope_table(self, every: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._long is not None
+        use_long = (every >= self._long_from)[:, None]
+        inv = torch.where(use_long, self._long[None, :], self.inv_freq[None, :])
+        freqs = every.to(torch.float32)[:, None] * inv
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        f = self._factor
+        return (emb.cos() * f).to(self.dtype), (emb.sin() * f).to(self.dtype)

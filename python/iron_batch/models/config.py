@@ -6,6 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+#: Gated MLP activations the layers implement (``layers/activation.py`` holds the
+#: functions; named here so that reading a config needs no torch).
+GATED_ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
+
 
 @dataclass
 class ModelConfig:
@@ -28,12 +32,60 @@ class ModelConfig:
     #: Bias on the output projection (Llama with attention_bias only).
     o_bias: bool = False
     mlp_bias: bool = False
-    #: Per-head RMSNorm on q and k before rope (Qwen3).
-    qk_norm: bool = False
-    #: Keys further back than this are not attended (Mistral), None = full attention.
+    #: RMSNorm of q and k before rope: None, "head" (each head by one weight: Qwen3,
+    #: Gemma 3) or "projection" (the whole q and k projections: OLMo 2).
+    qk_norm: str | None = None
+    #: Keys further back than this are not attended (Mistral; Gemma's sliding layers),
+    #: None = full attention.
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    #: The MLP's gated activation, by the checkpoint's name (``hidden_act``).
+    hidden_act: str = "silu"
+    #: Per layer, whether it attends over ``sliding_window`` only (None: every layer does
+    #: when ``sliding_window`` is set, as in Mistral).
+    sliding_layers: list[bool] | None = None
+    #: Rotated leading dimensions of each head (partial rotary; None: all of them).
+    rotary_dim: int | None = None
+    #: Rope base and scaling of the sliding layers when they differ from the global
+    #: layers' (Gemma 3's local base frequency).
+    local_rope: tuple[float, dict[str, Any]] | None = None
+    #: Per layer, whether it rotates q and k at all (SmolLM3's NoPE layers; None: all do).
+    rope_layers: list[bool] | None = None
+    #: Where each layer's RMSNorms sit: "pre" (before attention and before the MLP:
+    #: Llama), "sandwich" (before and after both: Gemma) or "post" (after both: OLMo 2).
+    norm_layout: str = "pre"
+    #: Checkpoint norm weights are stored as ``w - 1`` (Gemma multiplies by ``1 + w``).
+    norm_weight_offset: float = 0.0
+    #: The attention's score scale (None: ``head_dim ** -0.5``).
+    attention_scale: float | None = None
+    #: Tanh soft-capping of attention scores and of the final logits (Gemma 2).
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    #: The token embeddings are multiplied by this (Gemma: sqrt(hidden), rounded to the
+    #: compute dtype; Granite: embedding_multiplier).
+    embedding_scale: float = 1.0
+    #: Gemma rounds the embedding scale to the compute dtype before multiplying.
+    embedding_scale_in_dtype: bool = False
+    #: Attention and MLP outputs are multiplied by this before joining the residual
+    #: (Granite's residual_multiplier).
+    residual_scale: float = 1.0
+    #: Logits are divided by this (Granite's logits_scaling).
+    logits_divisor: float = 1.0
+
+    def layer_window(self, i: int) -> int | None:
+        """How far back layer ``i`` attends (None: every position)."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_layers is None or self.sliding_layers[i]:
+            return self.sliding_window
+        return None
+
+    def layer_rotary_dim(self, i: int) -> int:
+        """Rotated dimensions of each head in layer ``i`` (0: no rotary)."""
+        if self.rope_layers is not None and not self.rope_layers[i]:
+            return 0
+        return self.rotary_dim or self.head_dim
 
     @classmethod
     def from_hf(
@@ -43,20 +95,36 @@ class ModelConfig:
         tie_default: bool,
         qkv_bias: bool = False,
         o_bias: bool = False,
-        qk_norm: bool = False,
+        qk_norm: str | None = None,
         sliding_window: int | None = None,
+        **architecture: Any,
     ) -> ModelConfig:
         """The settings every decoder family reads the same way from an HF config; the
-        family (``models/<family>.py``) says what its architecture adds. Features this
-        implementation does not run are refused by name."""
+        family (``models/<family>.py``) says what its architecture adds (``architecture``:
+        further fields of this class). Features this implementation does not run are
+        refused by name."""
         act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
-        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("unsupported partial_rotary_factor != 1")
+        if "hidden_act" in architecture:
+            act = architecture.pop("hidden_act")
+        if act not in GATED_ACTIVATION_NAMES:
+            raise ValueError(f"unsupported hidden_act {act!r} (supported: "
+                             f"{', '.join(GATED_ACTIVATION_NAMES)})")
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        theta, scaling = _rope_settings(cfg)
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        theta, scaling = rope_settings(cfg)
+        partial = float(scaling.pop("partial_rotary_factor",
+                                    cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+        rotary_dim = None
+        if partial != 1.0:
+            rotary_dim = int(head_dim * partial)
+            if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+                raise ValueError(f"unsupported partial_rotary_factor {partial} "
+                                 f"(rotates {rotary_dim} of {head_dim} dimensions)")
+        if scaling.get("rope_type") == "longrope":
+            scaling.setdefault("original_max_position_embeddings",
+                               cfg.get("original_max_position_embeddings"))
+            scaling.setdefault("max_position_embeddings", cfg.get("max_position_embeddings"))
         return cls(
             model_type=cfg.get("model_type", ""),
             vocab_size=cfg["vocab_size"],
@@ -65,7 +133,7 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             # transformers' config classes default tie_word_embeddings per family.
@@ -79,6 +147,9 @@ class ModelConfig:
             sliding_window=sliding_window,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_id_list(cfg.get("eos_token_id")),
+            hidden_act=act,
+            rotary_dim=rotary_dim,
+            **architecture,
         )
 
 
@@ -90,7 +161,7 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
-def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     """Return (theta, scaling dict) from either transformers 4.x or 5.x config layouts.
 
     4.x: top-level ``rope_theta`` plus optional ``rope_scaling`` (``type`` or ``rope_type``).

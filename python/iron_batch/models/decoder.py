@@ -22,7 +22,7 @@ from iron_batch.layers import cpu_kernels, decoder_stack, quant
 from iron_batch.layers.embedding import Embedding, LMHead, VocabParallel
 from iron_batch.layers.linear import Linear
 from iron_batch.layers.mlp import GatedMLP
-from iron_batch.layers.norm import HeadNorm, RMSNorm
+from iron_batch.layers.norm import HeadNorm, ProjectionNorm, RMSNorm
 from iron_batch.layers.rotary import RotaryEmbedding
 from iron_batch.layers.weights import LoadContext, Part, WeightSource
 from iron_batch.models.config import ModelConfig
@@ -48,17 +48,47 @@ class Shard(Protocol):
         ...
 
 
+#: Where a layout puts each of a layer's norms: the layer's slot -> the ``hf_names`` key of
+#: the checkpoint tensor (see ``ModelConfig.norm_layout``).
+NORM_LAYOUTS: dict[str, dict[str, str]] = {
+    "pre": {"input_norm": "input_norm", "post_norm": "post_norm"},
+    "sandwich": {"input_norm": "input_norm", "attn_out_norm": "post_norm",
+                 "post_norm": "pre_mlp_norm", "mlp_out_norm": "post_mlp_norm"},
+    "post": {"attn_out_norm": "post_norm", "mlp_out_norm": "post_mlp_norm"},
+}
+
+#: A q/k norm: per head, or over the whole projection.
+QKNorm = HeadNorm | ProjectionNorm
+
+
 @dataclass
 class DecoderLayer:
-    input_norm: RMSNorm
+    """One decoder layer: attention with fused q/k/v, a gated MLP, and RMSNorms where the
+    family puts them: ``input_norm`` before attention, ``attn_out_norm`` on its output,
+    ``post_norm`` before the MLP, ``mlp_out_norm`` on its output (None where absent)."""
+
+    input_norm: RMSNorm | None
     qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    q_norm: HeadNorm | None
-    k_norm: HeadNorm | None
+    q_norm: QKNorm | None
+    k_norm: QKNorm | None
     o: Linear
-    post_norm: RMSNorm
+    post_norm: RMSNorm | None
     mlp: GatedMLP
     #: Keys further back than this are not attended by the layer (None: every position).
     sliding_window: int | None = None
+    attn_out_norm: RMSNorm | None = None
+    mlp_out_norm: RMSNorm | None = None
+    #: Rotated leading dimensions of each head (0: the layer has no rotary).
+    rotary_dim: int = 0
+    #: Which of the model's rotary tables the layer rotates by.
+    rope_table: int = 0
+    #: Attention score scale, and tanh soft-capping of the scores (None: none).
+    scale: float = 1.0
+    softcap: float | None = None
+    #: Attention and MLP outputs are multiplied by this before joining the residual.
+    residual_scale: float = 1.0
+    #: The cache group whose blocks hold the layer's K/V (see ``DecoderModel.cache_groups``).
+    cache_group: int = 0
 
 
 #: The Hugging Face tensor names of a Llama-style checkpoint (``{i}``: the layer index).
@@ -74,6 +104,9 @@ HF_NAMES = {
     "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
     "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
     "post_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    # Gemma's norm before the MLP, and Gemma's and OLMo 2's norm on the MLP's output.
+    "pre_mlp_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "post_mlp_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
     "gate": "model.layers.{i}.mlp.gate_proj",
     "up": "model.layers.{i}.mlp.up_proj",
     "down": "model.layers.{i}.mlp.down_proj",
@@ -111,6 +144,9 @@ class DecoderModel:
     #: Whether llama.cpp's converter permutes this family's q/k rows (interleaved rope
     #: pairs; the loader undoes it so the model has one rope layout).
     gguf_permutes_qk: ClassVar[bool] = False
+    #: llama.cpp's converter stored this family's norm weights with the config's offset
+    #: already added (Gemma's ``1 + w``).
+    gguf_norm_offset_applied: ClassVar[bool] = False
     hf_names: ClassVar[dict[str, str]] = HF_NAMES
     gguf_names: ClassVar[dict[str, str]] = GGUF_NAMES
 
@@ -164,9 +200,15 @@ class DecoderModel:
                 kv_heads=self.num_kv_heads, head_dim=c.head_dim, eps=c.rms_norm_eps,
                 quant_gemv_rows=kernels.quant_gemv_rows,
             )
-        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling,
-                                      device=device, dtype=dtype)
-        self.scale = c.head_dim**-0.5
+        #: Rotary tables: the global layers', then the sliding layers' where their base
+        #: differs (``DecoderLayer.rope_table`` picks one).
+        rotary_dim = c.rotary_dim or c.head_dim
+        self.rotaries = [RotaryEmbedding(rotary_dim, c.rope_theta, c.rope_scaling,
+                                         device=device, dtype=dtype)]
+        if c.local_rope is not None:
+            self.rotaries.append(RotaryEmbedding(rotary_dim, *c.local_rope, device=device,
+                                                 dtype=dtype))
+        self.scale = self.layers[0].scale
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
 
@@ -206,6 +248,47 @@ class DecoderModel:
             width = 2 * (c.intermediate_size if inter is None else inter.stop - inter.start)
             mlp_rows = max(64, heap.HEAP_BLOCK // (width * ctx.dtype.itemsize) // 64 * 64)
 
+        #: Cache groups, in the scheduler's order: ("full", None) and/or ("sliding", W).
+        windows = [c.layer_window(i) for i in range(c.num_layers)]
+        self.cache_groups: list[tuple[str, int | None]] = []
+        if any(w is None for w in windows):
+            self.cache_groups.append(("full", None))
+        for w in sorted({w for w in windows if w is not None}):
+            self.cache_groups.append(("sliding", w))
+        scale = c.attention_scale if c.attention_scale is not None else c.head_dim**-0.5
+        qk_reduce = None
+        if self.shard is not None and c.qk_norm == "projection":
+            qk_reduce = self.shard.all_reduce
+        layout = NORM_LAYOUTS[c.norm_layout]
+
+        def norm(name: str) -> RMSNorm:
+            weight = ctx.need(Part(name))
+            if c.norm_weight_offset:
+                weight = (ctx.need_float(Part(name)) + c.norm_weight_offset).to(weight)
+            return RMSNorm(weight, c.rms_norm_eps, fused=fused)
+
+        def qk_norm(name: str, heads: int, total_heads: int) -> QKNorm:
+            weight = ctx.need(Part(name))
+            if c.norm_weight_offset:
+                weight = (ctx.need_float(Part(name)) + c.norm_weight_offset).to(weight)
+            if c.qk_norm == "head":
+                return HeadNorm(weight, c.rms_norm_eps, fused=fused)
+            rows = None
+            if plan is not None:  # this rank's heads of the whole-projection weight
+                first = (plan.q_heads if heads == self.num_heads else plan.kv_heads).start
+                rows = slice(first * d, (first + heads) * d)
+            if rows is not None:
+                weight = weight[rows].contiguous()
+            return ProjectionNorm(weight, c.rms_norm_eps, width=total_heads * d,
+                                  all_reduce=qk_reduce, fused=fused)
+
+        q_total, kv_total = c.num_heads * d, c.num_kv_heads * d
+
+        def fused_rows(rows: slice | None, offset: int, total: int) -> slice:
+            """Rows of one of the tensors stacked in a fused checkpoint tensor."""
+            r = rows if rows is not None else slice(0, total)
+            return slice(offset + r.start, offset + r.stop)
+
         self.layers: list[DecoderLayer] = []
         for i in range(c.num_layers):
             n = {k: v.format(i=i) for k, v in names.items()}
@@ -222,27 +305,47 @@ class DecoderModel:
             down = Linear.load(ctx, [row(n["down"] + ".weight", inter)])
             if c.mlp_bias:
                 down.bias = row_bias(n["down"] + ".bias")
-            gate_up = Linear.load(
-                ctx, [col(n["gate"] + ".weight", inter), col(n["up"] + ".weight", inter)],
-                biases=gate_up_bias,
-            )
+            if "gate_up" in n:  # one checkpoint tensor, gate rows then up rows (Phi-3)
+                w = n["gate_up"] + ".weight"
+                size = c.intermediate_size
+                gate_up_parts = [col(w, fused_rows(inter, 0, size)),
+                                 col(w, fused_rows(inter, size, size))]
+            else:
+                gate_up_parts = [col(n["gate"] + ".weight", inter),
+                                 col(n["up"] + ".weight", inter)]
+            gate_up = Linear.load(ctx, gate_up_parts, biases=gate_up_bias)
+            if "qkv" in n:  # one checkpoint tensor, q rows then k then v (Phi-3)
+                w = n["qkv"] + ".weight"
+                qkv_parts = [col(w, fused_rows(q_rows, 0, q_total)),
+                             col(w, fused_rows(kv_rows, q_total, kv_total)),
+                             col(w, fused_rows(kv_rows, q_total + kv_total, kv_total))]
+            else:
+                qkv_parts = [col(n["q"] + ".weight", q_rows), col(n["k"] + ".weight", kv_rows),
+                             col(n["v"] + ".weight", kv_rows)]
+            norms = {slot: norm(n[key]) for slot, key in layout.items()}
+            window = windows[i]
             self.layers.append(DecoderLayer(
-                input_norm=RMSNorm(ctx.need(Part(n["input_norm"])), c.rms_norm_eps,
-                                   fused=fused),
-                qkv=Linear.load(ctx, [col(n["q"] + ".weight", q_rows),
-                                      col(n["k"] + ".weight", kv_rows),
-                                      col(n["v"] + ".weight", kv_rows)], biases=qkv_bias),
-                q_norm=HeadNorm(ctx.need(Part(n["q_norm"])), c.rms_norm_eps, fused=fused)
-                if c.qk_norm else None,
-                k_norm=HeadNorm(ctx.need(Part(n["k_norm"])), c.rms_norm_eps, fused=fused)
+                input_norm=norms.get("input_norm"),
+                qkv=Linear.load(ctx, qkv_parts, biases=qkv_bias),
+                q_norm=qk_norm(n["q_norm"], self.num_heads, c.num_heads) if c.qk_norm else None,
+                k_norm=qk_norm(n["k_norm"], self.num_kv_heads, c.num_kv_heads)
                 if c.qk_norm else None,
                 o=o,
-                post_norm=RMSNorm(ctx.need(Part(n["post_norm"])), c.rms_norm_eps, fused=fused),
-                mlp=GatedMLP(gate_up, down, "silu", max_rows=mlp_rows),
-                sliding_window=c.sliding_window,
+                post_norm=norms.get("post_norm"),
+                mlp=GatedMLP(gate_up, down, c.hidden_act, max_rows=mlp_rows),
+                sliding_window=window,
+                attn_out_norm=norms.get("attn_out_norm"),
+                mlp_out_norm=norms.get("mlp_out_norm"),
+                rotary_dim=c.layer_rotary_dim(i),
+                rope_table=1 if window is not None and c.local_rope is not None else 0,
+                scale=scale,
+                softcap=c.attn_softcap,
+                residual_scale=c.residual_scale,
+                cache_group=self.cache_groups.index(
+                    ("full", None) if window is None else ("sliding", window)),
             ))
         # The final norm runs on the few sampled rows, by torch ops.
-        self.norm = RMSNorm(ctx.need(Part(names["norm"])), c.rms_norm_eps)
+        self.norm = RMSNorm(norm(names["norm"]).weight, c.rms_norm_eps)
         parallel = None
         if plan is not None and self.shard is not None:
             parallel = VocabParallel(plan.vocab_start, plan.vocab_rows,
@@ -281,22 +384,36 @@ class DecoderModel:
         if tied:
             self.embed.table = head.weight
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int | list[int], block_size: int) -> None:
+        """Each layer's paged K/V: ``num_blocks`` blocks, or as many as its cache group's
+        entry of the list (one per :attr:`cache_groups`)."""
         c = self.config
-        shape = (2, num_blocks, block_size, self.num_kv_heads, c.head_dim)
-        self.kv_caches = [
-            huge_pages.zeros(shape, self.dtype) if self.kernels.huge_pages
-            else torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(c.num_layers)
-        ]
+        per_group = num_blocks if isinstance(num_blocks, list) else [num_blocks] * len(
+            self.cache_groups)
+        if len(per_group) != len(self.cache_groups):
+            raise ValueError(f"{len(per_group)} block counts for {len(self.cache_groups)} "
+                             "cache groups")
+        self.kv_caches = []
+        for layer in self.layers:
+            shape = (2, per_group[layer.cache_group], block_size, self.num_kv_heads,
+                     c.head_dim)
+            self.kv_caches.append(
+                huge_pages.zeros(shape, self.dtype) if self.kernels.huge_pages
+                else torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.block_size = block_size
+        self.num_blocks_per_group = per_group
         if self.decoder is not None:
             self.decoder.set_caches(self.kv_caches, block_size)
 
+    def kv_bytes_per_token(self) -> list[int]:
+        """K/V bytes one token takes in each cache group (all its layers)."""
+        per_layer = 2 * self.num_kv_heads * self.config.head_dim * self.dtype.itemsize
+        return [per_layer * sum(1 for layer in self.layers if layer.cache_group == g)
+                for g in range(len(self.cache_groups))]
+
     def kv_bytes_per_block(self, block_size: int) -> int:
-        c = self.config
-        per_token = 2 * self.num_kv_heads * c.head_dim * c.num_layers
-        return per_token * block_size * self.dtype.itemsize
+        """Bytes of one block in every layer (every group's block of that index)."""
+        return sum(self.kv_bytes_per_token()) * block_size
 
     # ---------------------------------------------------------------- the forward
 
@@ -333,8 +450,13 @@ class DecoderModel:
         seq_lens: np.ndarray,
         num_computed_before: np.ndarray,
         block_tables: np.ndarray,
+        group_slot_mapping: np.ndarray | None = None,
+        group_block_tables: np.ndarray | None = None,
     ) -> torch.Tensor:
-        """The residual stream after the last layer (before the final norm), every row."""
+        """The residual stream after the last layer (before the final norm), every row.
+        With more than one cache group, ``group_slot_mapping`` [G - 1, T] and
+        ``group_block_tables`` [(G - 1) * S, B'] (absolute: column j is logical block j)
+        hold the other groups' slots and tables."""
         c = self.config
         dev = self.device
         shard = self.shard
@@ -346,48 +468,103 @@ class DecoderModel:
         pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev)
         largest = int(positions.max()) if len(positions) else 0
         n = ids.shape[0]
+        num_seqs = len(seq_lens)
+        groups = [(slot_mapping, block_tables)]
+        for g in range(1, len(self.cache_groups)):
+            if group_slot_mapping is None or group_block_tables is None:
+                raise ValueError(f"the model has {len(self.cache_groups)} cache groups: the "
+                                 "batch needs the other groups' slots and block tables")
+            groups.append((group_slot_mapping[g - 1],
+                           group_block_tables[(g - 1) * num_seqs : g * num_seqs]))
+        ropes = [r.cos_sin(pos, largest) for r in self.rotaries]
         decoder = self.decoder
         if decoder is not None and 0 < n <= decoder.max_rows and len(query_start_loc) == n + 1:
             if np.all(np.diff(query_start_loc) == 1):  # every row decodes
                 lens = np.asarray(seq_lens, dtype=np.int32)
                 width = -(-int(lens.max()) // self.block_size)
-                h = self.embed(ids).contiguous()
-                cos, sin = self.rotary.cos_sin(pos, largest)
-                decoder.decode(h, cos, sin, slot_mapping, np.asarray(block_tables)[:, :width],
-                               lens, scale=self.scale)
+                h = self._embed(ids).contiguous()
+                cos, sin = ropes[0]
+                if len(groups) == 1 and len(ropes) == 1:
+                    decoder.decode(h, cos, sin, slot_mapping,
+                                   np.asarray(block_tables)[:, :width], lens, scale=self.scale)
+                else:
+                    decoder.decode(h, cos, sin, slot_mapping,
+                                   np.asarray(block_tables)[:, :width], lens, scale=self.scale,
+                                   ropes=ropes, groups=[
+                                       (slots, np.asarray(tables)[:, :width], lens)
+                                       for slots, tables in groups])
                 return h
         attn = self.attention
-        plan = attn.plan(
-            query_start_loc=query_start_loc, seq_lens=seq_lens,
-            num_computed_before=num_computed_before, block_tables=block_tables,
-            slot_mapping=slot_mapping, block_size=self.block_size,
-            group=heads // kv_heads, sliding_window=c.sliding_window,
-        )
-        cos, sin = self.rotary.cos_sin(pos, largest)
-        h = self.embed(ids)
+        plans = [
+            attn.plan(
+                query_start_loc=query_start_loc, seq_lens=seq_lens,
+                num_computed_before=num_computed_before, block_tables=tables,
+                slot_mapping=slots, block_size=self.block_size,
+                group=heads // kv_heads, sliding_window=window,
+            )
+            for (slots, tables), (_kind, window) in zip(groups, self.cache_groups, strict=True)
+        ]
+        h = self._embed(ids)
         layers = self.layers
-        x = layers[0].input_norm(h)
+        first = layers[0].input_norm
+        x = first(h) if first is not None else h
         for i, (layer, cache) in enumerate(zip(layers, self.kv_caches, strict=True)):
+            plan = plans[layer.cache_group]
+            cos, sin = ropes[layer.rope_table] if layer.rotary_dim else (None, None)
             q, k, v = attn.rotate_and_store(
                 layer.qkv(x), heads=heads, kv_heads=kv_heads, head_dim=c.head_dim,
                 cos=cos, sin=sin, q_norm=layer.q_norm, k_norm=layer.k_norm,
                 cache=cache, plan=plan,
             )
-            o = layer.o(attn.forward(q, k, v, cache, plan, self.scale))
+            o = layer.o(attn.forward(q, k, v, cache, plan, layer.scale, layer.softcap))
             if shard is not None:
                 shard.all_reduce(o)  # row-parallel: the ranks' partial sums
-            h, x = layer.post_norm.add(h, o)
+            h, x = self._join(h, o, layer.attn_out_norm, layer.residual_scale, layer.post_norm)
             mlp = layer.mlp(x)
             if shard is not None:
                 shard.all_reduce(mlp)
-            if i + 1 < len(layers):
-                h, x = layers[i + 1].input_norm.add(h, mlp)
+            after = layers[i + 1].input_norm if i + 1 < len(layers) else None
+            h, x = self._join(h, mlp, layer.mlp_out_norm, layer.residual_scale, after)
+        return h
+
+    @staticmethod
+    def _join(
+        h: torch.Tensor,
+        delta: torch.Tensor,
+        out_norm: RMSNorm | None,
+        scale: float,
+        next_norm: RMSNorm | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sublayer's output ``delta`` joins the residual ``h`` (normed by ``out_norm``,
+        scaled by ``scale`` first); returns the residual and the next sublayer's input
+        (normed by ``next_norm``, or the residual itself)."""
+        if out_norm is not None:
+            delta = out_norm(delta)
+        if scale != 1.0:
+            delta = delta * scale
+        if next_norm is not None:
+            return next_norm.add(h, delta)
+        h = h + delta
+        return h, h
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        c = self.config
+        if c.embedding_scale != 1.0:
+            if c.embedding_scale_in_dtype:
+                h = h * torch.tensor(c.embedding_scale, dtype=h.dtype)
             else:
-                h = h + mlp
+                h = h * c.embedding_scale
         return h
 
     def _logits(self, h: torch.Tensor, sample_indices: np.ndarray) -> torch.Tensor:
         """Final norm and LM head over the rows of ``h`` to sample (and to score)."""
         rows = torch.from_numpy(np.ascontiguousarray(sample_indices, dtype=np.int64))
-        return self.lm_head(self.norm(h[rows.to(self.device)]))
+        logits = self.lm_head(self.norm(h[rows.to(self.device)]))
+        c = self.config
+        if c.logits_divisor != 1.0:
+            logits = logits / c.logits_divisor
+        if c.final_softcap is not None:
+            logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
+        return logits
 

@@ -17,4 +17,4 @@ class Qwen3ForCausalLM(DecoderModel):
     def config_from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         bias = bool(cfg.get("attention_bias", False))
         return ModelConfig.from_hf(cfg, tie_default=True, qkv_bias=bias, o_bias=bias,
-                                   qk_norm=True)
+                                   qk_norm="head")

@@ -10,16 +10,29 @@ from typing import Any
 
 from iron_batch.models.config import ModelConfig
 from iron_batch.models.decoder import DecoderModel
+from iron_batch.models.gemma2 import Gemma2ForCausalLM
+from iron_batch.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOfMultimodal
+from iron_batch.models.granite import GraniteForCausalLM
 from iron_batch.models.llama import LlamaForCausalLM
 from iron_batch.models.mistral import MistralForCausalLM
+from iron_batch.models.olmo2 import Olmo2ForCausalLM
+from iron_batch.models.phi3 import Phi3ForCausalLM
 from iron_batch.models.qwen2 import Qwen2ForCausalLM
 from iron_batch.models.qwen3 import Qwen3ForCausalLM
+from iron_batch.models.smollm3 import SmolLM3ForCausalLM
 
 FAMILIES: tuple[type[DecoderModel], ...] = (
     LlamaForCausalLM,
     MistralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextOfMultimodal,
+    Phi3ForCausalLM,
+    Olmo2ForCausalLM,
+    GraniteForCausalLM,
+    SmolLM3ForCausalLM,
 )
 
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
