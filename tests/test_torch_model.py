@@ -35,7 +35,7 @@ def test_sixteen_concurrent_requests(name: str) -> None:
     assert max(decode_widths) > 8  # decodes really were batched together
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_shared_prefix_hits_prefix_cache(name: str) -> None:
     prefix = random_prompts(30, [37])[0]
     suffixes = random_prompts(31, [3, 5, 1, 9, 4, 2])
