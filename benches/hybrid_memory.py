@@ -1,14 +1,16 @@
-"""How many 8k-token sequences one KV pool serves with a Gemma-3-like layer pattern (five
-sliding-window layers of 1024 tokens to one global layer), with cache groups against
-today's all-full accounting (every layer keeps every token), through the real scheduler.
+"""How many 8k-token sequences one KV pool serves with a Gemma-3-like layer pattern (by
+default five sliding-window layers of 1024 tokens to one global layer; Gemma-3-1B's own is
+``--window 512 --sliding-layers 22 --full-layers 4``), with cache groups against all-full
+accounting (every layer keeps every token), through the real scheduler.
 
 The pool is fixed in bytes: ``--full-seqs`` sequences of ``--context`` tokens if every layer
-were full. With cache groups it is split by ``split_pool`` between a sliding group (5 layer
-units per token) and a full group (1 unit). Many requests of ``--context`` tokens (prompt
-plus ``--new`` generated, long enough that memory, not the token budget, bounds how many
-run) go through a model-free loop; we report how many sequences run at once (the median
-over the middle half of the steps, and the most), the blocks one sequence holds near full
-context (in blocks of one layer unit), and the preemptions.
+were full. With cache groups it is split by ``split_pool`` between a sliding group (one
+layer unit per token per sliding layer) and a full group (one per full layer). Many
+requests of ``--context`` tokens (prompt plus ``--new`` generated, long enough that memory,
+not the token budget, bounds how many run) go through a model-free loop; we report how
+many sequences run at once (the median over the middle half of the steps, and the most),
+the blocks one sequence holds near full context (in blocks of one layer unit), and the
+preemptions.
 
     python benches/hybrid_memory.py
 """
@@ -21,6 +23,16 @@ import time
 import numpy as np
 from iron_batch import CacheGroup, Scheduler, SchedulerConfig
 from iron_batch._core import split_pool
+
+#: Layer units per token of the sliding and the full group (set from the flags).
+UNITS = {"sliding": 5, "full": 1}
+
+
+def _units(cfg: SchedulerConfig, groups: list[dict]) -> int:
+    """Layer-unit blocks the groups hold (all-full accounting: every layer per block)."""
+    if not cfg.cache_groups:
+        return sum(g["used"] for g in groups) * (UNITS["sliding"] + UNITS["full"])
+    return sum(g["used"] * UNITS[g["kind"]] for g in groups)
 
 
 def run(cfg: SchedulerConfig, requests: int, prompt: int, new: int) -> dict[str, float]:
@@ -40,10 +52,7 @@ def run(cfg: SchedulerConfig, requests: int, prompt: int, new: int) -> dict[str,
         lens = batch.seq_lens
         if len(lens) and lens.max() >= prompt + new - 1 and s.num_running:
             # Units of one layer-block held per running sequence near full context.
-            groups = s.group_stats()
-            units = sum(g["used"] * (5 if g["kind"] == "sliding" else
-                                     6 if not cfg.cache_groups else 1) for g in groups)
-            held_at_full.append(units / s.num_running)
+            held_at_full.append(_units(cfg, s.group_stats()) / s.num_running)
     stats = s.stats()
     busy = running[len(running) // 4 : 3 * len(running) // 4]
     return {"peak_running": peak, "median_running": float(np.median(busy)),
@@ -60,8 +69,7 @@ def one_sequence_units(cfg: SchedulerConfig, context: int) -> int:
     while s.has_work():
         batch = s.schedule()
         if batch.num_samples and batch.num_tokens == 1:
-            units = sum(g["used"] * (5 if g["kind"] == "sliding" else
-                                     6 if not cfg.cache_groups else 1) for g in s.group_stats())
+            units = _units(cfg, s.group_stats())
         s.commit(batch, np.full(batch.num_samples, 5))
     return units
 
@@ -71,6 +79,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--new", type=int, default=2048)
     ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--sliding-layers", type=int, default=5)
+    ap.add_argument("--full-layers", type=int, default=1)
     ap.add_argument("--full-seqs", type=int, default=40,
                     help="sequences the pool holds with all-full accounting")
     ap.add_argument("--requests", type=int, default=300)
@@ -78,21 +88,25 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args()
     bs, ctx = args.block_size, args.context
+    UNITS.update(sliding=args.sliding_layers, full=args.full_layers)
+    layers = args.sliding_layers + args.full_layers
     blocks_full = args.full_seqs * (ctx // bs)
     seqs = 4 * args.full_seqs + 64
     base = dict(kv_block_size=bs, max_batch_tokens=args.chunk, max_running_seqs=seqs)
     full = SchedulerConfig(total_kv_blocks=blocks_full, **base)
-    # One layer unit per token per layer: the pool is blocks_full * bs * 6 units.
-    split = split_pool(blocks_full * bs * 6, [("sliding", args.window, 5), ("full", None, 1)],
-                       bs, seqs, ctx, bs)
+    # One layer unit per token per layer: the pool is blocks_full * bs * layers units.
+    split = split_pool(blocks_full * bs * layers,
+                       [("sliding", args.window, args.sliding_layers),
+                        ("full", None, args.full_layers)], bs, seqs, ctx, bs)
     groups = [CacheGroup("sliding", split[0].size, window=args.window),
               CacheGroup("full", split[1].size)]
     hybrid = SchedulerConfig(total_kv_blocks=1, cache_groups=groups, **base)
     prompt = ctx - args.new
     a = run(full, args.requests, prompt, args.new)
     b = run(hybrid, args.requests, prompt, args.new)
-    print(f"pool: {blocks_full} all-full blocks of {bs} tokens x 6 layer units; groups: "
-          f"sliding {split[0].size} blocks x 5 units, full {split[1].size} blocks x 1 unit")
+    print(f"pool: {blocks_full} all-full blocks of {bs} tokens x {layers} layer units; groups: "
+          f"sliding {split[0].size} blocks x {args.sliding_layers} units, full "
+          f"{split[1].size} blocks x {args.full_layers} units")
     print("| accounting | sequences running (median of the middle half of the steps) | "
           f"most at once | layer-unit blocks per sequence near {ctx} tokens | preemptions "
           "| steps |")
@@ -103,6 +117,8 @@ def main() -> None:
     one_a, one_b = one_sequence_units(full, ctx), one_sequence_units(hybrid, ctx)
     print(f"one sequence at {ctx} tokens: {one_a} layer-unit blocks all full, {one_b} with "
           f"cache groups ({one_a / one_b:.2f}x fewer)")
+    bound = layers * ctx / (args.full_layers * ctx + args.sliding_layers * args.window)
+    print(f"exact-window bound: {bound:.2f}x")
     print(f"sequences served: {b['median_running'] / a['median_running']:.2f}x (median), "
           f"{b['peak_running'] / a['peak_running']:.2f}x (most at once)")
 

@@ -204,6 +204,33 @@ def test_torch_worker_matches_in_process_torch(
     _assert_all_blocks_free(engine)
 
 
+def test_a_gemma_worker_gives_the_server_its_cache_groups(
+    worker_factory: list[WorkerProcess]
+) -> None:
+    """A model with sliding and global layers on a worker: the server's scheduler keeps the
+    worker's two cache groups (releasing sliding blocks), and the tokens stay exact."""
+    pytest.importorskip("torch")
+    from iron_batch.backends.build import scheduler_config
+    from tiny_models import checkpoint, hf_greedy, random_prompts
+
+    w = WorkerProcess("--model", str(checkpoint("gemma2")), "--device", "cpu", "--dtype",
+                      "float32", "--total-kv-blocks", "64", "--kv-block-size", "4")
+    worker_factory.append(w)
+    w.start()
+    be = RemoteBackend(w.url)
+    assert [(g.kind, g.size, g.window) for g in be.cache_groups] == [
+        ("full", 64, None), ("sliding", 64, 24)]
+    cfg = scheduler_config(be, max_batch_tokens=16, max_running_seqs=8)
+    engine = Engine(be, cfg)
+    prompts = random_prompts(42, [40, 9, 31])
+    got, ends = _drive(engine, [(p, 20) for p in prompts])
+    assert [got[f"r{i}"] for i in range(len(prompts))] == [hf_greedy("gemma2", p, 20)
+                                                           for p in prompts]
+    assert all(e.error is None for e in ends)
+    assert engine.scheduler.stats()["sliding_blocks_released"] > 0
+    assert [g["used"] for g in engine.scheduler.group_stats()] == [0, 0]
+
+
 @pytest.mark.parametrize("depth", [0, 2])
 def test_overlapped_torch_worker_keeps_seeds_and_penalties_exact(
     worker_factory: list[WorkerProcess], torch_checkpoint: str, depth: int

@@ -343,6 +343,9 @@ def build_backend(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         "tokenizer": tokenizer.to_info() if tokenizer is not None else None,
         "supports_prompt_logprobs": bool(backend.supports_prompt_logprobs),
         "structured_output": bool(backend.supports_structured_output),
+        # The model's cache groups (sliding-window layers): the server schedules the same.
+        "cache_groups": [[g.kind, g.size, g.window, g.unit_bytes]
+                         for g in config.cache_groups],
     }
 
 

@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from iron_batch import wire
+from iron_batch._core import CacheGroup
 from iron_batch.backends.base import BackendBase, BackendError, BackendInfo, StepOutput
 from iron_batch.batch import batch_arrays
 from iron_batch.wire import Kind, WireError
@@ -142,6 +143,10 @@ class RemoteBackend(BackendBase):
         self.supports_prompt_logprobs = bool(info.get("supports_prompt_logprobs", False))
         # The worker samples, so the worker enforces grammars (an older one may not).
         self.supports_structured_output = info.get("structured_output") is True
+        #: The worker model's cache groups, which the server's scheduler must keep too.
+        self.cache_groups: list[CacheGroup] = [
+            CacheGroup(str(kind), int(size), window=window, unit_bytes=int(unit))
+            for kind, size, window, unit in info.get("cache_groups") or []]
 
     # ------------------------------------------------------------------ connection
 
@@ -182,6 +187,8 @@ class RemoteBackend(BackendBase):
         changed = [k for k in _GEOMETRY if info[k] != self.info[k]]
         if info["num_kv_blocks"] < self.num_kv_blocks:
             changed.append("num_kv_blocks")
+        if info.get("cache_groups") != self.info.get("cache_groups"):
+            changed.append("cache_groups")
         if changed:
             self.close()
             raise RemoteBackendError(
