@@ -2,6 +2,7 @@
 
     python benches/torch_throughput.py --model smollm2-135m --dtype bfloat16
     python benches/torch_throughput.py --shape qwen2.5-0.5b --dtype bfloat16
+    python benches/torch_throughput.py --shape gemma-3-1b --dtype bfloat16 --server
     python benches/torch_throughput.py --model smollm2-135m --prefix-cache
 
 Every figure of one invocation comes from the same run, so ratios hold even on a noisy
@@ -44,10 +45,25 @@ from iron_batch.llm import LLM
 from iron_batch.loader import resolve
 from server_bench import free_port  # benches/, next to this script
 
-SHAPES = {
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     # hidden, layers, heads, kv heads, ffn, vocab: Qwen2.5-0.5B's published config.
-    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936),
+    "qwen2.5-0.5b": ("Qwen2Config", dict(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+        rope_theta=1_000_000.0)),
+    # Gemma-3-1B's published text config: 22 sliding layers (window 512) and 4 global ones.
+    "gemma-3-1b": ("Gemma3TextConfig", dict(
+        hidden_size=1152, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, intermediate_size=6912, vocab_size=262144, sliding_window=512,
+        query_pre_attn_scalar=256, tie_word_embeddings=True)),
+    # Phi-4-mini's published layer (partial rotary 0.75, LongRoPE, tied 200k vocabulary)
+    # with 8 of its 32 layers, so that the three copies this script loads fit 24 GiB.
+    "phi-4-mini-8l": ("Phi3Config", dict(
+        hidden_size=3072, num_hidden_layers=8, num_attention_heads=24, num_key_value_heads=8,
+        intermediate_size=8192, vocab_size=200064, tie_word_embeddings=True,
+        original_max_position_embeddings=4096,
+        rope_scaling={"rope_type": "longrope", "partial_rotary_factor": 0.75,
+                      "short_factor": [1.0] * 48, "long_factor": [2.0] * 48})),
 }
 
 
@@ -64,12 +80,16 @@ def copy_bandwidth_gbs() -> float:
 
 
 def build_shape_model(name: str, dtype: torch.dtype, folder: Path) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
-    cfg = Qwen2Config(**SHAPES[name], max_position_embeddings=4096, tie_word_embeddings=True,
-                      rope_theta=1_000_000.0)
+    cls_name, fields = SHAPES[name]
+    fields = dict(fields)
+    if "rope_scaling" in fields:  # transformers 5 reads rope settings from rope_parameters
+        fields["rope_parameters"] = {"rope_theta": 10000.0, **fields.pop("rope_scaling")}
+    cfg = getattr(transformers, cls_name)(**fields, max_position_embeddings=131072
+                                          if cls_name == "Phi3Config" else 4096)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(dtype)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.save_pretrained(folder)
     return folder
 

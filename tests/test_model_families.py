@@ -13,32 +13,21 @@ from typing import Any
 
 import pytest
 import torch
-from iron_batch import CacheGroup, Scheduler, SchedulerConfig
+from iron_batch import CacheGroup, Scheduler
 from iron_batch.backends.build import scheduler_config
 from iron_batch.backends.torch_backend import TorchBackend
 from iron_batch.models.registry import SUPPORTED_MODEL_TYPES
-from tiny_models import FAMILIES, backend, checkpoint, hf_greedy, random_prompts, reference_model
+from tiny_models import (
+    FAMILIES,
+    backend,
+    checkpoint,
+    hf_greedy,
+    random_prompts,
+    reference_model,
+    run_with_config,
+)
 
 BS = 4
-
-
-def _run(be: TorchBackend, cfg: SchedulerConfig, prompts: list[list[int]], max_new: int,
-         on_step: Callable[[Scheduler], None] | None = None) -> tuple[list[list[int]], Scheduler]:
-    s = Scheduler(cfg)
-    ids = [f"r{i}" for i in range(len(prompts))]
-    out: dict[str, list[int]] = {rid: [] for rid in ids}
-    for rid, p in zip(ids, prompts, strict=True):
-        s.add_request(rid, p, max_new)
-    while s.has_work():
-        batch = s.schedule()
-        events = s.commit(batch, be.execute(batch))
-        for rid, tok in zip(events.request_ids, events.token_ids.tolist(), strict=True):
-            if tok >= 0:
-                out[rid].append(tok)
-        if on_step is not None:
-            on_step(s)
-        s.check_invariants()
-    return [out[rid] for rid in ids], s
 
 
 # ---------------------------------------------------------------- sliding layers, own group
@@ -64,7 +53,7 @@ def test_gemma_sliding_layers_release_blocks_and_stay_exact(name: str) -> None:
         full, sliding = s.group_stats()
         peaks.append((full["used"], sliding["used"]))
 
-    outs, s = _run(be, cfg, prompts, 40, on_step)
+    outs, s = run_with_config(be, cfg, prompts, 40, on_step)
     assert outs == [hf_greedy(name, p, 40) for p in prompts]
     # Each sequence's sliding blocks: its window and a chunk of 16, plus one partly
     # filled block at each end; the full group keeps every token (92 of the longest).
@@ -84,7 +73,7 @@ def test_gemma_stays_exact_when_the_sliding_pool_forces_preemption() -> None:
     cfg = scheduler_config(be, max_batch_tokens=16)
     # Plenty of full blocks, few sliding ones: the sliding group is what runs out.
     cfg.cache_groups = [CacheGroup("full", 256), CacheGroup("sliding", 24, window=window)]
-    outs, s = _run(be, cfg, prompts, 30)
+    outs, s = run_with_config(be, cfg, prompts, 30)
     assert outs == [hf_greedy(name, p, 30) for p in prompts]
     stats = s.stats()
     assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0

@@ -4,35 +4,14 @@ prefill, preemption and prefix hits."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch  # noqa: F401 - these tests must fail, not skip, without torch
-from iron_batch import CacheGroup, Scheduler, SchedulerConfig
+from iron_batch import CacheGroup, Scheduler
 from iron_batch.backends.build import scheduler_config
 from tiny_models import backend, hf_greedy, random_prompts
+from tiny_models import run_with_config as run
 
 WINDOW = 24  # tiny_models' mistral
 BS = 4
-
-
-def run(be: Any, cfg: SchedulerConfig, prompts: list[list[int]], max_new: int,
-        on_step: Callable[[Scheduler], None] | None = None) -> tuple[list[list[int]], Scheduler]:
-    s = Scheduler(cfg)
-    ids = [f"r{i}" for i in range(len(prompts))]
-    out: dict[str, list[int]] = {rid: [] for rid in ids}
-    for rid, p in zip(ids, prompts, strict=True):
-        s.add_request(rid, p, max_new)
-    while s.has_work():
-        batch = s.schedule()
-        events = s.commit(batch, be.execute(batch))
-        for rid, tok in zip(events.request_ids, events.token_ids.tolist(), strict=True):
-            if tok >= 0:
-                out[rid].append(tok)
-        if on_step is not None:
-            on_step(s)
-        s.check_invariants()
-    return [out[rid] for rid in ids], s
 
 
 def test_the_backend_asks_for_one_sliding_group() -> None:

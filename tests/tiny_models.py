@@ -234,6 +234,32 @@ def hf_greedy(name: str, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def run_with_config(
+    be: TorchBackend,
+    cfg: Any,
+    prompts: list[list[int]],
+    max_new: int,
+    on_step: Callable[[Scheduler], None] | None = None,
+) -> tuple[list[list[int]], Scheduler]:
+    """Greedy tokens of each prompt through a scheduler of ``cfg`` (a ``SchedulerConfig``),
+    one step at a time, ``on_step(scheduler)`` after each; also the scheduler at the end."""
+    s = Scheduler(cfg)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    for rid, p in zip(ids, prompts, strict=True):
+        s.add_request(rid, p, max_new)
+    while s.has_work():
+        batch = s.schedule()
+        events = s.commit(batch, be.execute(batch))
+        for rid, tok in zip(events.request_ids, events.token_ids.tolist(), strict=True):
+            if tok >= 0:
+                out[rid].append(tok)
+        if on_step is not None:
+            on_step(s)
+        s.check_invariants()
+    return [out[rid] for rid in ids], s
+
+
 def run_scheduler(
     be: TorchBackend,
     prompts: list[list[int]],
