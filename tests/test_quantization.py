@@ -103,13 +103,19 @@ def _hf_with_our_weights(name: str, net: DecoderModel) -> Any:
         for layer, ours in zip(model.model.layers, net.layers, strict=True):
             qkv = _dense(ours.qkv.weight)
             attn, mlp = layer.self_attn, layer.mlp
-            attn.q_proj.weight.copy_(qkv[:q])
-            attn.k_proj.weight.copy_(qkv[q : q + kv])
-            attn.v_proj.weight.copy_(qkv[q + kv :])
+            if hasattr(attn, "qkv_proj"):  # Phi-3's fused tensors
+                attn.qkv_proj.weight.copy_(qkv)
+            else:
+                attn.q_proj.weight.copy_(qkv[:q])
+                attn.k_proj.weight.copy_(qkv[q : q + kv])
+                attn.v_proj.weight.copy_(qkv[q + kv :])
             attn.o_proj.weight.copy_(_dense(ours.o.weight))
             gate_up = _dense(ours.mlp.gate_up.weight)
-            mlp.gate_proj.weight.copy_(gate_up[: c.intermediate_size])
-            mlp.up_proj.weight.copy_(gate_up[c.intermediate_size :])
+            if hasattr(mlp, "gate_up_proj"):
+                mlp.gate_up_proj.weight.copy_(gate_up)
+            else:
+                mlp.gate_proj.weight.copy_(gate_up[: c.intermediate_size])
+                mlp.up_proj.weight.copy_(gate_up[c.intermediate_size :])
             mlp.down_proj.weight.copy_(_dense(ours.mlp.down.weight))
         model.lm_head.weight = torch.nn.Parameter(_dense(net.lm_head.linear.weight))
     model.generation_config.eos_token_id = None
@@ -129,10 +135,23 @@ def _dense(w: Any) -> torch.Tensor:
 TINY_LOGIT_TOLERANCE = 0.4
 
 
-def _positions(n: int) -> dict[str, np.ndarray]:
+def _positions(n: int, net: DecoderModel) -> dict[str, np.ndarray]:
+    """One sequence's table of ``n`` positions, from block 0; a model with more cache groups
+    gets the same blocks and slots in each (each group has caches of its own)."""
     blocks = -(-n // 16)
-    return dict(num_computed_before=np.zeros(1, np.int32),
-                block_tables=np.arange(blocks, dtype=np.int32)[None])
+    out = dict(num_computed_before=np.zeros(1, np.int32),
+               block_tables=np.arange(blocks, dtype=np.int32)[None])
+    groups = len(net.cache_groups) - 1
+    if groups:
+        out["group_block_tables"] = np.repeat(out["block_tables"], groups, axis=0)
+    return out
+
+
+def _slots(slots: np.ndarray, net: DecoderModel) -> dict[str, np.ndarray]:
+    out = {"slot_mapping": slots}
+    if len(net.cache_groups) > 1:
+        out["group_slot_mapping"] = np.repeat(slots[None], len(net.cache_groups) - 1, axis=0)
+    return out
 
 
 def _prefill_logits(net: DecoderModel, tokens: list[int]) -> torch.Tensor:
@@ -140,9 +159,9 @@ def _prefill_logits(net: DecoderModel, tokens: list[int]) -> torch.Tensor:
     n = len(tokens)
     net.allocate_kv_cache(64, 16)
     return net.forward(
-        input_ids=np.array(tokens), positions=np.arange(n), slot_mapping=np.arange(n),
+        input_ids=np.array(tokens), positions=np.arange(n), **_slots(np.arange(n), net),
         query_start_loc=np.array([0, n], dtype=np.int32), seq_lens=np.array([n], np.int32),
-        sample_indices=np.arange(n), **_positions(n),
+        sample_indices=np.arange(n), **_positions(n, net),
     )
 
 
@@ -151,10 +170,10 @@ def _decode_logits(net: DecoderModel, tokens: list[int]) -> torch.Tensor:
     net.allocate_kv_cache(64, 16)
     rows = []
     for i, token in enumerate(tokens):
-        kw = _positions(i + 1)
+        kw = _positions(i + 1, net)
         kw["num_computed_before"] = np.array([i], np.int32)
         rows.append(net.forward(
-            input_ids=np.array([token]), positions=np.array([i]), slot_mapping=np.array([i]),
+            input_ids=np.array([token]), positions=np.array([i]), **_slots(np.array([i]), net),
             query_start_loc=np.array([0, 1], dtype=np.int32),
             seq_lens=np.array([i + 1], np.int32), sample_indices=np.array([0]), **kw,
         )[0])
