@@ -127,12 +127,17 @@ def _dense(w: Any) -> torch.Tensor:
 
 
 #: Largest |logit difference|, over every position of a prompt and its 32-token greedy
-#: continuation, against transformers' float32 model on the same dequantized weights
-#: (logits span about +-5). Our dense bf16 path measures 0.08-0.21 on this check, the
-#: quantized kernels 0.10-0.28: bf16 activations account for it. Greedy continuations
-#: therefore part ways where two logits are that close, as bf16's do (BENCHMARKS.md gives
-#: the divergence rates); the logits are the test.
+#: continuation, against transformers' float32 model on the same dequantized weights, for
+#: logits that span about +-5 (the bound scales with a model's span: Gemma 3's tiny model
+#: spans +-9.5). Our dense bf16 path measures 0.08-0.21 on this check, the quantized
+#: kernels 0.10-0.28: bf16 activations account for it. Greedy continuations therefore part
+#: ways where two logits are that close, as bf16's do (BENCHMARKS.md gives the divergence
+#: rates); the logits are the test.
 TINY_LOGIT_TOLERANCE = 0.4
+
+
+def _logit_tolerance(want: torch.Tensor) -> float:
+    return TINY_LOGIT_TOLERANCE * max(1.0, want.abs().max().item() / 5.0)
 
 
 def _positions(n: int, net: DecoderModel) -> dict[str, np.ndarray]:
@@ -198,7 +203,7 @@ def test_tiny_families_match_transformers_on_the_same_quantized_weights(
             )[0].tolist()
             want = ref(torch.tensor([tokens])).logits[0]
         for got in (_prefill_logits(be.model, tokens), _decode_logits(be.model, tokens)):
-            assert (got - want).abs().max().item() <= TINY_LOGIT_TOLERANCE
+            assert (got - want).abs().max().item() <= _logit_tolerance(want)
     # And through the scheduler, with preemption and chunked prefill: the run completes
     # and repeats itself exactly. (Not equal to an unconstrained run: batches above
     # GEMV_MAX_ROWS multiply by bf16-rounded weights, as any bf16 run's numerics depend on
