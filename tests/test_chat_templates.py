@@ -1,0 +1,194 @@
+"""Checkpoints' own chat templates behind every chat API, on a scripted backend (SmolLM2's
+tokenizer, no weights) whose template is swapped for the real template of another family.
+
+Gemma 2's template has no system role: it raises "System role not supported". A leading
+system message is then folded into the first user turn, the way Gemma 3's template does
+it itself (the system text, a blank line, the user text); Gemma 3's own folding is left
+alone. A template that raises for any other reason is the client's 400.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from conftest import ScriptedBackend, ServerHandle, ServerStarter
+
+# google/gemma-2-2b-it, tokenizer_config.json "chat_template" (the same in gemma-2-9b-it
+# and gemma-2-27b-it).
+GEMMA2 = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role "
+    "not supported') }}{% endif %}{% for message in messages %}{% if (message['role'] == "
+    "'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must "
+    "alternate user/assistant/user/assistant/...') }}{% endif %}{% if (message['role'] == "
+    "'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + "
+    "'<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+
+# google/gemma-3-1b-it, tokenizer_config.json "chat_template" (the text-only checkpoints
+# and the multimodal ones share it).
+GEMMA3 = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\\n'}}
+{%- endif -%}
+"""
+
+SYSTEM = "You are a pirate. Answer in one line."
+USER = "Where is the treasure?"
+FOLDED = f"<start_of_turn>user\n{SYSTEM}\n\n{USER}<end_of_turn>\n<start_of_turn>model\n"
+
+
+def _server(template: str) -> Iterator[tuple[ScriptedBackend, ServerHandle]]:
+    from iron_batch.loader import read_gguf_fields, resolve
+    from iron_batch.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf_fields(read_gguf_fields(resolve("smollm2-135m").gguf))
+    tok.chat_template = template
+    backend = ScriptedBackend(tok)
+    backend.script = "Under the palm tree."
+    starter = ServerStarter()
+    yield backend, starter(backend, total_kv_blocks=256)
+    starter.close()
+
+
+@pytest.fixture(scope="module")
+def gemma2() -> Iterator[tuple[ScriptedBackend, ServerHandle]]:
+    yield from _server(GEMMA2)
+
+
+@pytest.fixture(scope="module")
+def gemma3() -> Iterator[tuple[ScriptedBackend, ServerHandle]]:
+    yield from _server(GEMMA3)
+
+
+def _client(handle: ServerHandle) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{handle.url}/v1", api_key="unused", max_retries=0)
+
+
+def _last_prompt(backend: ScriptedBackend) -> str:
+    assert backend.tokenizer is not None
+    return str(backend.tokenizer.decode(backend.prompts[-1], skip_special_tokens=False))
+
+
+ASK: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_system_message_reaches_a_template_without_a_system_role(
+    gemma2: tuple[ScriptedBackend, ServerHandle], stream: bool,
+) -> None:
+    backend, handle = gemma2
+    kw: dict[str, Any] = dict(model="mock", messages=ASK, max_tokens=20)
+    if stream:
+        text = "".join(c.choices[0].delta.content or ""
+                       for c in _client(handle).chat.completions.create(**kw, stream=True)
+                       if c.choices)
+    else:
+        text = _client(handle).chat.completions.create(**kw).choices[0].message.content or ""
+    assert text == "Under the palm tree."
+    assert _last_prompt(backend).endswith(FOLDED)
+
+
+def test_the_fold_serves_the_responses_and_messages_apis(
+    gemma2: tuple[ScriptedBackend, ServerHandle],
+) -> None:
+    backend, handle = gemma2
+    out = _client(handle).responses.create(model="mock", instructions=SYSTEM, input=USER,
+                                           max_output_tokens=20)
+    assert out.output_text == "Under the palm tree."
+    assert _last_prompt(backend).endswith(FOLDED)
+    client = anthropic.Anthropic(base_url=handle.url, api_key="unused", max_retries=0)
+    message = client.messages.create(model="mock", system=SYSTEM, max_tokens=20,
+                                     messages=[{"role": "user", "content": USER}])
+    assert message.content[0].text == "Under the palm tree."  # type: ignore[union-attr]
+    assert _last_prompt(backend).endswith(FOLDED)
+
+
+def test_a_template_that_folds_the_system_message_itself_is_left_alone(
+    gemma3: tuple[ScriptedBackend, ServerHandle],
+) -> None:
+    backend, handle = gemma3
+    out = _client(handle).chat.completions.create(model="mock", messages=ASK, max_tokens=20)
+    assert out.choices[0].message.content == "Under the palm tree."
+    prompt = _last_prompt(backend)
+    assert prompt.endswith(FOLDED)
+    assert prompt.count(SYSTEM) == 1
+
+
+def test_a_system_message_alone_becomes_the_user_turn(
+    gemma2: tuple[ScriptedBackend, ServerHandle],
+) -> None:
+    backend, handle = gemma2
+    _client(handle).chat.completions.create(
+        model="mock", messages=[{"role": "system", "content": SYSTEM}], max_tokens=20)
+    assert _last_prompt(backend).endswith(
+        f"<start_of_turn>user\n{SYSTEM}<end_of_turn>\n<start_of_turn>model\n")
+
+
+@pytest.mark.parametrize("system", [False, True])
+def test_other_template_errors_are_400s_in_each_apis_shape(
+    gemma2: tuple[ScriptedBackend, ServerHandle], system: bool,
+) -> None:
+    """Two user turns in a row: Gemma's template raises, with or without a system
+    message before them (folding it does not make the turns alternate)."""
+    backend, handle = gemma2
+    before = len(backend.prompts)
+    turns = [{"role": "user", "content": USER}, {"role": "user", "content": USER}]
+    messages = [ASK[0], *turns] if system else turns
+    with pytest.raises(openai.BadRequestError) as caught:
+        _client(handle).chat.completions.create(model="mock", messages=messages,  # type: ignore[arg-type]
+                                                max_tokens=20)
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert "Conversation roles must alternate" in error["message"]
+    assert error["param"] == "messages" and error["type"] == "invalid_request_error"
+    response = httpx.post(f"{handle.url}/v1/messages", timeout=30, json={
+        "model": "mock", "max_tokens": 20, "messages": turns,
+        **({"system": SYSTEM} if system else {})})
+    assert response.status_code == 400
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert "Conversation roles must alternate" in body["error"]["message"]
+    assert len(backend.prompts) == before  # nothing reached the engine
