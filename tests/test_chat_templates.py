@@ -9,6 +9,7 @@ alone. A template that raises for any other reason is the client's 400.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -192,3 +193,70 @@ def test_other_template_errors_are_400s_in_each_apis_shape(
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert "Conversation roles must alternate" in body["error"]["message"]
     assert len(backend.prompts) == before  # nothing reached the engine
+
+
+# ---------------------------------------------------------------- Phi-4-mini's tools
+
+# microsoft/Phi-4-mini-instruct, tokenizer_config.json "chat_template": tools come in the
+# system message's "tools" (a JSON string), written between <|tool|> and <|/tool|>.
+PHI4_MINI = (
+    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message "
+    "and message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] "
+    "+ '<|tool|>' + message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + "
+    "message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def phi4_mini() -> Iterator[tuple[ScriptedBackend, ServerHandle]]:
+    yield from _server(PHI4_MINI)
+
+
+def test_phi4_mini_gets_its_tools_in_the_system_message_and_its_calls_are_read(
+    phi4_mini: tuple[ScriptedBackend, ServerHandle],
+) -> None:
+    backend, handle = phi4_mini
+    history: list[Any] = [
+        ASK[0], {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3 degrees"},
+        {"role": "assistant", "content": "It is 3 degrees."},
+        {"role": "user", "content": "And in Paris?"},
+    ]
+    backend.script = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|/tool_call|>'  # noqa: E501
+    kw: dict[str, Any] = dict(model="mock", messages=history, tools=[WEATHER], max_tokens=60)
+    choice = _client(handle).chat.completions.create(**kw).choices[0]
+    prompt = _last_prompt(backend)
+    declared = json.dumps([WEATHER["function"]])
+    assert prompt.startswith(f"<|system|>{SYSTEM}<|tool|>{declared}<|/tool|><|end|>")
+    assert ('<|assistant|><|tool_call|>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+            '<|/tool_call|><|end|><|tool|>3 degrees<|end|>') in prompt
+    assert prompt.endswith("<|user|>And in Paris?<|end|><|assistant|>")
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather", {"city": "Paris"})
+    streamed = [d for c in _client(handle).chat.completions.create(**kw, stream=True)
+                for d in (c.choices[0].delta.tool_calls or [] if c.choices else [])]
+    assert [(d.function.name, json.loads(d.function.arguments or "")) for d in streamed] == [
+        ("get_weather", {"city": "Paris"})]
+
+
+def test_phi4_mini_without_a_system_message_gets_one_for_its_tools(
+    phi4_mini: tuple[ScriptedBackend, ServerHandle],
+) -> None:
+    backend, handle = phi4_mini
+    backend.script = "Sunny."
+    out = _client(handle).chat.completions.create(
+        model="mock", messages=[{"role": "user", "content": USER}], tools=[WEATHER],
+        max_tokens=20)
+    assert out.choices[0].message.content == "Sunny."
+    assert _last_prompt(backend).startswith(
+        "<|system|>You are a helpful assistant with some tools.<|tool|>[{")
