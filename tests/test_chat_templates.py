@@ -260,3 +260,100 @@ def test_phi4_mini_without_a_system_message_gets_one_for_its_tools(
     assert out.choices[0].message.content == "Sunny."
     assert _last_prompt(backend).startswith(
         "<|system|>You are a helpful assistant with some tools.<|tool|>[{")
+
+
+# ---------------------------------------------------------------- Granite's tools
+
+# ibm-granite/granite-3.2-*-instruct, tokenizer_config.json "chat_template": it takes
+# ``tools`` (a tools turn) but writes no calls; its system prompt asks for <|tool_call|>
+# and a JSON list.
+GRANITE32 = """{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "Knowledge Cutoff Date: April 2024.\\nToday's Date: " + strftime_now('%B %d, %Y') + ".\\nYou are Granite, developed by IBM." %}
+    {%- if tools and documents %}
+        {%- set system_message = system_message + " You are a helpful AI assistant with access to the following tools. When a tool is required to answer the user's query, respond with <|tool_call|> followed by a JSON list of tools used. If a tool does not exist in the provided list of tools, notify the user that you do not have the ability to fulfill the request.\\n\\nWrite the response to the user's input by strictly aligning with the facts in the provided documents. If the information needed to answer the question is not available in the documents, inform the user that the question cannot be answered based on the available data." %}
+    {%- elif tools %}
+        {%- set system_message = system_message + " You are a helpful AI assistant with access to the following tools. When a tool is required to answer the user's query, respond with <|tool_call|> followed by a JSON list of tools used. If a tool does not exist in the provided list of tools, notify the user that you do not have the ability to fulfill the request." %}
+    {%- elif documents %}
+        {%- set system_message = system_message + " Write the response to the user's input by strictly aligning with the facts in the provided documents. If the information needed to answer the question is not available in the documents, inform the user that the question cannot be answered based on the available data." %}
+    {%- else %}
+        {%- set system_message = system_message + " You are a helpful AI assistant." %}
+    {%- endif %}
+    {%- if 'citations' in controls and documents %}
+        {%- set system_message = system_message + '\\n\\nIn your response, use the symbols <co> and </co> to indicate when a fact comes from a document in the search result, e.g <co>0</co> for a fact from document 0. Afterwards, list all the citations with their corresponding documents in an ordered list.' %}
+    {%- endif %}
+    {%- if 'hallucinations' in controls and documents %}
+        {%- set system_message = system_message + '\\n\\nFinally, after the response is written, include a numbered list of sentences from the response that are potentially hallucinated and not based in the documents.' %}
+    {%- endif %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{{- '<|start_of_role|>system<|end_of_role|>' + system_message + '<|end_of_text|>\\n' }}
+{%- if tools %}
+    {{- '<|start_of_role|>tools<|end_of_role|>' }}
+    {{- tools | tojson(indent=4) }}
+    {{- '<|end_of_text|>\\n' }}
+{%- endif %}
+{%- if documents %}
+    {{- '<|start_of_role|>documents<|end_of_role|>' }}
+    {%- for document in documents %}
+        {{- 'Document ' + loop.index0 | string + '\\n' }}
+        {{- document['text'] }}
+        {%- if not loop.last %}
+            {{- '\\n\\n'}}
+        {%- endif%}
+    {%- endfor %}
+    {{- '<|end_of_text|>\\n' }}
+{%- endif %}
+{%- for message in loop_messages %}
+    {{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content'] + '<|end_of_text|>\\n' }}
+    {%- if loop.last and add_generation_prompt %}
+        {{- '<|start_of_role|>assistant' }}
+            {%- if controls %}
+                {{- ' ' + controls | tojson()}}
+            {%- endif %}
+        {{- '<|end_of_role|>' }}
+    {%- endif %}
+{%- endfor %}"""  # noqa: E501
+
+
+@pytest.fixture(scope="module")
+def granite() -> Iterator[tuple[ScriptedBackend, ServerHandle]]:
+    yield from _server(GRANITE32)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_granite_gets_its_tools_turn_and_its_calls_are_read(
+    granite: tuple[ScriptedBackend, ServerHandle], stream: bool,
+) -> None:
+    backend, handle = granite
+    history: list[Any] = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3 degrees"},
+        {"role": "user", "content": "And in Paris?"},
+    ]
+    backend.script = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    kw: dict[str, Any] = dict(model="mock", messages=history, tools=[WEATHER], max_tokens=60)
+    if stream:
+        deltas = [c.choices[0].delta for c in
+                  _client(handle).chat.completions.create(**kw, stream=True) if c.choices]
+        assert not any(d.content for d in deltas)
+        got = [(t.function.name, json.loads(t.function.arguments or ""))
+               for d in deltas for t in d.tool_calls or []]
+    else:
+        choice = _client(handle).chat.completions.create(**kw).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        got = [(t.function.name, json.loads(t.function.arguments))
+               for t in choice.message.tool_calls or []]
+    assert got == [("get_weather", {"city": "Paris"})]
+    prompt = _last_prompt(backend)
+    assert "respond with <|tool_call|> followed by a JSON list" in prompt
+    tools_turn = json.dumps([WEATHER], indent=4)
+    assert f"<|start_of_role|>tools<|end_of_role|>{tools_turn}<|end_of_text|>" in prompt
+    assert ('<|start_of_role|>assistant<|end_of_role|><|tool_call|>[{"name": "get_weather", '
+            '"arguments": {"city": "Oslo"}}]<|end_of_text|>\n'
+            "<|start_of_role|>tool<|end_of_role|>3 degrees<|end_of_text|>") in prompt

@@ -13,8 +13,8 @@
   - Hermes-style ``<tool_call>{json}</tool_call>`` blocks: Qwen2/Qwen3, SmolLM3, and the
     instructions given to templates without tool support (such as SmolLM2's, Gemma's);
   - ``<|tool_call|>[{json}, ...]<|/tool_call|>``: Phi-4-mini;
-  - ``<|tool_call|>[...]`` and ``<tool_call>[...]`` with no closing tag: Granite 3.0 and
-    Granite 3.1+ (a tag's body may be one call or a JSON list of them);
+  - ``<|tool_call|>[...]`` and ``<tool_call>[...]`` with no closing tag: Granite 3.x, as
+    its system prompt asks (a tag's body may be one call or a JSON list of them);
   - bare JSON at the start of the output, ``{"name": ..., "parameters": ...}`` (Llama 3,
     after an optional ``<|python_tag|>``), a list of such objects or ones separated by
     ``;``. This is also what a tagged call is left as where the tag is a special token
@@ -26,8 +26,10 @@ Templates that know about tools get ``tools`` (and history messages with ``tool_
 and ``tool_call_id``) as they are. Phi-4-mini's template reads them from the system
 message's ``tools`` (a JSON list of the functions, written between ``<|tool|>`` and
 ``<|/tool|>``): they are put there, and earlier calls are written in its
-``<|tool_call|>`` format. For any other template, the tools are described in the system
-message and earlier calls and results are written in the Hermes format.
+``<|tool_call|>`` format. Granite 3.x templates take ``tools`` but write no calls: those
+are written in the tag its system prompt names. For any other template, the tools are
+described in the system message and earlier calls and results are written in the Hermes
+format.
 """
 
 from __future__ import annotations
@@ -316,64 +318,69 @@ def _describe(tools: list[dict[str, Any]]) -> str:
 
 #: How Phi-4-mini's template writes the system message's ``tools``.
 _PHI_TOOLS = "'<|tool|>' + message['tools'] + '<|/tool|>'"
+#: How Granite 3.x templates write ``tools`` (they know no ``tool_calls``).
+_GRANITE_TOOLS = "'<|start_of_role|>tools<|end_of_role|>'"
 
 
-def _written(call: dict[str, Any]) -> dict[str, Any]:
-    return {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+def _written(calls: list[dict[str, Any]]) -> list[str]:
+    return [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                       ensure_ascii=False) for c in calls]
 
 
-def _phi_messages(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+def _calls_as_text(
+    messages: list[dict[str, Any]], calls: Any, result: Any = None
 ) -> list[dict[str, Any]]:
-    """Phi-4-mini's layout: the functions as JSON in the system message's ``tools``, and
-    earlier calls as ``<|tool_call|>[...]<|/tool_call|>`` (results keep the tool role)."""
+    """``messages`` with each assistant message's calls written after its text by
+    ``calls`` (a list of JSON objects to text) and each tool result by ``result``."""
     out = []
     for m in messages:
         m = dict(m)
         m.pop("tool_call_id", None)
         if m.get("tool_calls"):
-            calls = _PHI_OPEN + json.dumps([_written(c) for c in m.pop("tool_calls")],
-                                           ensure_ascii=False) + _PHI_CLOSE
-            m["content"] = f"{m['content']}{calls}"
+            text = calls(_written(m.pop("tool_calls")))
+            m["content"] = f"{m['content']}\n{text}" if m["content"] else text
+        if m["role"] == "tool" and result is not None:
+            m["content"] = result(m["content"])
         out.append(m)
-    if tools:
-        if not out or out[0]["role"] != "system":
-            # Ollama's Phi-4-mini template says this where the client gave no system text.
-            out.insert(0, {"role": "system",
-                           "content": "You are a helpful assistant with some tools."})
-        functions = [t["function"] for t in tools]
-        out[0] = {**out[0], "tools": json.dumps(functions, ensure_ascii=False)}
     return out
+
+
+def _with_system(messages: list[dict[str, Any]], default: str) -> list[dict[str, Any]]:
+    if messages and messages[0]["role"] == "system":
+        return messages
+    return [{"role": "system", "content": default}, *messages]
 
 
 def template_messages(
     messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: str
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) to render with ``template``: as they are where the template
-    knows tools, else in the Hermes text format (see the module docstring)."""
+    knows tools and calls, else in its family's text format or Hermes' (see the module
+    docstring)."""
     if "tool_calls" in template and (tools is None or "tools" in template):
         return messages, tools
     if _PHI_TOOLS in template:
-        return _phi_messages(messages, tools), None
-    out = []
-    for m in messages:
-        m = dict(m)
-        if m.get("tool_calls"):
-            calls = "\n".join(
-                f"{_OPEN}\n" + json.dumps(_written(c), ensure_ascii=False) + f"\n{_CLOSE}"
-                for c in m.pop("tool_calls")
-            )
-            m["content"] = f"{m['content']}\n{calls}" if m["content"] else calls
-        if m["role"] == "tool":
-            m.pop("tool_call_id", None)
-            m["content"] = f"<tool_response>\n{m['content']}\n</tool_response>"
-        out.append(m)
+        out = _calls_as_text(messages, lambda js: f"{_PHI_OPEN}[{', '.join(js)}]{_PHI_CLOSE}")
+        if tools:
+            # Ollama's Phi-4-mini template says this where the client gave no system text.
+            out = _with_system(out, "You are a helpful assistant with some tools.")
+            functions = [t["function"] for t in tools]
+            out[0] = {**out[0], "tools": json.dumps(functions, ensure_ascii=False)}
+        return out, None
+    if _GRANITE_TOOLS in template:
+        # Its system prompt asks for <|tool_call|> (3.0, 3.2) or <tool_call> (3.1) and
+        # a JSON list; results keep the tool role.
+        tag = _PHI_OPEN if _PHI_OPEN in template else _OPEN
+        return _calls_as_text(messages, lambda js: f"{tag}[{', '.join(js)}]"), tools
+    out = _calls_as_text(
+        messages, lambda js: "\n".join(f"{_OPEN}\n{j}\n{_CLOSE}" for j in js),
+        lambda text: f"<tool_response>\n{text}\n</tool_response>",
+    )
     if tools:
         text = _describe(tools)
-        if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}"}
-        else:
-            out.insert(0, {"role": "system", "content": text})
+        out = _with_system(out, "")
+        content = out[0]["content"]
+        out[0] = {**out[0], "content": f"{content}\n\n{text}" if content else text}
     return out, None
 
 
