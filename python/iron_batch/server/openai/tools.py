@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -328,7 +329,8 @@ def _written(calls: list[dict[str, Any]]) -> list[str]:
 
 
 def _calls_as_text(
-    messages: list[dict[str, Any]], calls: Any, result: Any = None
+    messages: list[dict[str, Any]], calls: Callable[[list[str]], str],
+    result: Callable[[str], str] | None = None,
 ) -> list[dict[str, Any]]:
     """``messages`` with each assistant message's calls written after its text by
     ``calls`` (a list of JSON objects to text) and each tool result by ``result``."""
