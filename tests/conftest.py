@@ -195,12 +195,15 @@ class ScriptedBackend(MockBackend):
         self.tokenizer = tokenizer
         self.eos_token_ids = list(self.tokenizer.eos_token_ids)
         self.script: str | list[int] = ""
+        #: Each request's prompt token ids, in the order they were added.
+        self.prompts: list[list[int]] = []
         self._scripts: dict[str, list[int]] = {}
         self._done: dict[str, int] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
         super().add_request(request_id, prompt_token_ids, params)
         assert self.tokenizer is not None
+        self.prompts.append(list(prompt_token_ids))
         script = self.script
         if isinstance(script, str):
             script = self.tokenizer.encode(script, add_special_tokens=False)

@@ -195,6 +195,9 @@ def scripted() -> Iterator[tuple[ScriptedBackend, openai.OpenAI]]:
 
 
 HERMES = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'  # noqa: E501
+PARIS = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+CET = '{"name": "get_time", "arguments": {"timezone": "CET"}}'
+BOTH = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"timezone": "CET"})]
 
 
 @pytest.mark.parametrize(
@@ -213,6 +216,19 @@ HERMES = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "u
         ('<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>',
          '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>', []),
         ('{"answer": 42}', '{"answer": 42}', []),
+        # SmolLM3 (Hermes tags, no newlines).
+        (f"<tool_call>{CET}</tool_call>", None, BOTH[1:]),
+        # Phi-4-mini: a JSON list between its tags, text before it is content.
+        (f"<|tool_call|>[{PARIS}, {CET}]<|/tool_call|>", None, BOTH),
+        (f"Let me look.<|tool_call|>[{PARIS}]<|/tool_call|>", "Let me look.", BOTH[:1]),
+        # Phi-4-mini's tags are special tokens: skipped in decoding, the list is left.
+        (f"[{PARIS}, {CET}]", None, BOTH),
+        # Granite 3.0, then Granite 3.1+: the tag and a JSON list, no closing tag.
+        (f"<|tool_call|>[{CET}]", None, BOTH[1:]),
+        (f"<tool_call>[{PARIS}, {CET}]", None, BOTH),
+        ('<|tool_call|>[{"name": "launch_rocket", "arguments": {}}]<|/tool_call|>',
+         '<|tool_call|>[{"name": "launch_rocket", "arguments": {}}]<|/tool_call|>', []),
+        ("Use <|tool_call| for calls.", "Use <|tool_call| for calls.", []),
     ],
 )
 def test_auto_reads_the_models_own_call_format(

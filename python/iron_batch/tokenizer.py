@@ -100,22 +100,41 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> str:
         """The template rendered; ``template_kwargs`` are extra variables it reads (such as
-        Qwen3's ``enable_thinking``), which never replace the ones set here."""
+        Qwen3's ``enable_thinking``), which never replace the ones set here.
+
+        A template without a system role (Gemma 2's raises "System role not supported")
+        still takes a leading system message: where rendering raises, that message is
+        folded into the first user turn (see :func:`fold_system`) and the conversation
+        rendered again. Template errors without a leading system message to fold, and
+        those the folded conversation still raises, reach the caller."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        return str(
-            self._template.render(
-                **template_kwargs,
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                # HF passes tool declarations as ``tools`` (None when there are none).
-                tools=tools,
+        from jinja2.exceptions import TemplateError
+
+        def render(msgs: list[dict[str, Any]]) -> str:
+            return str(
+                self._template.render(
+                    **template_kwargs,
+                    messages=msgs,
+                    add_generation_prompt=add_generation_prompt,
+                    bos_token=self.bos_token or "",
+                    eos_token=self.eos_token or "",
+                    # HF passes tool declarations as ``tools`` (None when there are none).
+                    tools=tools,
+                )
             )
-        )
+
+        try:
+            return render(messages)
+        except TemplateError:
+            folded = fold_system(messages)
+            if folded is None:
+                raise
+        # What the folded conversation raises (roles must alternate, ...) is what is left
+        # to fix once the system message has a place: that error is the one to report.
+        return render(folded)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
@@ -194,6 +213,22 @@ class Tokenizer:
             eos_token=text("tokenizer.ggml.eos_token_id"),
             add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
         )
+
+
+def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """``messages`` with a leading system message folded into the first user turn the
+    way Gemma 3's template does it (the system text, a blank line, the user text), or
+    None where there is no leading system message of plain text to fold."""
+    if not messages or messages[0].get("role") != "system":
+        return None
+    system, rest = messages[0].get("content"), list(messages[1:])
+    if not isinstance(system, str):
+        return None
+    if rest and rest[0].get("role") == "user" and isinstance(rest[0].get("content"), str):
+        rest[0] = {**rest[0], "content": f"{system}\n\n{rest[0]['content']}"}
+    else:
+        rest.insert(0, {"role": "user", "content": system})
+    return rest
 
 
 def _token_text(value: Any) -> str | None:

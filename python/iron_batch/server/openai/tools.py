@@ -8,14 +8,28 @@
   ``{"name": ..., "parameters": {...}}`` objects, each naming a declared tool and valid
   against its schema.
 - ``auto`` (the default with tools): nothing is constrained; the model's own tool-call
-  format is parsed from its text: Hermes-style ``<tool_call>{json}</tool_call>`` blocks
-  (Qwen-family templates, and the instructions given to templates without tool support,
-  such as SmolLM2's), or the bare ``{"name": ..., "parameters": ...}`` JSON of Llama 3.
+  format is parsed from its text:
+
+  - Hermes-style ``<tool_call>{json}</tool_call>`` blocks: Qwen2/Qwen3, SmolLM3, and the
+    instructions given to templates without tool support (such as SmolLM2's, Gemma's);
+  - ``<|tool_call|>[{json}, ...]<|/tool_call|>``: Phi-4-mini;
+  - ``<|tool_call|>[...]`` and ``<tool_call>[...]`` with no closing tag: Granite 3.x, as
+    its system prompt asks (a tag's body may be one call or a JSON list of them);
+  - bare JSON at the start of the output, ``{"name": ..., "parameters": ...}`` (Llama 3,
+    after an optional ``<|python_tag|>``), a list of such objects or ones separated by
+    ``;``. This is also what a tagged call is left as where the tag is a special token
+    that decoding skipped (Phi-4-mini's, by default).
+
   Text that does not parse as calls of declared tools stays content.
 
 Templates that know about tools get ``tools`` (and history messages with ``tool_calls``
-and ``tool_call_id``) as they are; for a template that does not, the tools are described
-in the system message and earlier calls and results are written in the Hermes format.
+and ``tool_call_id``) as they are. Phi-4-mini's template reads them from the system
+message's ``tools`` (a JSON list of the functions, written between ``<|tool|>`` and
+``<|/tool|>``): they are put there, and earlier calls are written in its
+``<|tool_call|>`` format. Granite 3.x templates take ``tools`` but write no calls: those
+are written in the tag its system prompt names. For any other template, the tools are
+described in the system message and earlier calls and results are written in the Hermes
+format.
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +47,15 @@ from iron_batch.structured import GrammarError, json_schema_grammar
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_PHI_OPEN, _PHI_CLOSE = "<|tool_call|>", "<|/tool_call|>"
+#: What may start a tagged call (Hermes, SmolLM3, Granite 3.1+; Phi-4-mini, Granite 3.0).
+_OPENERS = (_OPEN, _PHI_OPEN)
+#: One tagged call's body: up to its closing tag, the next call's tag, or the end.
+_BLOCK = re.compile(
+    r"(?:<tool_call>|<\|tool_call\|>)(.*?)"
+    r"(?:</tool_call>|<\|/tool_call\|>|(?=<tool_call>|<\|tool_call\|>)|$)",
+    re.DOTALL,
+)
 _PYTHON_TAG = "<|python_tag|>"
 
 
@@ -135,16 +158,13 @@ def _json_calls(text: str, names: set[str]) -> list[dict[str, Any]] | None:
 
 def parse_auto(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, calls) of a model's free output; unparseable text stays content."""
-    if _OPEN in text:
+    if any(tag in text for tag in _OPENERS):
         calls = []
         for body in _BLOCK.findall(text):
-            try:
-                call = _as_call(json.loads(body), names)
-            except ValueError:
-                call = None
-            if call is None:
+            found = _json_calls(body, names)
+            if found is None:
                 return text, []
-            calls.append(call)
+            calls.extend(found)
         content = _BLOCK.sub("", text).strip()
         return content or None, calls
     calls_or_none = _json_calls(text, names)
@@ -297,34 +317,72 @@ def _describe(tools: list[dict[str, Any]]) -> str:
     )
 
 
+#: How Phi-4-mini's template writes the system message's ``tools``.
+_PHI_TOOLS = "'<|tool|>' + message['tools'] + '<|/tool|>'"
+#: How Granite 3.x templates write ``tools`` (they know no ``tool_calls``).
+_GRANITE_TOOLS = "'<|start_of_role|>tools<|end_of_role|>'"
+
+
+def _written(calls: list[dict[str, Any]]) -> list[str]:
+    return [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                       ensure_ascii=False) for c in calls]
+
+
+def _calls_as_text(
+    messages: list[dict[str, Any]], calls: Callable[[list[str]], str],
+    result: Callable[[str], str] | None = None,
+) -> list[dict[str, Any]]:
+    """``messages`` with each assistant message's calls written after its text by
+    ``calls`` (a list of JSON objects to text) and each tool result by ``result``."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        m.pop("tool_call_id", None)
+        if m.get("tool_calls"):
+            text = calls(_written(m.pop("tool_calls")))
+            m["content"] = f"{m['content']}\n{text}" if m["content"] else text
+        if m["role"] == "tool" and result is not None:
+            m["content"] = result(m["content"])
+        out.append(m)
+    return out
+
+
+def _with_system(messages: list[dict[str, Any]], default: str) -> list[dict[str, Any]]:
+    if messages and messages[0]["role"] == "system":
+        return messages
+    return [{"role": "system", "content": default}, *messages]
+
+
 def template_messages(
     messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: str
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) to render with ``template``: as they are where the template
-    knows tools, else in the Hermes text format (see the module docstring)."""
+    knows tools and calls, else in its family's text format or Hermes' (see the module
+    docstring)."""
     if "tool_calls" in template and (tools is None or "tools" in template):
         return messages, tools
-    out = []
-    for m in messages:
-        m = dict(m)
-        if m.get("tool_calls"):
-            calls = "\n".join(
-                f"{_OPEN}\n" + json.dumps({"name": c["function"]["name"],
-                                           "arguments": c["function"]["arguments"]},
-                                          ensure_ascii=False) + f"\n{_CLOSE}"
-                for c in m.pop("tool_calls")
-            )
-            m["content"] = f"{m['content']}\n{calls}" if m["content"] else calls
-        if m["role"] == "tool":
-            m.pop("tool_call_id", None)
-            m["content"] = f"<tool_response>\n{m['content']}\n</tool_response>"
-        out.append(m)
+    if _PHI_TOOLS in template:
+        out = _calls_as_text(messages, lambda js: f"{_PHI_OPEN}[{', '.join(js)}]{_PHI_CLOSE}")
+        if tools:
+            # Ollama's Phi-4-mini template says this where the client gave no system text.
+            out = _with_system(out, "You are a helpful assistant with some tools.")
+            functions = [t["function"] for t in tools]
+            out[0] = {**out[0], "tools": json.dumps(functions, ensure_ascii=False)}
+        return out, None
+    if _GRANITE_TOOLS in template:
+        # Its system prompt asks for <|tool_call|> (3.0, 3.2) or <tool_call> (3.1) and
+        # a JSON list; results keep the tool role.
+        tag = _PHI_OPEN if _PHI_OPEN in template else _OPEN
+        return _calls_as_text(messages, lambda js: f"{tag}[{', '.join(js)}]"), tools
+    out = _calls_as_text(
+        messages, lambda js: "\n".join(f"{_OPEN}\n{j}\n{_CLOSE}" for j in js),
+        lambda text: f"<tool_response>\n{text}\n</tool_response>",
+    )
     if tools:
         text = _describe(tools)
-        if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}"}
-        else:
-            out.insert(0, {"role": "system", "content": text})
+        out = _with_system(out, "")
+        content = out[0]["content"]
+        out[0] = {**out[0], "content": f"{content}\n\n{text}" if content else text}
     return out, None
 
 
@@ -336,7 +394,8 @@ class ToolStream:
 
     A named call streams its arguments as they come. ``required`` and ``auto`` output is
     parsed when it ends; until then ``auto`` streams content up to anything that may
-    start a call (a ``<tool_call>`` tag, or JSON at the very start) and holds the rest.
+    start a call (a ``<tool_call>`` or ``<|tool_call|>`` tag, or JSON at the very start)
+    and holds the rest.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
@@ -369,7 +428,7 @@ class ToolStream:
         if not calls:
             return ({"content": rest} if rest else {}), reason
         delta = {}
-        if _OPEN in rest:
+        if any(tag in rest for tag in _OPENERS):
             leftover = _BLOCK.sub("", rest)
             if leftover.strip():
                 delta["content"] = leftover
@@ -385,16 +444,15 @@ class ToolStream:
         if self._sent == 0 and text.lstrip().startswith(("{", "[", _PYTHON_TAG)):
             self._held = True
             return {}
-        end = text.find(_OPEN, self._sent)
-        if end != -1:
+        starts = [i for i in (text.find(tag, self._sent) for tag in _OPENERS) if i != -1]
+        if starts:
+            end = min(starts)
             self._held = True
         else:
-            end = len(text)
-            # Hold back a tail that may be the start of "<tool_call>".
-            for n in range(min(len(_OPEN) - 1, end - self._sent), 0, -1):
-                if text.endswith(_OPEN[:n]):
-                    end -= n
-                    break
+            # Hold back a tail that may be the start of a tag.
+            end = len(text) - max(
+                (n for tag in _OPENERS for n in range(1, min(len(tag), len(text) - self._sent + 1))
+                 if text.endswith(tag[:n])), default=0)
         out = text[self._sent:end]
         self._sent = end
         return {"content": out} if out else {}
