@@ -87,7 +87,8 @@ class GGUFMetadata:
 
 
 #: Tensors of llama.cpp that carry rope settings no family here reads from them (Llama 3's
-#: per-frequency factors), refused outside the families that ignored them before.
+#: per-frequency factors): refused in every architecture but ``llama``, whose files load as
+#: they did (without those factors).
 _UNREAD_ROPE_TENSORS = ("rope_freqs.weight",)
 
 
