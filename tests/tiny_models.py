@@ -131,7 +131,11 @@ def _rope_kwargs(cls_name: str, extra: dict[str, Any]) -> dict[str, Any]:
 def reference_model(name: str) -> Any:
     """The transformers model (eval, float32) behind checkpoint ``name``."""
     cls_name, extra = FAMILIES[name]
-    config = getattr(transformers, cls_name)(**_COMMON, **_rope_kwargs(cls_name, extra))
+    return _random_model(name, cls_name, {**_COMMON, **extra})
+
+
+def _random_model(name: str, cls_name: str, fields: dict[str, Any]) -> Any:
+    config = getattr(transformers, cls_name)(**_rope_kwargs(cls_name, fields))
     torch.manual_seed(sum(map(ord, name)))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -143,6 +147,24 @@ def reference_model(name: str) -> Any:
             else:
                 p.normal_(0.0, 0.15)
     return model.eval()
+
+
+@cache
+def variant_checkpoint(name: str, changes: tuple[tuple[str, Any], ...]) -> Path:
+    """Checkpoint ``name`` with some config fields changed (a value of None drops the
+    field: the config class's default applies), written like :func:`checkpoint`."""
+    cls_name, extra = FAMILIES[name]
+    fields = {**_COMMON, **extra}
+    for key, value in changes:
+        if value is None:
+            fields.pop(key, None)
+        else:
+            fields[key] = value
+    folder = _ROOT / f"{name}-variant-{len(list(_ROOT.glob(f'{name}-variant-*')))}"
+    model = _random_model(name, cls_name, fields)
+    model.save_pretrained(folder)
+    write_byte_tokenizer(folder)
+    return folder
 
 
 @cache

@@ -92,11 +92,9 @@ def read_config(source: ModelSource) -> ModelConfig:
     if source.gguf is not None:
         import gguf
 
-        from iron_batch.loader.gguf import hf_config_from_gguf, read_fields
-
         reader = gguf.GGUFReader(str(source.gguf))
-        cfg = hf_config_from_gguf(read_fields(reader), {t.name for t in reader.tensors})
-        return registry.gguf_family(cfg["model_type"]).config_from_hf(cfg)
+        cfg, family = _gguf_config(reader)
+        return family.config_from_hf(cfg)
     return registry.config_from_hf(_hf_config(source.folder))
 
 
@@ -123,9 +121,17 @@ def _open(source: ModelSource) -> tuple[dict[str, Any], type[DecoderModel], Weig
         return cfg, family, SafetensorsSource(source.folder)
     import gguf
 
-    from iron_batch.loader.gguf import GGUFSource, hf_config_from_gguf, read_fields
+    from iron_batch.loader.gguf import GGUFSource
 
     reader = gguf.GGUFReader(str(source.gguf))
-    cfg = hf_config_from_gguf(read_fields(reader), {t.name for t in reader.tensors})
-    family = registry.gguf_family(cfg["model_type"])
+    cfg, family = _gguf_config(reader)
     return cfg, family, GGUFSource(reader, cfg, family.gguf_names, family.gguf_permutes_qk)
+
+
+def _gguf_config(reader: Any) -> tuple[dict[str, Any], type[DecoderModel]]:
+    """A GGUF file's HF-style config and the family serving its ``general.architecture``."""
+    from iron_batch.loader.gguf import hf_config_from_gguf, read_fields
+
+    fields = read_fields(reader)
+    family = registry.gguf_family(fields.get("general.architecture", ""))
+    return hf_config_from_gguf(fields, {t.name: t for t in reader.tensors}, family), family

@@ -1,11 +1,11 @@
 """Read a llama.cpp GGUF checkpoint: metadata as an HF-style config and tensors by HF name
 (each family declares the names: ``models/decoder.py``'s ``GGUF_NAMES`` for the Llama-style
-ones).
+ones; what its architecture's metadata adds, in its ``hf_config_from_gguf``).
 
 Tensors are dequantized to float32 at load, or kept in their blocks for ``--quantization
-gguf``. llama.cpp's converter permutes the
-rows of Q and K (interleaved rope pairs instead of HF's half split); we undo it here so the
-model code has a single rope layout.
+gguf``. llama.cpp's converter permutes the rows of Q and K for the architectures it runs with
+interleaved rope pairs (instead of HF's half split: a family's ``gguf_permutes_qk``); we undo
+it here so the model code has a single rope layout.
 """
 
 from __future__ import annotations
@@ -43,38 +43,106 @@ def read_fields(reader: Any) -> dict[str, Any]:
     return out
 
 
-def hf_config_from_gguf(fields: dict[str, Any], num_tensors_named: set[str]) -> dict[str, Any]:
-    """An HF-style config of a GGUF file's metadata (the family is checked by the caller,
-    through the registry)."""
-    arch = fields.get("general.architecture", "")
+class GGUFMetadata:
+    """A GGUF file's metadata and its tensors by GGUF name, as a family reads them to say
+    what its architecture adds to the HF-style config (``hf_config_from_gguf`` of the
+    family's class)."""
 
-    def get(key: str, default: Any = None) -> Any:
-        return fields.get(f"{arch}.{key}", default)
+    def __init__(self, fields: dict[str, Any], tensors: dict[str, Any]) -> None:
+        self.fields = fields
+        self.tensors = tensors
+        self.arch: str = fields.get("general.architecture", "")
 
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    vocab = get("vocab_size") or len(fields.get("tokenizer.ggml.tokens", []))
+    def key(self, key: str) -> str:
+        """The full name of an architecture key (``rope.freq_base`` -> ``gemma3.rope...``)."""
+        return f"{self.arch}.{key}"
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """An architecture key's value (``default`` when the file has none)."""
+        return self.fields.get(self.key(key), default)
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"GGUF file has no {self.key(key)} (this architecture needs it)")
+        return value
+
+    def refuse(self, key: str, value: Any, supported: str) -> ValueError:
+        """The one-line error for a key whose value this implementation does not run."""
+        return ValueError(f"unsupported GGUF {self.key(key)} = {value!r} (supported: {supported})")
+
+    def rows(self, name: str) -> int | None:
+        """The number of rows of a 2-D tensor (None: no such tensor)."""
+        t = self.tensors.get(name)
+        return None if t is None else int(t.shape[-1])
+
+    def floats(self, name: str) -> list[float] | None:
+        """A 1-D tensor's values (None: no such tensor)."""
+        from gguf.quants import dequantize
+
+        t = self.tensors.get(name)
+        if t is None:
+            return None
+        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).ravel().tolist()
+
+
+#: Tensors of llama.cpp that carry rope settings no family here reads from them (Llama 3's
+#: per-frequency factors): refused in every architecture but ``llama``, whose files load as
+#: they did (without those factors).
+_UNREAD_ROPE_TENSORS = ("rope_freqs.weight",)
+
+
+def hf_config_from_gguf(fields: dict[str, Any], tensors: dict[str, Any],
+                        family: Any) -> dict[str, Any]:
+    """An HF-style config of a GGUF file's metadata: the keys every llama.cpp architecture
+    writes the same way (``TextModel.set_gguf_parameters`` of its converter), then what the
+    family's ``hf_config_from_gguf`` adds for its own. ``tensors``: the file's tensors by
+    GGUF name; ``family``: the class serving ``general.architecture`` (from the registry).
+    A key whose value this implementation does not run is refused by name."""
+    meta = GGUFMetadata(fields, tensors)
+    get = meta.get
+    heads = int(meta.require("attention.head_count"))
+    hidden = int(meta.require("embedding_length"))
+    # The embedding's rows are the vocabulary (Gemma 3's converter cuts the rows the
+    # tokenizer does not use, and writes no vocab_size key).
+    vocab = (meta.rows("token_embd.weight") or get("vocab_size")
+             or len(fields.get("tokenizer.ggml.tokens", [])))
     cfg: dict[str, Any] = {
-        "model_type": arch,
+        "model_type": family.model_types[0] if family.model_types else meta.arch,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": int(meta.require("feed_forward_length")),
+        "num_hidden_layers": int(meta.require("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": int(get("attention.key_length", hidden // heads)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(get("context_length", 4096)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "tie_word_embeddings": "output.weight" not in num_tensors_named,
+        "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
     }
+    value_length = get("attention.value_length")
+    if value_length is not None and int(value_length) != cfg["head_dim"]:
+        raise meta.refuse("attention.value_length", value_length,
+                          f"the key length, {cfg['head_dim']}")
     scaling_type = get("rope.scaling.type")
     if scaling_type == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif scaling_type not in (None, "none"):
-        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
+    elif scaling_type not in (None, "none", *family.gguf_rope_scaling_types):
+        raise meta.refuse("rope.scaling.type", scaling_type,
+                          ", ".join(("none", "linear", *family.gguf_rope_scaling_types)))
+    if meta.arch != "llama":
+        for name in _UNREAD_ROPE_TENSORS:
+            if name in tensors:
+                raise ValueError(f"unsupported GGUF tensor {name} (per-frequency rope "
+                                 f"factors) in a {meta.arch} file")
+    cfg = family.hf_config_from_gguf(cfg, meta)
+    rope_dims = get("rope.dimension_count")
+    if (rope_dims is not None and int(rope_dims) != cfg["head_dim"]
+            and "partial_rotary_factor" not in cfg):
+        raise meta.refuse("rope.dimension_count", rope_dims, f"the head size, {cfg['head_dim']}")
     return cfg
 
 
@@ -93,6 +161,10 @@ class GGUFSource:
     """A GGUF file's tensors by HF name (``layers.weights.WeightSource``): dequantized to
     float32, or kept in their blocks where a kernel reads the type. The family's name map
     (``gguf_names``) says which GGUF tensor is which."""
+
+    #: Read by the decoder: norm weights of a family whose converter adds the norm offset
+    #: (``gguf_norm_offset_applied``) come from here with it added already.
+    is_gguf = True
 
     def __init__(
         self, reader: Any, config: dict[str, Any], names: dict[str, str], permutes_qk: bool

@@ -12,7 +12,7 @@ reach the final norm and the LM head.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from iron_batch.models.config import ModelConfig
 from iron_batch.models.partition import ShardPlan
 from iron_batch.platform import cpu, heap, huge_pages
 from iron_batch.platform import switches as tuning
+
+if TYPE_CHECKING:
+    from iron_batch.loader.gguf import GGUFMetadata
 
 
 class Shard(Protocol):
@@ -147,6 +150,9 @@ class DecoderModel:
     #: llama.cpp's converter stored this family's norm weights with the config's offset
     #: already added (Gemma's ``1 + w``).
     gguf_norm_offset_applied: ClassVar[bool] = False
+    #: ``rope.scaling.type`` values of this family's GGUF files its ``hf_config_from_gguf``
+    #: reads, besides "none" and "linear" (which every family reads the same way).
+    gguf_rope_scaling_types: ClassVar[tuple[str, ...]] = ()
     hf_names: ClassVar[dict[str, str]] = HF_NAMES
     gguf_names: ClassVar[dict[str, str]] = GGUF_NAMES
 
@@ -154,6 +160,13 @@ class DecoderModel:
     def config_from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """The architecture settings of an HF ``config.json`` of this family."""
         raise NotImplementedError
+
+    @classmethod
+    def hf_config_from_gguf(cls, cfg: dict[str, Any], meta: GGUFMetadata) -> dict[str, Any]:
+        """``cfg`` (the HF-style config of the keys every llama.cpp architecture writes the
+        same way: ``loader/gguf.py``) with what this family's GGUF metadata adds, as the
+        HF config keys ``config_from_hf`` reads. Refuse, by name, a key it does not run."""
+        return cfg
 
     def __init__(
         self,
@@ -260,17 +273,21 @@ class DecoderModel:
         if self.shard is not None and c.qk_norm == "projection":
             qk_reduce = self.shard.all_reduce
         layout = NORM_LAYOUTS[c.norm_layout]
+        # A GGUF converter that adds the offset to the norm weights stored them as used.
+        offset = c.norm_weight_offset
+        if self.gguf_norm_offset_applied and getattr(ctx.source, "is_gguf", False):
+            offset = 0.0
 
         def norm(name: str) -> RMSNorm:
             weight = ctx.need(Part(name))
-            if c.norm_weight_offset:
-                weight = (ctx.need_float(Part(name)) + c.norm_weight_offset).to(weight)
+            if offset:
+                weight = (ctx.need_float(Part(name)) + offset).to(weight)
             return RMSNorm(weight, c.rms_norm_eps, fused=fused)
 
         def qk_norm(name: str, heads: int, total_heads: int) -> QKNorm:
             weight = ctx.need(Part(name))
-            if c.norm_weight_offset:
-                weight = (ctx.need_float(Part(name)) + c.norm_weight_offset).to(weight)
+            if offset:
+                weight = (ctx.need_float(Part(name)) + offset).to(weight)
             if c.qk_norm == "head":
                 return HeadNorm(weight, c.rms_norm_eps, fused=fused)
             rows = None

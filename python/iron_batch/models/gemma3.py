@@ -4,11 +4,14 @@ sliding layers. Also the text model inside a multimodal ``gemma3`` checkpoint.""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from iron_batch.models.config import ModelConfig, rope_settings
 from iron_batch.models.decoder import HF_NAMES, DecoderModel
-from iron_batch.models.gemma2 import GEMMA_GGUF_NAMES, gemma_settings
+from iron_batch.models.gemma2 import GEMMA_GGUF_NAMES, gemma_settings, gguf_gemma_settings
+
+if TYPE_CHECKING:
+    from iron_batch.loader.gguf import GGUFMetadata
 
 
 def _ropes(cfg: dict[str, Any]) -> tuple[dict[str, Any], tuple[float, dict[str, Any]]]:
@@ -44,6 +47,24 @@ class Gemma3ForCausalLM(DecoderModel):
                  if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
         return ModelConfig.from_hf({**plain, **global_rope}, qk_norm="head",
                                    local_rope=local_rope, **gemma_settings(cfg, every))
+
+    @classmethod
+    def hf_config_from_gguf(cls, cfg: dict[str, Any], meta: GGUFMetadata) -> dict[str, Any]:
+        # llama.cpp: five sliding layers to each global one; the file's rope base and
+        # (linear) scaling are the global layers', the sliding ones rotate by base 10000
+        # unscaled (``rope.freq_base_swa`` where a file writes one). No attention soft cap.
+        if meta.get("attn_logit_softcapping") is not None:
+            raise meta.refuse("attn_logit_softcapping", meta.get("attn_logit_softcapping"),
+                              "none in Gemma 3")
+        out = {
+            **cfg,
+            **gguf_gemma_settings(cfg, meta, pattern=6, layers_27b=62, window=None),
+            "rope_local_base_freq": float(meta.get("rope.freq_base_swa", 10_000.0)),
+        }
+        final = meta.get("final_logit_softcapping")
+        if final:
+            out["final_logit_softcapping"] = float(final)
+        return out
 
 
 #: A multimodal Gemma 3 checkpoint's text model, by its tensor names (transformers 5).

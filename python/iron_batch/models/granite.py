@@ -4,16 +4,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from iron_batch.models.config import ModelConfig
 from iron_batch.models.decoder import DecoderModel
+
+if TYPE_CHECKING:
+    from iron_batch.loader.gguf import GGUFMetadata
 
 
 class GraniteForCausalLM(DecoderModel):
     model_types = ("granite",)
     architectures = ("GraniteForCausalLM",)
     gguf_architecture = "granite"
+    #: llama.cpp's converter handles Granite as Llama: q/k rows interleaved for its rope.
+    gguf_permutes_qk = True
 
     @classmethod
     def config_from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -25,3 +30,18 @@ class GraniteForCausalLM(DecoderModel):
             residual_scale=float(cfg.get("residual_multiplier", 1.0)),
             logits_divisor=float(cfg.get("logits_scaling", 1.0)),
         )
+
+    @classmethod
+    def hf_config_from_gguf(cls, cfg: dict[str, Any], meta: GGUFMetadata) -> dict[str, Any]:
+        # The converter renames the multipliers to *_scale keys (written where nonzero).
+        # llama.cpp rotates Granite's q/k only while rope.scaling.finetuned holds (its
+        # default): a file that turns it off has no rotary, which is not run here.
+        if meta.get("rope.scaling.finetuned", True) is False:
+            raise meta.refuse("rope.scaling.finetuned", False, "true")
+        return {
+            **cfg,
+            "attention_multiplier": float(meta.get("attention.scale", 1.0)),
+            "embedding_multiplier": float(meta.get("embedding_scale", 1.0)),
+            "residual_multiplier": float(meta.get("residual_scale", 1.0)),
+            "logits_scaling": float(meta.get("logit_scale", 1.0)),
+        }
