@@ -26,7 +26,14 @@ from iron_batch.backends.torch_backend import TorchBackend
 from iron_batch.loader import read_config, resolve
 from iron_batch.models.registry import config_from_hf
 from safetensors.numpy import load_file
-from tiny_models import checkpoint, run_scheduler, variant_checkpoint
+from tiny_models import (
+    backend,
+    checkpoint,
+    random_prompts,
+    reference_model,
+    run_scheduler,
+    variant_checkpoint,
+)
 
 FAMILIES = ["gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3"]
 
@@ -41,9 +48,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "smollm3": {"num_hidden_layers": 4, "no_rope_layers": None},
 }
 
-#: llama.cpp's ``general.architecture`` of each family.
+#: llama.cpp's ``general.architecture`` of each family (and of Llama, for its rope factors).
 ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "olmo2": "olmo2",
-        "granite": "granite", "smollm3": "smollm3"}
+        "granite": "granite", "smollm3": "smollm3", "llama": "llama"}
 
 
 def _checkpoint(name: str) -> Path:
@@ -111,7 +118,7 @@ def _tensors(arch: str, folder: Path, cfg: dict[str, Any]) -> dict[str, np.ndarr
             continue  # tied, or Gemma 2 (llama.cpp runs its head off the embedding)
         if arch in ("gemma2", "gemma3") and hf.endswith("norm.weight"):
             w = w + 1.0  # Gemma's (1 + w) norms, stored as used
-        if arch in ("granite", "smollm3"):  # LlamaModel.modify_tensors' permutation
+        if arch in ("granite", "smollm3", "llama"):  # LlamaModel.modify_tensors' permutation
             if hf.endswith(("q_proj.weight", "q_proj.bias")):
                 w = _interleave(w, heads)
             elif hf.endswith(("k_proj.weight", "k_proj.bias")):
@@ -194,7 +201,7 @@ def _metadata(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("head_dim") is not None:
         kv["attention.key_length"] = cfg["head_dim"]
         kv["attention.value_length"] = cfg["head_dim"]
-    if arch in ("granite", "smollm3"):  # LlamaModel adds these
+    if arch in ("granite", "smollm3", "llama"):  # LlamaModel adds these
         kv["vocab_size"] = cfg["vocab_size"]
         kv["rope.dimension_count"] = cfg.get("head_dim") or cfg["hidden_size"] // heads
     if arch == "granite":
@@ -210,6 +217,28 @@ def _metadata(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         if cfg.get("sliding_window_pattern") != 1:
             kv["attention.sliding_window"] = cfg["sliding_window"]
     return kv
+
+
+def _llama3_factors(cfg: dict[str, Any], rope: dict[str, Any]) -> np.ndarray:
+    """What LlamaModel.generate_extra_tensors writes for Llama 3.1's rope scaling: one
+    divisor per frequency (the long wavelengths slowed by ``factor``, the short ones kept,
+    the band between blended)."""
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    base = rope["rope_theta"]
+    factor = rope["factor"]
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * base ** (i / dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
 
 
 def _put(w: gguf.GGUFWriter, key: str, value: Any) -> None:
@@ -234,6 +263,8 @@ def write_gguf(name: str, out: Path, overrides: dict[str, Any] | None = None) ->
     tensors = _tensors(arch, folder, cfg)
     kv = {**_metadata(arch, cfg), **(overrides or {})}
     rope = _rope(cfg)
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = _llama3_factors(cfg, rope)
     if arch == "phi3" and rope.get("long_factor"):
         tensors["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
         tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
@@ -347,3 +378,18 @@ def test_gguf_key_not_run_is_refused_by_name(
         _backend(path)
     message = str(err.value)
     assert named in message and "\n" not in message
+
+
+def test_llama3_rope_scaling_reaches_a_gguf_file_as_frequency_factors(tmp_path: Path) -> None:
+    """tiny_models' llama has Llama 3.1 rope scaling (factor 8 past 64 positions): its GGUF
+    carries it as ``rope_freqs.weight``, which must be applied, not dropped."""
+    path = write_gguf("llama", tmp_path / "llama.gguf")
+    prompts = random_prompts(83, [5, 40, 90])
+    want, _ = run_scheduler(backend("llama"), prompts, 24)
+    got, _ = run_scheduler(_backend(path), prompts, 24)
+    assert got == want
+    # The frequencies are transformers' Llama 3.1 ones, which plain rope's are not.
+    hf = reference_model("llama").model.rotary_emb.inv_freq
+    ours = _backend(path).model.rotaries[0].inv_freq
+    torch.testing.assert_close(ours, hf, rtol=1e-6, atol=0)
+    assert not torch.allclose(ours, 1.0 / (500000.0 ** (torch.arange(0, 16, 2).float() / 16)))

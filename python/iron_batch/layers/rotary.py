@@ -20,12 +20,18 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "longrope":
         return _longrope_inv_freq(head_dim, theta, scaling["short_factor"])
+    if rope_type == "freq_factors":  # a divisor per frequency, as GGUF files carry them
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"{len(factors)} rope frequency factors for {len(inv_freq)} "
+                             "frequencies")
+        return inv_freq / factors
     raise ValueError(f"unsupported rope scaling type {rope_type!r} "
                      f"(supported: {', '.join(ROPE_TYPES)})")
 
 
 #: Rope scaling types :func:`rope_inv_freq` implements.
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "freq_factors")
 
 
 def _longrope_inv_freq(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:

@@ -86,9 +86,8 @@ class GGUFMetadata:
         return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).ravel().tolist()
 
 
-#: Tensors of llama.cpp that carry rope settings no family here reads from them (Llama 3's
-#: per-frequency factors): refused in every architecture but ``llama``, whose files load as
-#: they did (without those factors).
+#: Tensors of llama.cpp that carry rope settings (Llama 3's per-frequency factors): read by
+#: the ``llama`` family, refused in every other architecture.
 _UNREAD_ROPE_TENSORS = ("rope_freqs.weight",)
 
 
