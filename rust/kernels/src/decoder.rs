@@ -186,7 +186,8 @@ pub struct DecodeInputs<'a> {
     /// The rotary tables layers pick by `rope_table` (one for most models; Gemma 3 has a
     /// local and a global one).
     pub ropes: &'a [RopeTable<'a>],
-    /// The cache groups layers pick by `cache_group` (one for most models).
+    /// The cache groups layers pick by `cache_group` (one for most models; a group no
+    /// layer uses is not read).
     pub groups: &'a [CacheGroup<'a>],
     /// `num_seqs` is the number of rows; `max_blocks` and `num_blocks` come from each
     /// layer's group and `sliding_window` from each layer (the shape's are not read).
@@ -239,6 +240,10 @@ fn check(
         }
     }
     for (g, group) in inputs.groups.iter().enumerate() {
+        // A group no layer uses is not read.
+        if !layers.iter().any(|l| l.cache_group == g) {
+            continue;
+        }
         if group.slots.len() != rows || group.seq_lens.len() != rows {
             return Err(invalid(format!(
                 "group {g}: slots and lengths need one entry per row"
@@ -588,7 +593,7 @@ fn gelu_tanh_mul_rows(out: &mut [Bf16], gate_up: &[Bf16], inter: usize) {
 }
 
 /// `tanh(x)` in f32 without a branch (so loops over it vectorize), about 1 ulp: Cephes'
-/// `tanhf`, an odd polynomial below 0.625 and `1 - 2 / (e^2|x| + 1)` above (both computed,
+/// `tanhf`, an odd polynomial below 0.625 and `(e^2|x| - 1) / (e^2|x| + 1)` above (both computed,
 /// one kept). Saturates to +-1; NaN stays NaN.
 #[inline(always)]
 pub fn tanh(x: f32) -> f32 {
@@ -600,8 +605,11 @@ pub fn tanh(x: f32) -> f32 {
     p = p.mul_add(s, 1.333_144_2e-1);
     p = p.mul_add(s, -3.333_328e-1);
     let small = (p * s).mul_add(x, x);
-    // Past 10, tanh is 1 in f32; the clamp also keeps a NaN out of `exp` (`min` drops it).
-    let large = (1.0 - 2.0 / (exp(2.0 * a.min(10.0)) + 1.0)).copysign(x);
+    // `e / (e + 2)` with `e = e^2|x| - 1`, as Sleef's `tanhf` (torch's) has it, so that the
+    // last bit near +-1 rounds as torch's does. Past 10, tanh is 1 in f32; the clamp also
+    // keeps a NaN out of `exp` (`min` drops it).
+    let e = exp(2.0 * a.min(10.0)) - 1.0;
+    let large = (e / (e + 2.0)).copysign(x);
     // A NaN takes the polynomial, which keeps it.
     if a < 0.625 || a.is_nan() {
         small
