@@ -4,10 +4,13 @@
 At batch 1 the Python path costs a millisecond or more per token in interpreter round
 trips and tensor allocations around a dozen kernels per layer; a quantized SmolLM2 step is
 about 6 ms. The stack runs the same kernels back to back, so it gives the Python path's
-values (SiLU aside: its own ``exp``, equal but for the rare value on a bf16 rounding
-boundary). It serves steps where every row decodes and there are few enough rows for the
-GEMV kernels (2 for bf16 weights, ``IRON_BATCH_QUANT_GEMV_ROWS`` for quantized ones); other
-steps take the Python path. bf16 only; off with ``IRON_BATCH_CPU_DECODER=0`` (and with
+values (the activations aside: SiLU's own ``exp`` and GELU-tanh's own ``tanh``, equal but
+for the rare value on a bf16 rounding boundary). Its layers are pre-norm (Llama, Qwen,
+Mistral, SmolLM3, Phi-3, Granite), norm-after (OLMo 2) or both (Gemma 2 and 3): see
+:class:`StackLayer` for what it reads and :meth:`DecoderStack.decode` for several rotary
+tables and cache groups. It serves steps where every row decodes and there are few enough
+rows for the GEMV kernels (2 for bf16 weights, ``IRON_BATCH_QUANT_GEMV_ROWS`` for quantized
+ones); other steps take the Python path. bf16 only; off with ``IRON_BATCH_CPU_DECODER=0`` (and with
 ``IRON_BATCH_CPU_ATTENTION=torch``; see ``platform/switches.py``).
 """
 
