@@ -220,8 +220,11 @@ class DecoderStack:
         ``cos``/``sin`` (a layer uses ``ropes[layer.rope_table]``, whose dim must be its
         ``rotary_dim``); ``groups`` a list of (slots, block_tables, seq_lens), group 0
         first, that replaces the three positional arrays (a layer stores and reads its KV
-        by ``groups[layer.cache_group]``, in blocks of its own cache). Either may be given
-        alone; the positional arguments it replaces may then be None.
+        by ``groups[layer.cache_group]``, in blocks of its own cache; a sliding group's
+        tables laid out from position 0, as ``batch.absolute_block_tables`` lays them out:
+        every entry up to a row's length must name a block of the group's caches). Either
+        may be given alone; the positional arguments it replaces may then be None. A group
+        no layer uses is not read.
         """
         rows = h.shape[0]
         if (h.dtype != torch.bfloat16 or not h.is_contiguous()
