@@ -135,7 +135,7 @@ def test_a_layer_the_stack_cannot_describe_is_refused_by_name(
     # Each layer carries its own window into the stack.
     assert [layer.sliding_window for layer in model.layers] == [c.sliding_window] * c.num_layers
     layer = model.layers[0]
-    monkeypatch.setattr(layer.mlp, "activation_name", "gelu_pytorch_tanh")
-    with pytest.raises(ValueError, match="gelu_pytorch_tanh"):
+    monkeypatch.setattr(layer.mlp, "activation_name", "relu2")
+    with pytest.raises(ValueError, match="relu2"):
         DecoderStack(model.layers, hidden=c.hidden_size, heads=c.num_heads,
                      kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_norm_eps)

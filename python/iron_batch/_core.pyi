@@ -320,8 +320,10 @@ def _paged_decode_attention(
     bf16: bool,
     threads: int,
     openmp: tuple[int, int, int] | None = None,
+    softcap: float = 0.0,
 ) -> None:
-    """Decode attention over raw CPU tensor addresses; call it through
+    """Decode attention over raw CPU tensor addresses (``softcap`` 0: off, else each score
+    becomes ``softcap * tanh(score / softcap)``); call it through
     ``iron_batch.attention.cpu_kernel``, which validates every tensor first."""
 
 def _add_rms_norm(
@@ -354,8 +356,16 @@ def _rope_store_kv(
     head_dim: int,
     num_slots: int,
     bf16: bool,
+    rotary_dim: int | None = None,
 ) -> None:
-    """Rotary embedding + KV store over raw CPU tensor addresses; call it through
+    """Rotary embedding + KV store over raw CPU tensor addresses (``cos``/``sin``
+    [tokens, rotary_dim], None: head_dim); call it through ``iron_batch.layers.cpu_kernels``."""
+
+def _gated_activation(
+    out: int, gate_up: int, *, rows: int, inter: int, activation: str
+) -> None:
+    """``act(gate) * up`` of bf16 ``gate_up`` [rows, 2 * inter] into ``out`` [rows, inter]
+    (``activation``: "silu", "gelu_pytorch_tanh" / "gelu_tanh"); call it through
     ``iron_batch.layers.cpu_kernels``."""
 
 def _gemv_bf16(
@@ -410,17 +420,30 @@ def _q4_layout(k: int) -> tuple[np.ndarray, np.ndarray]:
     """Where each weight of a ``k``-wide Q4 row lives: (int64 byte index, bool high nibble)
     arrays of ``k`` (the layout of ``rust/kernels/src/quant.rs``)."""
 
+_ProjectionSpec = tuple[str, int, int, int, int, int, int]
+#: (sliding window or 0, rotary_dim, rope_table, scale or None, softcap or 0, cache_group)
+_AttentionSpec = tuple[int, int, int, float | None, float, int]
+_LayerSpec = tuple[
+    tuple[int, int, int, int],
+    tuple[int, int],
+    tuple[int, int],
+    list[_ProjectionSpec],
+    str,
+    _AttentionSpec,
+    float,
+]
+
 class _DecoderStack:
     """A model's decoder layers by address, for one-call decode steps (see
     ``iron_batch.layers.decoder_stack``, which checks and keeps the tensors). Each layer:
-    (input norm, post norm, q norm, k norm, [qkv, o, gate_up, down], activation name,
-    sliding window or 0); an activation the stack does not have is a ValueError."""
+    ((input, attention-output, pre-MLP, MLP-output norm; 0 absent), (q norm, its length),
+    (k norm, its length), [qkv, o, gate_up, down], activation name, (sliding window or 0,
+    rotary_dim, rope_table, scale or None, softcap or 0, cache_group), residual_scale); an
+    activation the stack does not have is a ValueError."""
 
     def __init__(
         self,
-        layers: list[
-            tuple[int, int, int, int, list[tuple[str, int, int, int, int, int, int]], str, int]
-        ],
+        layers: list[_LayerSpec],
         *,
         hidden: int,
         heads: int,
@@ -428,16 +451,13 @@ class _DecoderStack:
         head_dim: int,
     ) -> None: ...
     def set_caches(
-        self, caches: list[tuple[int, int]], num_blocks: int, block_size: int
+        self, caches: list[tuple[int, int]], num_blocks: list[int], block_size: int
     ) -> None: ...
     def decode(
         self,
         h: int,
-        cos: int,
-        sin: int,
-        slots: np.ndarray,
-        block_tables: np.ndarray,
-        seq_lens: np.ndarray,
+        ropes: list[tuple[int, int, int]],
+        groups: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
         *,
         scale: float,
         eps: float,

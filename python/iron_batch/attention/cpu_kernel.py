@@ -30,13 +30,14 @@ def paged_decode_attention(
     seq_lens: np.ndarray,
     scale: float,
     sliding_window: int | None,
+    *,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """q [S, heads, hd] -> [S, heads * hd]; ``cache`` [2, blocks, block_size, kv_heads, hd];
     ``block_tables`` int32 [S, width] and ``seq_lens`` int32 [S] of the decoding sequences
-    (lengths include the new token, whose K/V is already in the cache)."""
-    if softcap is not None:
-        raise NotImplementedError("the CPU attention kernel has no soft-capping")
+    (lengths include the new token, whose K/V is already in the cache). With ``softcap``
+    (Gemma 2's ``attn_logit_softcapping``) each score ``s = scale * q.k`` becomes
+    ``softcap * tanh(s / softcap)`` before the softmax; None or 0: off."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_blocks, block_size, kv_heads, cache_hd = cache.shape
     # The kernel trusts these: it gets addresses, not tensors.
@@ -50,6 +51,9 @@ def paged_decode_attention(
     lens = np.ascontiguousarray(seq_lens, dtype=np.int32)
     if tables.ndim != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
         raise ValueError("block_tables must be [seqs, width] and seq_lens [seqs]")
+    cap = float(softcap or 0.0)
+    if not cap >= 0.0 or cap == float("inf"):
+        raise ValueError(f"softcap must be positive (or None), not {softcap}")
     q = q.contiguous()
     out = torch.empty(num_seqs, num_heads * head_dim, dtype=q.dtype)
     _KERNEL(
@@ -57,6 +61,6 @@ def paged_decode_attention(
         num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
         num_blocks=num_blocks, sliding_window=sliding_window or 0, scale=float(scale),
         bf16=q.dtype == torch.bfloat16, threads=torch.get_num_threads(),
-        openmp=entry_points(),
+        openmp=entry_points(), softcap=cap,
     )
     return out

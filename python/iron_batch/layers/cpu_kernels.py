@@ -18,6 +18,7 @@ from iron_batch.platform.openmp import entry_points
 _RMS = getattr(_core, "_add_rms_norm", None)
 _ROPE = getattr(_core, "_rope_store_kv", None)
 _GEMV = getattr(_core, "_gemv_bf16", None)
+_ACT = getattr(_core, "_gated_activation", None)
 
 #: Most activation rows the bf16 GEMV serves (the Rust kernel's own limit): from a few rows
 #: up, oneDNN's GEMMs win.
@@ -62,13 +63,20 @@ def rope_store_kv(
     heads: int,
     kv_heads: int,
     head_dim: int,
+    *,
+    rotary_dim: int | None = None,
 ) -> torch.Tensor:
     """Rotate q and k of the fused projection ``qkv`` [T, (heads + 2 kv_heads) * hd] with
-    ``cos``/``sin`` [T, hd], store K and V at ``slot_mapping`` in ``cache``
-    [2, blocks, block_size, kv_heads, hd], and return the rotated q [T, heads, hd]."""
+    ``cos``/``sin`` [T, rotary_dim], store K and V at ``slot_mapping`` in ``cache``
+    [2, blocks, block_size, kv_heads, hd], and return the rotated q [T, heads, hd].
+    ``rotary_dim`` (default ``head_dim``): the leading dims of each head that rotate
+    (half-split within them); the rest pass through (partial rotary, Phi-3's)."""
     tokens = qkv.shape[0]
-    cos = cos.reshape(tokens, head_dim)
-    sin = sin.reshape(tokens, head_dim)
+    rd = head_dim if rotary_dim is None else rotary_dim
+    if rd % 2 or not 0 <= rd <= head_dim:
+        raise ValueError(f"rope_store_kv: rotary_dim {rd} must be even and at most {head_dim}")
+    cos = cos.reshape(tokens, rd)
+    sin = sin.reshape(tokens, rd)
     _check(qkv, cos, sin, cache)
     slots = np.ascontiguousarray(slot_mapping, dtype=np.int64)
     if qkv.shape != (tokens, (heads + 2 * kv_heads) * head_dim) or slots.shape != (tokens,):
@@ -80,9 +88,38 @@ def rope_store_kv(
         q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), qkv.data_ptr(),
         cos.data_ptr(), sin.data_ptr(), slots, heads=heads, kv_heads=kv_heads,
         head_dim=head_dim, num_slots=cache.shape[1] * cache.shape[2],
-        bf16=qkv.dtype == torch.bfloat16,
+        bf16=qkv.dtype == torch.bfloat16, rotary_dim=rd,
     )
     return q
+
+
+def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` of bf16 ``gate_up`` [rows, 2 * inter] (the gate first) ->
+    [rows, inter], by the decode stack's own kernel: ``activation`` "silu" (SwiGLU) or
+    "gelu_pytorch_tanh" / "gelu_tanh" (GeGLU), rounded as the torch chain rounds (the
+    activation to bf16, then the product)."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gated activation: gate_up must be [rows, 2 * inter], got "
+                         f"{tuple(gate_up.shape)}")
+    gate_up = gate_up.contiguous()
+    _check(gate_up)
+    if gate_up.dtype != torch.bfloat16:
+        raise TypeError(f"gated activation: bf16 only, not {gate_up.dtype}")
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    _ACT(out.data_ptr(), gate_up.data_ptr(), rows=rows, inter=inter, activation=activation)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` in bf16 by the Rust kernel (see :func:`gated_activation`)."""
+    return gated_activation(gate_up, "silu")
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.gelu(gate, approximate="tanh") * up`` in bf16 by the Rust kernel (see
+    :func:`gated_activation`)."""
+    return gated_activation(gate_up, "gelu_pytorch_tanh")
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:

@@ -4,10 +4,13 @@
 At batch 1 the Python path costs a millisecond or more per token in interpreter round
 trips and tensor allocations around a dozen kernels per layer; a quantized SmolLM2 step is
 about 6 ms. The stack runs the same kernels back to back, so it gives the Python path's
-values (SiLU aside: its own ``exp``, equal but for the rare value on a bf16 rounding
-boundary). It serves steps where every row decodes and there are few enough rows for the
-GEMV kernels (2 for bf16 weights, ``IRON_BATCH_QUANT_GEMV_ROWS`` for quantized ones); other
-steps take the Python path. bf16 only; off with ``IRON_BATCH_CPU_DECODER=0`` (and with
+values (the activations aside: SiLU's own ``exp`` and GELU-tanh's own ``tanh``, equal but
+for the rare value on a bf16 rounding boundary). Its layers are pre-norm (Llama, Qwen,
+Mistral, SmolLM3, Phi-3, Granite), norm-after (OLMo 2) or both (Gemma 2 and 3): see
+:class:`StackLayer` for what it reads and :meth:`DecoderStack.decode` for several rotary
+tables and cache groups. It serves steps where every row decodes and there are few enough
+rows for the GEMV kernels (2 for bf16 weights, ``IRON_BATCH_QUANT_GEMV_ROWS`` for quantized
+ones); other steps take the Python path. bf16 only; off with ``IRON_BATCH_CPU_DECODER=0`` (and with
 ``IRON_BATCH_CPU_ATTENTION=torch``; see ``platform/switches.py``).
 """
 
@@ -37,14 +40,29 @@ class _MLP(Protocol):
 
 class StackLayer(Protocol):
     """What the stack reads of a decoder layer (``models/decoder.py``'s ``DecoderLayer``):
-    a pre-norm layer with fused q/k/v, optional per-head q/k norms, a SwiGLU MLP."""
+    fused q/k/v, an MLP with fused gate/up. Read with ``getattr`` and these defaults, so a
+    layer that lacks one has today's pre-norm layout:
 
-    input_norm: RMSNorm
+    - ``input_norm``, ``post_norm``: RMSNorms before the attention and before the MLP (None:
+      the sublayer reads the residual itself, as OLMo 2's do);
+    - ``attn_out_norm``, ``mlp_out_norm`` (None): RMSNorms of the attention output (after
+      ``o``) and of the MLP output before they join the residual (Gemma's
+      ``post_attention_layernorm`` / ``post_feedforward_layernorm``, OLMo 2's);
+    - ``q_norm``, ``k_norm``: RMSNorms of q and k before the rotation, ``.weight`` of
+      ``head_dim`` (per head) or of the whole projection's width (OLMo 2);
+    - ``sliding_window`` (None: every position); ``rotary_dim`` (``head_dim``; less:
+      partial rotary; 0: none); ``rope_table`` (0): which of the step's rotary tables;
+      ``scale`` (None: the step's); ``softcap`` (None: off); ``residual_scale`` (1.0:
+      Granite's ``residual_multiplier`` elsewhere); ``cache_group`` (0): which cache group
+      holds the layer's KV.
+    """
+
+    input_norm: RMSNorm | None
     qkv: Linear
     q_norm: HeadNorm | None
     k_norm: HeadNorm | None
     o: Linear
-    post_norm: RMSNorm
+    post_norm: RMSNorm | None
     sliding_window: int | None
 
     @property
@@ -53,7 +71,15 @@ class StackLayer(Protocol):
 
 class DecoderStack:
     """A model's decoder layers for one-call decode steps. Holds the tensors whose
-    addresses the Rust stack keeps, so they live as long as it does."""
+    addresses the Rust stack keeps, so they live as long as it does.
+
+    Each layer is, in torch terms (norms absent are identities)::
+
+        d = o(attention(input_norm(h)))        # q/k norms, rotary, window, scale, softcap
+        h = h + residual_scale * attn_out_norm(d)
+        d = down(act(gate_up(post_norm(h))))
+        h = h + residual_scale * mlp_out_norm(d)
+    """
 
     def __init__(
         self,
@@ -72,6 +98,9 @@ class DecoderStack:
         self.eps = float(eps)
         #: Most rows a step may have: the tightest GEMV over the projections.
         self.max_rows = quant_gemv_rows
+        #: Each layer's cache group, rotary table and rotated dims.
+        self.cache_groups: list[int] = []
+        self.rope_tables: list[tuple[int, int]] = []
         specs = []
         for layer in layers:
             projections = []
@@ -79,16 +108,33 @@ class DecoderStack:
                 if not isinstance(linear.weight, QuantWeight):
                     self.max_rows = min(self.max_rows, BF16_GEMV_MAX_ROWS)
                 projections.append(self._projection(linear.weight, linear.bias))
-            q_norm = layer.q_norm.weight if layer.q_norm is not None else None
-            k_norm = layer.k_norm.weight if layer.k_norm is not None else None
+            norms = tuple(
+                self._norm(getattr(layer, name, None), name)
+                for name in ("input_norm", "attn_out_norm", "post_norm", "mlp_out_norm")
+            )
+            rotary_dim = getattr(layer, "rotary_dim", None)
+            rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
+            rope_table = int(getattr(layer, "rope_table", 0) or 0)
+            scale = getattr(layer, "scale", None)
+            cache_group = int(getattr(layer, "cache_group", 0) or 0)
+            self.cache_groups.append(cache_group)
+            self.rope_tables.append((rope_table, rotary_dim))
+            attention = (
+                int(getattr(layer, "sliding_window", None) or 0),
+                rotary_dim,
+                rope_table,
+                None if scale is None else float(scale),
+                float(getattr(layer, "softcap", None) or 0.0),
+                cache_group,
+            )
             specs.append((
-                self._address(layer.input_norm.weight, (hidden,)),
-                self._address(layer.post_norm.weight, (hidden,)),
-                self._address(q_norm, (head_dim,)),
-                self._address(k_norm, (head_dim,)),
+                norms,
+                self._head_norm(getattr(layer, "q_norm", None)),
+                self._head_norm(getattr(layer, "k_norm", None)),
                 projections,
                 layer.mlp.activation_name,
-                layer.sliding_window or 0,
+                attention,
+                float(getattr(layer, "residual_scale", 1.0)),
             ))
         assert _STACK is not None
         self._stack = _STACK(specs, hidden=hidden, heads=heads, kv_heads=kv_heads,
@@ -105,6 +151,23 @@ class DecoderStack:
         self._keep.append(t)
         return t.data_ptr()
 
+    def _norm(self, norm: RMSNorm | None, name: str) -> int:
+        """A ``hidden``-wide RMSNorm's weight address (0: no norm)."""
+        if norm is None:
+            return 0
+        eps = getattr(norm, "eps", None)
+        if eps is not None and abs(float(eps) - self.eps) > 1e-12:
+            raise ValueError(f"decoder stack: {name} eps {eps} differs from the model's {self.eps}")
+        return self._address(norm.weight, (self.hidden,))
+
+    def _head_norm(self, norm: HeadNorm | None) -> tuple[int, int]:
+        """(address, length) of a q/k norm's weight ((0, 0): none). The length (per head or
+        the whole projection) is the Rust stack's to check, with every other size."""
+        if norm is None:
+            return (0, 0)
+        w = norm.weight
+        return (self._address(w, (w.numel(),)), w.numel())
+
     def _projection(
         self, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None
     ) -> tuple[str, int, int, int, int, int, int]:
@@ -116,43 +179,82 @@ class DecoderStack:
         return ("bf16", self._address(weight, (n, k)), 0, 0, bias_at, n, k)
 
     def set_caches(self, caches: list[torch.Tensor], block_size: int) -> None:
-        """The layers' caches, each ``[2, blocks, block_size, kv_heads, head_dim]``."""
-        shape = (2, caches[0].shape[1], block_size, self.kv_heads, self.head_dim)
-        for c in caches:
-            if c.dtype != torch.bfloat16 or not c.is_contiguous() or tuple(c.shape) != shape:
-                raise ValueError("decoder stack: every cache must be contiguous bf16 " + str(shape))
+        """The layers' caches, each ``[2, blocks, block_size, kv_heads, head_dim]``: ``blocks``
+        may differ between cache groups, not within one."""
+        if len(caches) != len(self.cache_groups):
+            raise ValueError(f"decoder stack: {len(caches)} caches for "
+                             f"{len(self.cache_groups)} layers")
+        blocks: dict[int, int] = {}
+        for group, c in zip(self.cache_groups, caches, strict=True):
+            shape = (2, blocks.setdefault(group, c.shape[1]), block_size, self.kv_heads,
+                     self.head_dim)
+            if (c.dtype != torch.bfloat16 or c.device.type != "cpu" or not c.is_contiguous()
+                    or tuple(c.shape) != shape):
+                raise ValueError(f"decoder stack: every cache of group {group} must be "
+                                 f"contiguous bf16 {shape}, got {tuple(c.shape)}")
         self._caches = caches
         self._stack.set_caches([(c[0].data_ptr(), c[1].data_ptr()) for c in caches],
-                               shape[1], block_size)
+                               [c.shape[1] for c in caches], block_size)
 
     def decode(
         self,
         h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        slots: np.ndarray,
-        block_tables: np.ndarray,
-        seq_lens: np.ndarray,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        slots: np.ndarray | None,
+        block_tables: np.ndarray | None,
+        seq_lens: np.ndarray | None,
         *,
         scale: float,
+        ropes: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None,
     ) -> None:
         """Every layer over the residual rows ``h`` [rows, hidden] (in place): each row one
         decoding sequence, its new token's K/V stored at ``slots``; ``block_tables`` and
-        ``seq_lens`` (which count the new token) as the attention kernel takes them."""
+        ``seq_lens`` (which count the new token) as the attention kernel takes them;
+        ``cos``/``sin`` [rows, rotary_dim] the rotary table; ``scale`` the attention scale
+        of layers without their own.
+
+        The general form, for models with several rotary tables or cache groups:
+        ``ropes`` a list of (cos, sin) pairs, each [rows, dim] bf16, that replaces
+        ``cos``/``sin`` (a layer uses ``ropes[layer.rope_table]``, whose dim must be its
+        ``rotary_dim``); ``groups`` a list of (slots, block_tables, seq_lens), group 0
+        first, that replaces the three positional arrays (a layer stores and reads its KV
+        by ``groups[layer.cache_group]``, in blocks of its own cache; a sliding group's
+        tables laid out from position 0, as ``batch.absolute_block_tables`` lays them out:
+        every entry up to a row's length must name a block of the group's caches). Either
+        may be given alone; the positional arguments it replaces may then be None. A group
+        no layer uses is not read.
+        """
         rows = h.shape[0]
         if (h.dtype != torch.bfloat16 or not h.is_contiguous()
                 or tuple(h.shape) != (rows, self.hidden) or not 0 < rows <= self.max_rows):
             raise ValueError(f"decoder stack: h must be contiguous bf16 [1..{self.max_rows}, "
                              f"{self.hidden}], got {tuple(h.shape)} {h.dtype}")
-        cos = cos.reshape(rows, self.head_dim).contiguous()
-        sin = sin.reshape(rows, self.head_dim).contiguous()
-        if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:
-            raise ValueError("decoder stack: rotary tables must be bf16")
+        if ropes is None:
+            ropes = [] if cos is None or sin is None else [(cos, sin)]
+        tables = []
+        for c, s in ropes:
+            c = c.reshape(rows, -1).contiguous()
+            s = s.reshape(rows, -1).contiguous()
+            if (c.dtype != torch.bfloat16 or s.dtype != torch.bfloat16 or c.shape != s.shape
+                    or c.device.type != "cpu" or s.device.type != "cpu"):
+                raise ValueError("decoder stack: rotary tables must be bf16 CPU [rows, dim] "
+                                 "pairs of one shape")
+            tables.append((c, s))
+        if groups is None:
+            if slots is None or block_tables is None or seq_lens is None:
+                raise ValueError("decoder stack: slots, block_tables and seq_lens, or groups")
+            groups = [(slots, block_tables, seq_lens)]
+        arrays = []
+        for g_slots, g_tables, g_lens in groups:
+            g_tables = np.ascontiguousarray(g_tables, dtype=np.int32)
+            if g_tables.ndim != 2:
+                raise ValueError("decoder stack: block tables must be [rows, width]")
+            arrays.append((np.ascontiguousarray(g_slots, dtype=np.int64), g_tables,
+                           np.ascontiguousarray(g_lens, dtype=np.int32)))
         self._stack.decode(
-            h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            np.ascontiguousarray(slots, dtype=np.int64),
-            np.ascontiguousarray(block_tables, dtype=np.int32),
-            np.ascontiguousarray(seq_lens, dtype=np.int32),
-            scale=float(scale), eps=self.eps,
+            h.data_ptr(), [(c.data_ptr(), s.data_ptr(), c.shape[1]) for c, s in tables],
+            arrays, scale=float(scale), eps=self.eps,
             threads=torch.get_num_threads(), openmp=entry_points(),
         )

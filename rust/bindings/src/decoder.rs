@@ -4,8 +4,8 @@
 //! alive as long as the stack, because the stack holds their addresses, not the tensors.
 
 use iron_batch_kernels::{
-    decode_layers, run_in_team, Activation, DecodeInputs, DecodeShape, DecoderLayer, KernelError,
-    LayerCache, Matrix, Projection,
+    decode_layers, run_in_team, Activation, CacheGroup, DecodeInputs, DecodeShape, DecoderLayer,
+    KernelError, LayerCache, Matrix, Projection, RopeTable,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -16,17 +16,31 @@ use crate::kernels::{qmatrix, run_kernel, slice, slice_mut};
 /// A projection as Python describes it: (kind "bf16" | "q4" | "q8", weight or quants,
 /// scale, min, bias, n, k); unused addresses and "no bias" are 0.
 type ProjectionSpec = (String, usize, usize, usize, usize, usize, usize);
-/// A layer: (input_norm, post_norm, q_norm, k_norm, [qkv, o, gate_up, down], activation,
-/// sliding window); norms of 0 are absent (q_norm and k_norm only), a window of 0 attends
-/// every position.
+/// A layer: (norms, q_norm, k_norm, [qkv, o, gate_up, down], activation, attention,
+/// residual_scale).
+///
+/// `norms` are the addresses of the four `hidden`-wide RMSNorm weights (input, attention
+/// output, pre-MLP, MLP output; 0: absent); `q_norm`/`k_norm` are (address, length) with
+/// length `head_dim` (per head) or the whole projection's width (address 0: absent); the
+/// attention is (sliding window (0: every position), rotary_dim, rope_table, scale (None:
+/// the step's), softcap (0: off), cache_group).
 type LayerSpec = (
-    usize,
-    usize,
-    usize,
-    usize,
+    [usize; 4],
+    (usize, usize),
+    (usize, usize),
     Vec<ProjectionSpec>,
     String,
-    usize,
+    AttentionSpec,
+    f32,
+);
+type AttentionSpec = (usize, usize, usize, Option<f32>, f32, usize);
+/// A rotary table: (cos, sin, dim), each `[rows, dim]` bf16.
+type RopeSpec = (usize, usize, usize);
+/// A cache group's step inputs: slots, block tables, lengths.
+type GroupSpec<'py> = (
+    PyReadonlyArray1<'py, i64>,
+    PyReadonlyArray2<'py, i32>,
+    PyReadonlyArray1<'py, i32>,
 );
 
 #[derive(Clone)]
@@ -64,14 +78,21 @@ impl ProjectionAddrs {
 }
 
 struct LayerAddrs {
-    input_norm: usize,
-    post_norm: usize,
-    q_norm: usize,
-    k_norm: usize,
+    /// input, attention output, pre-MLP and MLP output norms (0: absent).
+    norms: [usize; 4],
+    /// (address, length); address 0: absent.
+    q_norm: (usize, usize),
+    k_norm: (usize, usize),
     /// qkv, o, gate_up, down.
     projections: [ProjectionAddrs; 4],
     activation: Activation,
     sliding_window: usize,
+    rotary_dim: usize,
+    rope_table: usize,
+    scale: Option<f32>,
+    softcap: f32,
+    residual_scale: f32,
+    cache_group: usize,
 }
 
 /// The decoder layers of one model, by address, and their KV caches.
@@ -82,9 +103,11 @@ pub struct DecoderStack {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
-    /// (K, V) address per layer, each `[num_blocks * block_size, kv_heads * head_dim]`.
+    /// (K, V) address per layer, each `[num_blocks * block_size, kv_heads * head_dim]`
+    /// with its layer's group's `num_blocks`.
     caches: Vec<(usize, usize)>,
-    num_blocks: usize,
+    /// Blocks in each cache of group g: `group_blocks[g]`.
+    group_blocks: Vec<usize>,
     block_size: usize,
 }
 
@@ -100,12 +123,12 @@ impl DecoderStack {
         head_dim: usize,
     ) -> PyResult<Self> {
         let mut parsed = Vec::with_capacity(layers.len());
-        for (input_norm, post_norm, q_norm, k_norm, projections, activation, sliding_window) in
-            layers
-        {
+        for (norms, q_norm, k_norm, projections, activation, attention, residual_scale) in layers {
+            let (sliding_window, rotary_dim, rope_table, scale, softcap, cache_group) = attention;
             let activation = Activation::from_name(&activation).ok_or_else(|| {
                 PyValueError::new_err(format!(
-                    "the decode stack has no activation {activation:?} (it has: silu)"
+                    "the decode stack has no activation {activation:?} (it has: silu, \
+                     gelu_pytorch_tanh)"
                 ))
             })?;
             let projections: Vec<ProjectionAddrs> = projections
@@ -131,13 +154,18 @@ impl DecoderStack {
                 .try_into()
                 .map_err(|_| PyValueError::new_err("a layer has four projections"))?;
             parsed.push(LayerAddrs {
-                input_norm,
-                post_norm,
+                norms,
                 q_norm,
                 k_norm,
                 projections,
                 activation,
                 sliding_window,
+                rotary_dim,
+                rope_table,
+                scale,
+                softcap,
+                residual_scale,
+                cache_group,
             });
         }
         Ok(Self {
@@ -147,42 +175,61 @@ impl DecoderStack {
             kv_heads,
             head_dim,
             caches: Vec::new(),
-            num_blocks: 0,
+            group_blocks: Vec::new(),
             block_size: 0,
         })
     }
 
-    /// The layers' KV caches: one (K, V) address pair per layer.
+    /// The layers' KV caches: one (K, V) address pair per layer, and each layer's cache's
+    /// block count (the same for every layer of a cache group).
     fn set_caches(
         &mut self,
         caches: Vec<(usize, usize)>,
-        num_blocks: usize,
+        num_blocks: Vec<usize>,
         block_size: usize,
     ) -> PyResult<()> {
-        if caches.len() != self.layers.len() {
-            return Err(PyValueError::new_err("one (K, V) cache pair per layer"));
+        if caches.len() != self.layers.len() || num_blocks.len() != self.layers.len() {
+            return Err(PyValueError::new_err(
+                "one (K, V) cache pair and one block count per layer",
+            ));
+        }
+        let groups = self
+            .layers
+            .iter()
+            .map(|l| l.cache_group + 1)
+            .max()
+            .unwrap_or(0);
+        let mut group_blocks: Vec<Option<usize>> = vec![None; groups];
+        for (l, &n) in self.layers.iter().zip(&num_blocks) {
+            match group_blocks[l.cache_group] {
+                Some(m) if m != n => {
+                    return Err(PyValueError::new_err(format!(
+                        "cache group {}: layers with {m} and {n} blocks",
+                        l.cache_group
+                    )))
+                }
+                _ => group_blocks[l.cache_group] = Some(n),
+            }
         }
         self.caches = caches;
-        self.num_blocks = num_blocks;
+        // A group no layer uses holds no cache: 0 blocks.
+        self.group_blocks = group_blocks.into_iter().map(|n| n.unwrap_or(0)).collect();
         self.block_size = block_size;
         Ok(())
     }
 
-    /// One decode step over the residual rows at `h` (`[rows, hidden]` bf16, in place);
-    /// `cos`/`sin` `[rows, head_dim]` bf16; one slot, table row and length per row.
-    #[pyo3(signature = (
-        h, cos, sin, slots, block_tables, seq_lens, *, scale, eps, threads, openmp=None
-    ))]
+    /// One decode step over the residual rows at `h` (`[rows, hidden]` bf16, in place):
+    /// `ropes` the rotary tables (cos, sin, dim), each `[rows, dim]` bf16, that layers pick by
+    /// `rope_table`; `groups` one (slots, block tables, lengths) per cache group, with one
+    /// slot, table row and length per row; `scale` for layers without their own.
+    #[pyo3(signature = (h, ropes, groups, *, scale, eps, threads, openmp=None))]
     #[allow(clippy::too_many_arguments)]
     fn decode(
         &self,
         py: Python<'_>,
         h: usize,
-        cos: usize,
-        sin: usize,
-        slots: PyReadonlyArray1<'_, i64>,
-        block_tables: PyReadonlyArray2<'_, i32>,
-        seq_lens: PyReadonlyArray1<'_, i32>,
+        ropes: Vec<RopeSpec>,
+        groups: Vec<GroupSpec<'_>>,
         scale: f32,
         eps: f32,
         threads: usize,
@@ -191,71 +238,107 @@ impl DecoderStack {
         if self.caches.len() != self.layers.len() {
             return Err(PyValueError::new_err("decode before set_caches"));
         }
-        let (slots, tables, lens) = (
-            slots.as_slice()?,
-            block_tables.as_slice()?,
-            seq_lens.as_slice()?,
-        );
-        let dims = block_tables.shape();
-        let rows = slots.len();
+        let Some((first, _, _)) = groups.first() else {
+            return Err(PyValueError::new_err("a step needs a cache group"));
+        };
+        let rows = first.len();
+        if groups.len() < self.group_blocks.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} cache groups for layers in {}",
+                groups.len(),
+                self.group_blocks.len()
+            )));
+        }
+        let mut cache_groups = Vec::with_capacity(groups.len());
+        for (g, (slots, tables, lens)) in groups.iter().enumerate() {
+            let dims = tables.shape();
+            if slots.len() != rows || dims[0] != rows {
+                return Err(PyValueError::new_err(format!(
+                    "group {g}: one slot and one block-table row per row"
+                )));
+            }
+            cache_groups.push(CacheGroup {
+                slots: slots.as_slice()?,
+                block_tables: tables.as_slice()?,
+                seq_lens: lens.as_slice()?,
+                max_blocks: dims[1],
+                num_blocks: self.group_blocks.get(g).copied().unwrap_or(0),
+            });
+        }
         let shape = DecodeShape {
             num_seqs: rows,
             num_heads: self.heads,
             num_kv_heads: self.kv_heads,
             head_dim: self.head_dim,
             block_size: self.block_size,
-            max_blocks: dims[1],
-            num_blocks: self.num_blocks,
-            // Each layer attends with its own window.
+            // Per group and per layer.
+            max_blocks: 0,
+            num_blocks: 0,
             sliding_window: 0,
         };
-        if dims[0] != rows {
-            return Err(PyValueError::new_err("one block-table row per slot"));
-        }
-        let cache_len = self.num_blocks * self.block_size * self.kv_heads * self.head_dim;
-        let hd = self.head_dim;
+        let kv_row = self.kv_heads * self.head_dim;
+        let hidden = self.hidden;
         run_kernel(py, openmp, |parallel| {
             // SAFETY: the caller (layers/decoder_stack.py) checked every tensor behind these addresses
             // and keeps them alive; the sizes are the ones it checked.
             unsafe {
+                let norm = |addr: usize| (addr != 0).then(|| slice(addr, hidden));
+                let head_norm = |(addr, len): (usize, usize)| (addr != 0).then(|| slice(addr, len));
                 let layers = self
                     .layers
                     .iter()
                     .map(|l| {
                         let [qkv, o, gate_up, down] = &l.projections;
+                        let [input_norm, attn_out_norm, post_norm, mlp_out_norm] = l.norms;
                         Ok(DecoderLayer {
-                            input_norm: slice(l.input_norm, self.hidden),
+                            input_norm: norm(input_norm),
                             qkv: qkv.view()?,
-                            q_norm: (l.q_norm != 0).then(|| slice(l.q_norm, hd)),
-                            k_norm: (l.k_norm != 0).then(|| slice(l.k_norm, hd)),
+                            q_norm: head_norm(l.q_norm),
+                            k_norm: head_norm(l.k_norm),
                             o: o.view()?,
-                            post_norm: slice(l.post_norm, self.hidden),
+                            attn_out_norm: norm(attn_out_norm),
+                            post_norm: norm(post_norm),
                             gate_up: gate_up.view()?,
                             down: down.view()?,
+                            mlp_out_norm: norm(mlp_out_norm),
                             activation: l.activation,
                             sliding_window: l.sliding_window,
+                            rotary_dim: l.rotary_dim,
+                            rope_table: l.rope_table,
+                            scale: l.scale.unwrap_or(scale),
+                            softcap: l.softcap,
+                            residual_scale: l.residual_scale,
+                            cache_group: l.cache_group,
                         })
                     })
                     .collect::<Result<Vec<_>, KernelError>>()?;
                 let mut caches: Vec<LayerCache<'_>> = self
                     .caches
                     .iter()
-                    .map(|&(k, v)| LayerCache {
-                        k: slice_mut(k, cache_len),
-                        v: slice_mut(v, cache_len),
+                    .zip(&self.layers)
+                    .map(|(&(k, v), l)| {
+                        let len = self.group_blocks[l.cache_group] * self.block_size * kv_row;
+                        LayerCache {
+                            k: slice_mut(k, len),
+                            v: slice_mut(v, len),
+                        }
+                    })
+                    .collect();
+                let ropes: Vec<RopeTable<'_>> = ropes
+                    .iter()
+                    .map(|&(cos, sin, dim)| RopeTable {
+                        cos: slice(cos, rows * dim),
+                        sin: slice(sin, rows * dim),
+                        dim,
                     })
                     .collect();
                 let inputs = DecodeInputs {
-                    cos: slice(cos, rows * hd),
-                    sin: slice(sin, rows * hd),
-                    slots,
-                    block_tables: tables,
-                    seq_lens: lens,
+                    ropes: &ropes,
+                    groups: &cache_groups,
                     shape,
-                    scale,
                     eps,
                 };
-                let h = slice_mut(h, rows * self.hidden);
+                let h = slice_mut(h, rows * hidden);
                 // One parallel region for the whole step (see `run_in_team`).
                 run_in_team(threads, parallel, |team| {
                     decode_layers(h, &layers, &mut caches, &inputs, threads, team)

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use iron_batch_kernels::{
     add_rms_norm, dequantize_bf16, gemv_bf16, gemv_quant, paged_decode_attention, q4_nibble,
-    rope_store_kv, Bf16, DecodeShape, Element, KernelError, Parallel, QMatrix, ScopedThreads, F16,
-    Q4, Q8, QBLOCK,
+    rope_store_kv, Activation, Bf16, DecodeShape, Element, KernelError, Parallel, QMatrix,
+    ScopedThreads, F16, Q4, Q8, QBLOCK,
 };
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -128,14 +128,15 @@ pub(crate) unsafe fn slice_mut<'a, T>(addr: usize, len: usize) -> &'a mut [T] {
     std::slice::from_raw_parts_mut(addr as *mut T, len)
 }
 
-/// Decode attention read in place from a paged KV cache (see the kernels crate).
+/// Decode attention read in place from a paged KV cache (see the kernels crate); `softcap`
+/// 0 is off, else each score becomes `softcap * tanh(score / softcap)`.
 ///
 /// `openmp`: addresses of `GOMP_parallel`, `omp_get_thread_num` and `omp_get_num_threads`
 /// in the loaded OpenMP runtime, to run on the caller's team; without them, OS threads.
 #[pyfunction]
 #[pyo3(signature = (
     out, q, k_cache, v_cache, block_tables, seq_lens, *, num_heads, num_kv_heads, head_dim,
-    block_size, num_blocks, sliding_window, scale, bf16, threads, openmp=None
+    block_size, num_blocks, sliding_window, scale, bf16, threads, openmp=None, softcap=0.0
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn _paged_decode_attention(
@@ -156,6 +157,7 @@ pub fn _paged_decode_attention(
     bf16: bool,
     threads: usize,
     openmp: Option<(usize, usize, usize)>,
+    softcap: f32,
 ) -> PyResult<()> {
     let dims = block_tables.shape();
     let shape = DecodeShape {
@@ -174,7 +176,7 @@ pub fn _paged_decode_attention(
         tables: &[i32],
         lens: &[i32],
         shape: &DecodeShape,
-        scale: f32,
+        (scale, softcap): (f32, f32),
         threads: usize,
         parallel: &dyn Parallel,
     ) -> Result<(), KernelError> {
@@ -189,14 +191,17 @@ pub fn _paged_decode_attention(
                 slice::<T>(addrs[3], cache),
             )
         };
-        paged_decode_attention(out, q, k, v, tables, lens, shape, scale, threads, parallel)
+        paged_decode_attention(
+            out, q, k, v, tables, lens, shape, scale, softcap, threads, parallel,
+        )
     }
     let addrs = [out, q, k_cache, v_cache];
+    let scores = (scale, softcap);
     run_kernel(py, openmp, |parallel| {
         if bf16 {
-            go::<Bf16>(addrs, tables, lens, &shape, scale, threads, parallel)
+            go::<Bf16>(addrs, tables, lens, &shape, scores, threads, parallel)
         } else {
-            go::<f32>(addrs, tables, lens, &shape, scale, threads, parallel)
+            go::<f32>(addrs, tables, lens, &shape, scores, threads, parallel)
         }
     })
 }
@@ -249,9 +254,11 @@ pub fn _add_rms_norm(
 }
 
 /// Rotary embedding of q and k from the fused qkv rows; K and V stored at their slots.
+/// `cos`/`sin` are `[tokens, rotary_dim]` (None: `head_dim`, every dim rotated).
 #[pyfunction]
 #[pyo3(signature = (
-    q_out, k_cache, v_cache, qkv, cos, sin, slots, *, heads, kv_heads, head_dim, num_slots, bf16
+    q_out, k_cache, v_cache, qkv, cos, sin, slots, *, heads, kv_heads, head_dim, num_slots, bf16,
+    rotary_dim=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn _rope_store_kv(
@@ -268,13 +275,12 @@ pub fn _rope_store_kv(
     head_dim: usize,
     num_slots: usize,
     bf16: bool,
+    rotary_dim: Option<usize>,
 ) -> PyResult<()> {
     fn go<T: Element>(
         addrs: [usize; 6],
         slots: &[i64],
-        heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
+        (heads, kv_heads, head_dim, rd): (usize, usize, usize, usize),
         num_slots: usize,
     ) -> Result<(), KernelError> {
         let tokens = slots.len();
@@ -286,24 +292,54 @@ pub fn _rope_store_kv(
                 slice_mut::<T>(addrs[1], cache),
                 slice_mut::<T>(addrs[2], cache),
                 slice::<T>(addrs[3], tokens * (heads + 2 * kv_heads) * head_dim),
-                slice::<T>(addrs[4], tokens * head_dim),
-                slice::<T>(addrs[5], tokens * head_dim),
+                slice::<T>(addrs[4], tokens * rd),
+                slice::<T>(addrs[5], tokens * rd),
                 slots,
                 heads,
                 kv_heads,
                 head_dim,
+                rd,
             )
         }
     }
     let slots = slots.as_slice()?;
     let addrs = [q_out, k_cache, v_cache, qkv, cos, sin];
+    let dims = (heads, kv_heads, head_dim, rotary_dim.unwrap_or(head_dim));
     // One thread: a decode step's rows are too few to split.
     run_kernel(py, None, |_| {
         if bf16 {
-            go::<Bf16>(addrs, slots, heads, kv_heads, head_dim, num_slots)
+            go::<Bf16>(addrs, slots, dims, num_slots)
         } else {
-            go::<f32>(addrs, slots, heads, kv_heads, head_dim, num_slots)
+            go::<f32>(addrs, slots, dims, num_slots)
         }
+    })
+}
+
+/// `out = act(gate) * up` for bf16 `gate_up` rows `[rows, 2 * inter]` (gate first) into
+/// `out` `[rows, inter]`; `activation` as a checkpoint's `hidden_act` names it ("silu",
+/// "gelu_pytorch_tanh"), the decode stack's own kernels.
+#[pyfunction]
+#[pyo3(signature = (out, gate_up, *, rows, inter, activation))]
+pub fn _gated_activation(
+    py: Python<'_>,
+    out: usize,
+    gate_up: usize,
+    rows: usize,
+    inter: usize,
+    activation: &str,
+) -> PyResult<()> {
+    let act = Activation::from_name(activation)
+        .ok_or_else(|| PyValueError::new_err(format!("no gated activation {activation:?}")))?;
+    run_kernel(py, None, |_| {
+        // SAFETY: see `slice`.
+        let (out, gate_up) = unsafe {
+            (
+                slice_mut::<Bf16>(out, rows * inter),
+                slice::<Bf16>(gate_up, rows * 2 * inter),
+            )
+        };
+        act.apply(out, gate_up, inter);
+        Ok(())
     })
 }
 

@@ -41,6 +41,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::_paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_rope_store_kv, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::_gated_activation, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_gemv_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_gemv_quant, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_dequantize_bf16, m)?)?;

@@ -69,6 +69,7 @@ fn bench(c: &mut Criterion) {
                         &lens,
                         &shape,
                         0.125,
+                        0.0,
                         threads,
                         &ScopedThreads,
                     )

@@ -49,6 +49,9 @@ fn check(ok: bool, what: impl FnOnce() -> String) -> Result<(), KernelError> {
 
 /// Attention output of every sequence's single query token into `out`.
 ///
+/// Each score is `scale * q.k`; with `softcap > 0` it becomes `softcap * tanh(score /
+/// softcap)` before the softmax (Gemma 2's attention logit soft-capping; 0 is off).
+///
 /// The work is split into at most `threads` parts (fewer for small calls, which run on the
 /// caller's thread) and the parts are run by `parallel`.
 #[allow(clippy::too_many_arguments)]
@@ -61,6 +64,7 @@ pub fn paged_decode_attention<T: Element>(
     seq_lens: &[i32],
     shape: &DecodeShape,
     scale: f32,
+    softcap: f32,
     threads: usize,
     parallel: &dyn Parallel,
 ) -> Result<(), KernelError> {
@@ -74,6 +78,7 @@ pub fn paged_decode_attention<T: Element>(
         seq_lens,
         shape,
         scale,
+        softcap,
         threads,
         parallel,
     )
@@ -153,10 +158,14 @@ pub fn paged_decode_attention_on<T: Element>(
     seq_lens: &[i32],
     shape: &DecodeShape,
     scale: f32,
+    softcap: f32,
     threads: usize,
     parallel: &dyn Parallel,
 ) -> Result<(), KernelError> {
     let s = *shape;
+    check(softcap.is_finite() && softcap >= 0.0, || {
+        format!("softcap {softcap} must be 0 (off) or positive")
+    })?;
     check(path.available::<T>(s.head_dim), || {
         format!("{path:?} cannot run here (head_dim {})", s.head_dim)
     })?;
@@ -226,6 +235,7 @@ pub fn paged_decode_attention_on<T: Element>(
         seq_lens,
         shape: s,
         scale,
+        softcap,
         path: path.resolve::<T>(s.head_dim),
     };
     let group = s.num_heads / s.num_kv_heads;
@@ -307,6 +317,8 @@ struct Job<'a, T> {
     seq_lens: &'a [i32],
     shape: DecodeShape,
     scale: f32,
+    /// 0: off; else scores become `softcap * tanh(score / softcap)`.
+    softcap: f32,
     /// Never `Auto`.
     path: AttentionPath,
 }
@@ -364,7 +376,7 @@ fn run_items<T: Element>(job: &Job<'_, T>, first: usize, out: &mut [T]) {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{exp_nonpositive, Job};
+    use super::{exp_nonpositive, soft_cap, Job};
     use crate::element::Element;
 
     /// Rows up to 16 vectors (head_dim 256).
@@ -438,6 +450,9 @@ mod avx512 {
                     *scores.get_unchecked_mut(g * n + j) = _mm512_reduce_add_ps(sum);
                 }
             }
+            if job.softcap > 0.0 {
+                soft_cap(&mut scores, job.softcap);
+            }
             let mut inv_sum = [0f32; 64];
             for (g, sc) in scores.chunks_exact_mut(n).enumerate() {
                 let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -494,7 +509,7 @@ mod avx512_bf16 {
     use std::arch::x86_64::*;
     use std::mem::transmute;
 
-    use super::{Job, EXP_C, LN2_HI, LN2_LO, LOG2E};
+    use super::{soft_cap, Job, EXP_C, LN2_HI, LN2_LO, LOG2E};
     use crate::element::Element;
 
     /// Keys per tile: one score per f32 lane.
@@ -600,6 +615,14 @@ mod avx512_bf16 {
                         _mm512_mask_mov_ps(_mm512_set1_ps(f32::NEG_INFINITY), live, scores);
                     *top = _mm512_max_ps(*top, scores);
                     _mm512_storeu_ps(pp.add(g * padded + t * TILE), scores);
+                }
+            }
+            if job.softcap > 0.0 {
+                // The real scores only: the padding stays at -inf.
+                for (g, top) in top.iter_mut().enumerate() {
+                    let sc = std::slice::from_raw_parts_mut(pp.add(g * padded), n);
+                    soft_cap(sc, job.softcap);
+                    *top = _mm512_set1_ps(sc.iter().copied().fold(f32::NEG_INFINITY, f32::max));
                 }
             }
             for (g, (top, inv)) in top.iter().zip(inv_sum.iter_mut()).enumerate() {
@@ -838,6 +861,9 @@ fn run_items_generic<T: Element, const FMA: bool>(job: &Job<'_, T>, first: usize
                 j += 1;
             }
         }
+        if job.softcap > 0.0 {
+            soft_cap(&mut scores, job.softcap);
+        }
         for (g, sc) in scores.chunks_exact_mut(n).enumerate() {
             let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0.0f32;
@@ -871,6 +897,15 @@ fn run_items_generic<T: Element, const FMA: bool>(job: &Job<'_, T>, first: usize
                 *o = T::from_f32(a * inv);
             }
         }
+    }
+}
+
+/// Scores to `cap * tanh(score / cap)`, in f32 (std's `tanh`: only soft-capped models pay).
+#[inline]
+fn soft_cap(scores: &mut [f32], cap: f32) {
+    let inv = 1.0 / cap;
+    for x in scores {
+        *x = cap * (*x * inv).tanh();
     }
 }
 

@@ -7,9 +7,10 @@
 //! kernels run back to back with the residual stream and the scratch rows kept in Rust.
 //!
 //! Every step rounds where the Python path (`iron_batch.models.decoder` over `iron_batch.layers`) rounds, through the
-//! same kernels, so the two give the same bf16 values; SiLU is the one new piece (an f32
-//! `x / (1 + exp(-x))` with a polynomial `exp` good to about 2 ulp, rounded to bf16 like
-//! torch's, which agrees with torch but for the rare value on a rounding boundary).
+//! same kernels, so the two give the same bf16 values; the activations are the new pieces
+//! (SiLU an f32 `x / (1 + exp(-x))` with a polynomial `exp` good to about 2 ulp, GELU-tanh
+//! torch's formula over a polynomial `tanh` good to about 1 ulp, each rounded to bf16 like
+//! torch's, which agree with torch but for the rare value on a rounding boundary).
 
 use crate::attention::{paged_decode_attention, DecodeShape, KernelError, Parallel};
 use crate::element::{Bf16, Element};
@@ -68,6 +69,8 @@ impl Projection<'_> {
 pub enum Activation {
     /// `silu(gate) * up` (SwiGLU).
     SiluMul,
+    /// `gelu_tanh(gate) * up` (GeGLU with the tanh approximation: Gemma's).
+    GeluTanhMul,
 }
 
 impl Activation {
@@ -75,55 +78,120 @@ impl Activation {
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
             "silu" => Some(Self::SiluMul),
+            "gelu_pytorch_tanh" | "gelu_tanh" => Some(Self::GeluTanhMul),
             _ => None,
+        }
+    }
+
+    /// `out = act(gate) * up` per row of `gate_up` (`[rows, 2 * inter]`, gate first).
+    pub fn apply(self, out: &mut [Bf16], gate_up: &[Bf16], inter: usize) {
+        match self {
+            Self::SiluMul => silu_mul(out, gate_up, inter),
+            Self::GeluTanhMul => gelu_tanh_mul(out, gate_up, inter),
         }
     }
 }
 
-/// One pre-norm decoder layer as the model describes it: its weights (fused q/k/v and
-/// gate/up; `q_norm` and `k_norm` are per-head RMSNorms applied before the rotation), its
-/// MLP's activation and how far back its attention reaches. A family built from these
-/// parts (Llama, Mistral, Qwen2, Qwen3, and any whose layers differ only in which parts
-/// are present and in each layer's window) runs here without new code.
+/// One decoder layer as the model describes it: its weights (fused q/k/v and gate/up), its
+/// norms (each optional), its rotary and attention settings and its MLP's activation. A
+/// family built from these parts runs here without new code: pre-norm layers (Llama,
+/// Mistral, Qwen2, Qwen3, SmolLM3, Phi-3, Granite: `input_norm` and `post_norm`), norms
+/// after each sublayer (OLMo 2: `attn_out_norm` and `mlp_out_norm` only) and both
+/// (Gemma 2 and 3: all four).
+///
+/// Per layer:
+///
+/// ```text
+/// a = input_norm ? input_norm(h) : h
+/// d = o(attention(a))                     // q_norm/k_norm, rotary, softcap, window, scale
+/// d = attn_out_norm ? attn_out_norm(d) : d
+/// h = h + residual_scale * d              // the product rounded first (skipped when 1)
+/// m = post_norm ? post_norm(h) : h
+/// d = down(act(gate_up(m)))
+/// d = mlp_out_norm ? mlp_out_norm(d) : d
+/// h = h + residual_scale * d
+/// ```
 #[derive(Clone, Copy)]
 pub struct DecoderLayer<'a> {
-    pub input_norm: &'a [Bf16],
+    /// RMSNorm before the attention (None: the attention reads the residual itself).
+    pub input_norm: Option<&'a [Bf16]>,
     /// Fused q, k, v: `n = (heads + 2 * kv_heads) * head_dim`.
     pub qkv: Projection<'a>,
+    /// RMSNorms of q and k before the rotation: per head (`head_dim` weights, Qwen3's) or
+    /// over the whole projection (`heads * head_dim` / `kv_heads * head_dim`, OLMo 2's).
     pub q_norm: Option<&'a [Bf16]>,
     pub k_norm: Option<&'a [Bf16]>,
     pub o: Projection<'a>,
-    pub post_norm: &'a [Bf16],
+    /// RMSNorm of the attention output before it joins the residual.
+    pub attn_out_norm: Option<&'a [Bf16]>,
+    /// RMSNorm before the MLP (None: the MLP reads the residual itself).
+    pub post_norm: Option<&'a [Bf16]>,
     /// Fused gate and up: the first half of each output row is the gate.
     pub gate_up: Projection<'a>,
     pub down: Projection<'a>,
+    /// RMSNorm of the MLP output before it joins the residual.
+    pub mlp_out_norm: Option<&'a [Bf16]>,
     pub activation: Activation,
     /// Keys further back than this many positions are not attended (0: every position):
     /// layers of one model may differ (sliding and global layers).
     pub sliding_window: usize,
+    /// Leading dims of each head that are rotated (`head_dim`: all; less: partial rotary;
+    /// 0: none). Must be the width of the layer's rotary table.
+    pub rotary_dim: usize,
+    /// Which of the step's rotary tables ([`DecodeInputs::ropes`]) the layer uses.
+    pub rope_table: usize,
+    /// The attention scale.
+    pub scale: f32,
+    /// Attention logit soft-capping (0: off); see [`paged_decode_attention`].
+    pub softcap: f32,
+    /// The attention and MLP outputs are multiplied by this before they join the residual
+    /// (Granite's `residual_multiplier`; 1: skipped).
+    pub residual_scale: f32,
+    /// Which of the step's cache groups ([`DecodeInputs::groups`]) the layer's KV is in.
+    pub cache_group: usize,
 }
 
-/// One layer's paged KV cache: K and V, each `[num_blocks * block_size, kv_heads * head_dim]`.
+/// One layer's paged KV cache: K and V, each `[num_blocks * block_size, kv_heads * head_dim]`
+/// with the `num_blocks` of its layer's cache group.
 pub struct LayerCache<'a> {
     pub k: &'a mut [Bf16],
     pub v: &'a mut [Bf16],
 }
 
+/// Rotary tables of each row's position, `[rows, dim]` (torch's `rope_cos_sin`).
+#[derive(Clone, Copy)]
+pub struct RopeTable<'a> {
+    pub cos: &'a [Bf16],
+    pub sin: &'a [Bf16],
+    pub dim: usize,
+}
+
+/// Where one cache group's layers keep this step's K/V and read their context: the
+/// group's own block ids (hybrid memory gives sliding-window layers blocks of their own).
+#[derive(Clone, Copy)]
+pub struct CacheGroup<'a> {
+    /// Cache slot of each row's new K/V.
+    pub slots: &'a [i64],
+    /// `[rows, max_blocks]` and `[rows]` (lengths include the new token).
+    pub block_tables: &'a [i32],
+    pub seq_lens: &'a [i32],
+    pub max_blocks: usize,
+    /// Blocks in each cache of this group's layers.
+    pub num_blocks: usize,
+}
+
 /// What the step's rows need beyond the layers: one row per decoding sequence.
 #[derive(Clone, Copy)]
 pub struct DecodeInputs<'a> {
-    /// Rotary tables of each row's position, `[rows, head_dim]` (torch's `rope_cos_sin`).
-    pub cos: &'a [Bf16],
-    pub sin: &'a [Bf16],
-    /// Cache slot of each row's new K/V.
-    pub slots: &'a [i64],
-    /// `[rows, shape.max_blocks]` and `[rows]` (lengths include the new token).
-    pub block_tables: &'a [i32],
-    pub seq_lens: &'a [i32],
-    /// `num_seqs` is the number of rows; each layer attends with its own window (the
-    /// shape's `sliding_window` is not read).
+    /// The rotary tables layers pick by `rope_table` (one for most models; Gemma 3 has a
+    /// local and a global one).
+    pub ropes: &'a [RopeTable<'a>],
+    /// The cache groups layers pick by `cache_group` (one for most models; a group no
+    /// layer uses is not read).
+    pub groups: &'a [CacheGroup<'a>],
+    /// `num_seqs` is the number of rows; `max_blocks` and `num_blocks` come from each
+    /// layer's group and `sliding_window` from each layer (the shape's are not read).
     pub shape: DecodeShape,
-    pub scale: f32,
     pub eps: f32,
 }
 
@@ -143,7 +211,7 @@ fn check(
     let Some(first) = layers.first() else {
         return Err(invalid("no layers".into()));
     };
-    let hidden = first.input_norm.len();
+    let hidden = first.o.n;
     let hd = s.head_dim;
     let q_size = s.num_heads * hd;
     let kv_row = s.num_kv_heads * hd;
@@ -160,57 +228,137 @@ fn check(
             layers.len()
         )));
     }
-    let inputs_ok = inputs.slots.len() == rows
-        && inputs.seq_lens.len() == rows
-        && inputs.cos.len() == rows * hd
-        && inputs.sin.len() == rows * hd;
-    if !inputs_ok {
-        return Err(invalid(
-            "slots, lengths and rotary tables need one entry per row".into(),
-        ));
-    }
-    // Every slot and every block the step touches lies in the cache: the first layer
-    // writes K/V before the attention would notice a bad block id.
-    let slots = s.num_blocks * s.block_size;
-    if let Some(bad) = inputs.slots.iter().find(|&&t| t < 0 || t as usize >= slots) {
-        return Err(invalid(format!("slot {bad} outside 0..{slots}")));
-    }
-    if inputs.block_tables.len() != rows * s.max_blocks {
-        return Err(invalid("block tables must be [rows, max_blocks]".into()));
-    }
-    for (r, &len) in inputs.seq_lens.iter().enumerate() {
-        let used = (len.max(0) as usize).div_ceil(s.block_size.max(1));
-        if len <= 0 || used > s.max_blocks {
+    for (t, rope) in inputs.ropes.iter().enumerate() {
+        let ok = rope.dim.is_multiple_of(2)
+            && rope.dim <= hd
+            && rope.cos.len() == rows * rope.dim
+            && rope.sin.len() == rows * rope.dim;
+        if !ok {
             return Err(invalid(format!(
-                "sequence length {len} does not fit its block table"
+                "rotary table {t} must be [rows, an even dim up to head_dim]"
             )));
         }
-        let table = &inputs.block_tables[r * s.max_blocks..r * s.max_blocks + used];
-        if let Some(bad) = table.iter().find(|&&b| b < 0 || b as usize >= s.num_blocks) {
-            return Err(invalid(format!("block {bad} outside 0..{}", s.num_blocks)));
+    }
+    for (g, group) in inputs.groups.iter().enumerate() {
+        // A group no layer uses is not read.
+        if !layers.iter().any(|l| l.cache_group == g) {
+            continue;
+        }
+        if group.slots.len() != rows || group.seq_lens.len() != rows {
+            return Err(invalid(format!(
+                "group {g}: slots and lengths need one entry per row"
+            )));
+        }
+        // Every slot and every block the step touches lies in the cache: a layer writes
+        // K/V before the attention would notice a bad block id.
+        let slots = group.num_blocks * s.block_size;
+        if let Some(bad) = group.slots.iter().find(|&&t| t < 0 || t as usize >= slots) {
+            return Err(invalid(format!("group {g}: slot {bad} outside 0..{slots}")));
+        }
+        if group.block_tables.len() != rows * group.max_blocks {
+            return Err(invalid(format!(
+                "group {g}: block tables must be [rows, max_blocks]"
+            )));
+        }
+        for (r, &len) in group.seq_lens.iter().enumerate() {
+            let used = (len.max(0) as usize).div_ceil(s.block_size.max(1));
+            if len <= 0 || used > group.max_blocks {
+                return Err(invalid(format!(
+                    "group {g}: sequence length {len} does not fit its block table"
+                )));
+            }
+            let table = &group.block_tables[r * group.max_blocks..][..used];
+            if let Some(bad) = table
+                .iter()
+                .find(|&&b| b < 0 || b as usize >= group.num_blocks)
+            {
+                return Err(invalid(format!(
+                    "group {g}: block {bad} outside 0..{}",
+                    group.num_blocks
+                )));
+            }
         }
     }
+    let inter = first.gate_up.n / 2;
+    let norm_fits = |w: Option<&[Bf16]>, len: usize| w.is_none_or(|w| w.len() == len);
+    let head_norm_fits =
+        |w: Option<&[Bf16]>, heads: usize| w.is_none_or(|w| w.len() == hd || w.len() == heads * hd);
     for (i, (l, c)) in layers.iter().zip(caches).enumerate() {
-        let inter = l.gate_up.n / 2;
-        let fits = l.input_norm.len() == hidden
-            && l.post_norm.len() == hidden
+        let Some(group) = inputs.groups.get(l.cache_group) else {
+            return Err(invalid(format!(
+                "layer {i}'s cache group {} is not in the step's {}",
+                l.cache_group,
+                inputs.groups.len()
+            )));
+        };
+        let rope_fits = l.rotary_dim == 0
+            || inputs
+                .ropes
+                .get(l.rope_table)
+                .is_some_and(|t| t.dim == l.rotary_dim);
+        if !rope_fits {
+            return Err(invalid(format!(
+                "layer {i} rotates {} dims: its rotary table {} does not fit",
+                l.rotary_dim, l.rope_table
+            )));
+        }
+        let fits = norm_fits(l.input_norm, hidden)
+            && norm_fits(l.attn_out_norm, hidden)
+            && norm_fits(l.post_norm, hidden)
+            && norm_fits(l.mlp_out_norm, hidden)
             && (l.qkv.k, l.qkv.n) == (hidden, q_size + 2 * kv_row)
             && (l.o.k, l.o.n) == (q_size, hidden)
-            && l.gate_up.k == hidden
-            && l.gate_up.n.is_multiple_of(2)
+            && (l.gate_up.k, l.gate_up.n) == (hidden, 2 * inter)
             && (l.down.k, l.down.n) == (inter, hidden)
-            && l.q_norm.is_none_or(|w| w.len() == hd)
-            && l.k_norm.is_none_or(|w| w.len() == hd)
+            && head_norm_fits(l.q_norm, s.num_heads)
+            && head_norm_fits(l.k_norm, s.num_kv_heads)
+            && l.scale.is_finite()
+            && l.softcap.is_finite()
+            && l.softcap >= 0.0
+            && l.residual_scale.is_finite()
             && [l.qkv, l.o, l.gate_up, l.down]
                 .iter()
                 .all(|p| rows <= p.max_rows())
             && c.k.len() == c.v.len()
-            && c.k.len() == s.num_blocks * s.block_size * kv_row;
+            && c.k.len() == group.num_blocks * s.block_size * kv_row;
         if !fits {
             return Err(invalid(format!("layer {i}'s sizes do not fit the step")));
         }
     }
     Ok(hidden)
+}
+
+/// `h += delta`, rounded to bf16 as torch's `h + d`.
+fn add_into(h: &mut [Bf16], delta: &[Bf16]) {
+    for (r, d) in h.iter_mut().zip(delta) {
+        *r = Bf16::from_f32(r.to_f32() + d.to_f32());
+    }
+}
+
+/// `delta` through the sublayer-output norm (when there is one), then times
+/// `residual_scale` (rounded to bf16, as torch's `d * scale`; skipped when 1), ready to
+/// join the residual; `spare` is a scratch buffer of the same size.
+#[allow(clippy::too_many_arguments)]
+fn finish_delta(
+    delta: &mut Vec<Bf16>,
+    spare: &mut Vec<Bf16>,
+    norm: Option<&[Bf16]>,
+    residual_scale: f32,
+    rows: usize,
+    eps: f32,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
+    if let Some(w) = norm {
+        add_rms_norm(spare, delta, None, w, rows, eps, threads, parallel)?;
+        std::mem::swap(delta, spare);
+    }
+    if residual_scale != 1.0 {
+        for d in delta.iter_mut() {
+            *d = Bf16::from_f32(d.to_f32() * residual_scale);
+        }
+    }
+    Ok(())
 }
 
 /// Runs `layers` over the residual stream `h` (`[rows, hidden]`, the token embeddings on
@@ -229,54 +377,79 @@ pub fn decode_layers(
     let s = inputs.shape;
     let rows = s.num_seqs;
     let hd = s.head_dim;
+    let eps = inputs.eps;
     let (heads, kv_heads) = (s.num_heads, s.num_kv_heads);
     let width = (heads + 2 * kv_heads) * hd;
     let inter = layers[0].gate_up.n / 2;
     let zeros = |len: usize| vec![Bf16(0); len];
     let (mut x, mut delta) = (zeros(rows * hidden), zeros(rows * hidden));
+    // Only layers with a norm after a sublayer need a second delta buffer.
+    let out_norms = layers
+        .iter()
+        .any(|l| l.attn_out_norm.is_some() || l.mlp_out_norm.is_some());
+    let mut spare = zeros(if out_norms { rows * hidden } else { 0 });
     let mut qkv = zeros(rows * width);
     let (mut q, mut attn) = (zeros(rows * heads * hd), zeros(rows * heads * hd));
     let (mut gate_up, mut act) = (zeros(rows * 2 * inter), zeros(rows * inter));
     let mut head_row = vec![Bf16(0); heads.max(kv_heads) * hd];
-    for (i, (layer, cache)) in layers.iter().zip(caches.iter_mut()).enumerate() {
-        // Layer i's input norm also adds layer i-1's MLP output into the residual.
-        let previous = (i > 0).then_some(&delta[..]);
-        add_rms_norm(
-            &mut x,
-            h,
-            previous,
-            layer.input_norm,
-            rows,
-            inputs.eps,
-            threads,
-            parallel,
-        )?;
-        layer.qkv.apply(&mut qkv, &x, rows, threads, parallel)?;
-        if let (Some(qn), Some(kn)) = (layer.q_norm, layer.k_norm) {
+    // Whether `delta` holds the previous sublayer's output, not yet in the residual.
+    let mut pending = false;
+    for (layer, cache) in layers.iter().zip(caches.iter_mut()) {
+        let group = inputs.groups[layer.cache_group];
+        // The input norm also adds the previous sublayer's output into the residual.
+        let previous = pending.then_some(&delta[..]);
+        let attn_in: &[Bf16] = match layer.input_norm {
+            Some(w) => {
+                add_rms_norm(&mut x, h, previous, w, rows, eps, threads, parallel)?;
+                &x
+            }
+            None => {
+                if let Some(d) = previous {
+                    add_into(h, d);
+                }
+                h
+            }
+        };
+        layer
+            .qkv
+            .apply(&mut qkv, attn_in, rows, threads, parallel)?;
+        if layer.q_norm.is_some() || layer.k_norm.is_some() {
             for row in qkv.chunks_exact_mut(width) {
                 let (q_part, rest) = row.split_at_mut(heads * hd);
                 let k_part = &mut rest[..kv_heads * hd];
-                for (part, w, n) in [(q_part, qn, heads), (k_part, kn, kv_heads)] {
-                    let out = &mut head_row[..n * hd];
-                    add_rms_norm(out, part, None, w, n, inputs.eps, 1, parallel)?;
+                for (part, w) in [(q_part, layer.q_norm), (k_part, layer.k_norm)] {
+                    let Some(w) = w else { continue };
+                    // Per head or over the whole projection: `part.len() / w.len()` rows.
+                    let out = &mut head_row[..part.len()];
+                    add_rms_norm(out, part, None, w, part.len() / w.len(), eps, 1, parallel)?;
                     part.copy_from_slice(out);
                 }
             }
         }
+        let (cos, sin): (&[Bf16], &[Bf16]) = match layer.rotary_dim {
+            0 => (&[], &[]),
+            _ => {
+                let t = inputs.ropes[layer.rope_table];
+                (t.cos, t.sin)
+            }
+        };
         rope_store_kv(
             &mut q,
             cache.k,
             cache.v,
             &qkv,
-            inputs.cos,
-            inputs.sin,
-            inputs.slots,
+            cos,
+            sin,
+            group.slots,
             heads,
             kv_heads,
             hd,
+            layer.rotary_dim,
         )?;
         let layer_shape = DecodeShape {
             sliding_window: layer.sliding_window,
+            max_blocks: group.max_blocks,
+            num_blocks: group.num_blocks,
             ..s
         };
         paged_decode_attention(
@@ -284,38 +457,56 @@ pub fn decode_layers(
             &q,
             cache.k,
             cache.v,
-            inputs.block_tables,
-            inputs.seq_lens,
+            group.block_tables,
+            group.seq_lens,
             &layer_shape,
-            inputs.scale,
+            layer.scale,
+            layer.softcap,
             threads,
             parallel,
         )?;
         layer.o.apply(&mut delta, &attn, rows, threads, parallel)?;
-        add_rms_norm(
-            &mut x,
-            h,
-            Some(&delta),
-            layer.post_norm,
+        finish_delta(
+            &mut delta,
+            &mut spare,
+            layer.attn_out_norm,
+            layer.residual_scale,
             rows,
-            inputs.eps,
+            eps,
             threads,
             parallel,
         )?;
+        let mlp_in: &[Bf16] = match layer.post_norm {
+            Some(w) => {
+                add_rms_norm(&mut x, h, Some(&delta), w, rows, eps, threads, parallel)?;
+                &x
+            }
+            None => {
+                add_into(h, &delta);
+                h
+            }
+        };
         layer
             .gate_up
-            .apply(&mut gate_up, &x, rows, threads, parallel)?;
-        match layer.activation {
-            Activation::SiluMul => silu_mul(&mut act, &gate_up, inter),
-        }
+            .apply(&mut gate_up, mlp_in, rows, threads, parallel)?;
+        layer.activation.apply(&mut act, &gate_up, inter);
         layer
             .down
             .apply(&mut delta, &act, rows, threads, parallel)?;
+        finish_delta(
+            &mut delta,
+            &mut spare,
+            layer.mlp_out_norm,
+            layer.residual_scale,
+            rows,
+            eps,
+            threads,
+            parallel,
+        )?;
+        pending = true;
     }
     // The last layer's MLP output joins the residual (the final norm is the caller's).
-    for (r, d) in h.iter_mut().zip(&delta) {
-        *r = Bf16::from_f32(r.to_f32() + d.to_f32());
-    }
+    add_into(h, &delta);
     Ok(())
 }
 
@@ -356,6 +547,74 @@ fn silu_mul_rows(out: &mut [Bf16], gate_up: &[Bf16], inter: usize) {
             let silu = Bf16::from_f32(g / (1.0 + exp(-g))).to_f32();
             *o = Bf16::from_f32(silu * u.to_f32());
         }
+    }
+}
+
+/// `out = gelu_tanh(gate) * up` per row of `gate_up` (`[rows, 2 * inter]`, gate first),
+/// rounded as torch's `F.gelu(gate, approximate="tanh") * up` in bf16: the GELU (torch's
+/// `0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))`, in that order, in f32)
+/// to bf16, then the product.
+pub fn gelu_tanh_mul(out: &mut [Bf16], gate_up: &[Bf16], inter: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+        unsafe fn wide(out: &mut [Bf16], gate_up: &[Bf16], inter: usize) {
+            gelu_tanh_mul_rows(out, gate_up, inter)
+        }
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+        {
+            // SAFETY: the CPU has the features `wide` is compiled for.
+            unsafe { wide(out, gate_up, inter) };
+            return;
+        }
+    }
+    gelu_tanh_mul_rows(out, gate_up, inter)
+}
+
+#[inline(always)]
+fn gelu_tanh_mul_rows(out: &mut [Bf16], gate_up: &[Bf16], inter: usize) {
+    // torch's constants: sqrt(2) * (2 / sqrt(pi)) * 0.5 in f64, then f32.
+    const BETA: f32 = (std::f64::consts::SQRT_2 * std::f64::consts::FRAC_2_SQRT_PI * 0.5) as f32;
+    const KAPPA: f32 = 0.044715;
+    for (o, row) in out
+        .chunks_exact_mut(inter)
+        .zip(gate_up.chunks_exact(2 * inter))
+    {
+        let (gate, up) = row.split_at(inter);
+        for ((o, g), u) in o.iter_mut().zip(gate).zip(up) {
+            let x = g.to_f32();
+            let inner = BETA * (x + KAPPA * (x * x * x));
+            let gelu = Bf16::from_f32(0.5 * x * (1.0 + tanh(inner))).to_f32();
+            *o = Bf16::from_f32(gelu * u.to_f32());
+        }
+    }
+}
+
+/// `tanh(x)` in f32 without a branch (so loops over it vectorize), about 1 ulp: Cephes'
+/// `tanhf`, an odd polynomial below 0.625 and `(e^2|x| - 1) / (e^2|x| + 1)` above (both computed,
+/// one kept). Saturates to +-1; NaN stays NaN.
+#[inline(always)]
+pub fn tanh(x: f32) -> f32 {
+    let a = x.abs();
+    let s = x * x;
+    let mut p = -5.704_988_7e-3_f32;
+    p = p.mul_add(s, 2.063_909e-2);
+    p = p.mul_add(s, -5.373_971_6e-2);
+    p = p.mul_add(s, 1.333_144_2e-1);
+    p = p.mul_add(s, -3.333_328e-1);
+    let small = (p * s).mul_add(x, x);
+    // `e / (e + 2)` with `e = e^2|x| - 1`, as Sleef's `tanhf` (torch's) has it, so that the
+    // last bit near +-1 rounds as torch's does. Past 10, tanh is 1 in f32; the clamp also
+    // keeps a NaN out of `exp` (`min` drops it).
+    let e = exp(2.0 * a.min(10.0)) - 1.0;
+    let large = (e / (e + 2.0)).copysign(x);
+    // A NaN takes the polynomial, which keeps it.
+    if a < 0.625 || a.is_nan() {
+        small
+    } else {
+        large
     }
 }
 

@@ -158,10 +158,12 @@ fn norm_rows<T: Element>(
 /// Rotary embedding of q and k, and the step's K/V stored at their cache slots.
 ///
 /// `qkv` is the fused projection `[tokens, (heads + 2 * kv_heads) * head_dim]`; `cos`/`sin`
-/// are `[tokens, head_dim]` in T (torch's `rope_cos_sin`). Writes the rotated queries to
+/// are `[tokens, rotary_dim]` in T (torch's `rope_cos_sin`). Writes the rotated queries to
 /// `q_out` `[tokens, heads * head_dim]`, and the rotated keys and the values to row
 /// `slots[t]` of `k_cache` / `v_cache` (`[slots, kv_heads * head_dim]`). Half-split
-/// layout: `x * cos + cat(-x2, x1) * sin`, each product and the sum rounded to T.
+/// layout over the first `rotary_dim` dims of each head: `x * cos + cat(-x2, x1) * sin`,
+/// each product and the sum rounded to T; the other dims pass through (partial rotary, as
+/// Phi-3's; `rotary_dim == head_dim`: all of them; 0: none, and `cos`/`sin` are empty).
 #[allow(clippy::too_many_arguments)]
 pub fn rope_store_kv<T: Element>(
     q_out: &mut [T],
@@ -174,15 +176,17 @@ pub fn rope_store_kv<T: Element>(
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    rotary_dim: usize,
 ) -> Result<(), KernelError> {
     let tokens = slots.len();
     let width = (heads + 2 * kv_heads) * head_dim;
     let kv_row = kv_heads * head_dim;
-    let ok = head_dim.is_multiple_of(2)
+    let ok = rotary_dim.is_multiple_of(2)
+        && rotary_dim <= head_dim
         && qkv.len() == tokens * width
         && q_out.len() == tokens * heads * head_dim
-        && cos.len() == tokens * head_dim
-        && sin.len() == tokens * head_dim
+        && cos.len() == tokens * rotary_dim
+        && sin.len() == tokens * rotary_dim
         && k_cache.len() == v_cache.len()
         && k_cache.len().is_multiple_of(kv_row.max(1));
     if !ok {
@@ -195,14 +199,14 @@ pub fn rope_store_kv<T: Element>(
         )));
     }
     rope_tokens_dispatch(
-        q_out, k_cache, v_cache, qkv, cos, sin, slots, heads, kv_heads, head_dim,
+        q_out, k_cache, v_cache, qkv, cos, sin, slots, heads, kv_heads, head_dim, rotary_dim,
     );
     Ok(())
 }
 
 simd_dispatch!(rope_tokens_dispatch, rope_tokens, (
     q_out: &mut [T], k_cache: &mut [T], v_cache: &mut [T], qkv: &[T], cos: &[T], sin: &[T],
-    slots: &[i64], heads: usize, kv_heads: usize, head_dim: usize
+    slots: &[i64], heads: usize, kv_heads: usize, head_dim: usize, rotary_dim: usize
 ));
 
 #[allow(clippy::too_many_arguments)]
@@ -218,15 +222,21 @@ fn rope_tokens<T: Element>(
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    rotary_dim: usize,
 ) {
     let tokens = slots.len();
     let width = (heads + 2 * kv_heads) * head_dim;
     let kv_row = kv_heads * head_dim;
-    let half = head_dim / 2;
+    let rd = rotary_dim;
+    let half = rd / 2;
     // Straight loops over the two halves (no per-element branch), so they vectorize:
-    // first half x1 * cos - x2 * sin, second half x2 * cos + x1 * sin.
+    // first half x1 * cos - x2 * sin, second half x2 * cos + x1 * sin; then the dims past
+    // `rotary_dim` (none unless partial) as they are.
     let rotate = |dst: &mut [T], x: &[T], c: &[T], s: &[T]| {
         let round = |v: f32| T::from_f32(v).to_f32();
+        let (x, pass) = x.split_at(rd);
+        let (dst, dst_pass) = dst.split_at_mut(rd);
+        dst_pass.copy_from_slice(pass);
         let (x1, x2) = x.split_at(half);
         let (c1, c2) = c.split_at(half);
         let (s1, s2) = s.split_at(half);
@@ -244,8 +254,8 @@ fn rope_tokens<T: Element>(
     };
     for t in 0..tokens {
         let row = &qkv[t * width..(t + 1) * width];
-        let c = &cos[t * head_dim..(t + 1) * head_dim];
-        let s = &sin[t * head_dim..(t + 1) * head_dim];
+        let c = &cos[t * rd..(t + 1) * rd];
+        let s = &sin[t * rd..(t + 1) * rd];
         let q_row = &mut q_out[t * heads * head_dim..(t + 1) * heads * head_dim];
         for h in 0..heads {
             let x = &row[h * head_dim..(h + 1) * head_dim];

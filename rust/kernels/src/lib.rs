@@ -15,8 +15,8 @@ pub use attention::{
     Parallel, ScopedThreads,
 };
 pub use decoder::{
-    decode_layers, exp, silu_mul, Activation, DecodeInputs, DecoderLayer, LayerCache, Matrix,
-    Projection,
+    decode_layers, exp, gelu_tanh_mul, silu_mul, tanh, Activation, CacheGroup, DecodeInputs,
+    DecoderLayer, LayerCache, Matrix, Projection, RopeTable,
 };
 pub use element::{Bf16, Element, F16};
 pub use elementwise::{add_rms_norm, rope_store_kv};

@@ -1,13 +1,15 @@
 //! The one-call decode step against a decoder layer written out in f64 from its
-//! definition (RMSNorm, projections, per-head q/k norms, half-split rotary, attention over
-//! the paged context, SiLU-and-mul), with bf16, Q4 and Q8 projections, a bias, two rows
-//! with their own block tables, and sliding windows (the same in every layer, or one per
-//! layer).
+//! definition (RMSNorm, projections, per-head or whole-projection q/k norms, half-split
+//! rotary over all, some or none of each head's dims, attention over the paged context
+//! with an optional soft cap, SiLU- or GELU-tanh-and-mul, norms before and after each
+//! sublayer, a residual multiplier), with bf16, Q4 and Q8 projections, a bias, two rows
+//! with their own block tables, sliding windows (the same in every layer, or one per
+//! layer), two rotary tables and two cache groups with blocks of their own.
 
 use iron_batch_kernels::{
-    decode_layers, exp, q4_nibble, run_in_team, silu_mul, Activation, Bf16, DecodeInputs,
-    DecodeShape, DecoderLayer, Element, LayerCache, Matrix, Projection, QMatrix, ScopedThreads,
-    F16, Q4, Q8, QBLOCK,
+    decode_layers, exp, gelu_tanh_mul, q4_nibble, run_in_team, silu_mul, tanh, Activation, Bf16,
+    CacheGroup, DecodeInputs, DecodeShape, DecoderLayer, Element, LayerCache, Matrix, Projection,
+    QMatrix, RopeTable, ScopedThreads, F16, Q4, Q8, QBLOCK,
 };
 
 mod common;
@@ -20,7 +22,9 @@ const KV_HEADS: usize = 2;
 const HD: usize = 16;
 const INTER: usize = 128;
 const BLOCK: usize = 4;
+/// Blocks of group 0's caches; group 1's have `BLOCKS_1`.
 const BLOCKS: usize = 8;
+const BLOCKS_1: usize = 5;
 const EPS: f32 = 1e-5;
 const KV_ROW: usize = KV_HEADS * HD;
 
@@ -111,10 +115,50 @@ impl Proj {
     }
 }
 
-struct Layer {
+#[derive(Clone, Copy, PartialEq)]
+enum QkNorm {
+    None,
+    PerHead,
+    Whole,
+}
+
+/// What a test layer has beyond its weights' kinds.
+#[derive(Clone, Copy)]
+struct Spec {
+    kinds: [&'static str; 4],
+    bias: bool,
+    qk_norm: QkNorm,
     window: usize,
-    input_norm: Vec<Bf16>,
-    post_norm: Vec<Bf16>,
+    /// input, attention output, pre-MLP, MLP output.
+    norms: [bool; 4],
+    activation: Activation,
+    rotary_dim: usize,
+    rope_table: usize,
+    scale: f32,
+    softcap: f32,
+    residual_scale: f32,
+    cache_group: usize,
+}
+
+/// Llama's layer: pre-norms, SiLU, full rotary from table 0, group 0.
+const LLAMA: Spec = Spec {
+    kinds: ["bf16", "bf16", "q4", "q8"],
+    bias: false,
+    qk_norm: QkNorm::None,
+    window: 0,
+    norms: [true, false, true, false],
+    activation: Activation::SiluMul,
+    rotary_dim: HD,
+    rope_table: 0,
+    scale: 0.25,
+    softcap: 0.0,
+    residual_scale: 1.0,
+    cache_group: 0,
+};
+
+struct Layer {
+    spec: Spec,
+    norms: [Option<Vec<Bf16>>; 4],
     q_norm: Option<Vec<Bf16>>,
     k_norm: Option<Vec<Bf16>>,
     qkv: Proj,
@@ -125,33 +169,54 @@ struct Layer {
 
 impl Layer {
     fn view(&self) -> DecoderLayer<'_> {
+        let sp = self.spec;
+        let [input_norm, attn_out_norm, post_norm, mlp_out_norm] =
+            self.norms.each_ref().map(|n| n.as_deref());
         DecoderLayer {
-            input_norm: &self.input_norm,
+            input_norm,
             qkv: self.qkv.view(),
             q_norm: self.q_norm.as_deref(),
             k_norm: self.k_norm.as_deref(),
             o: self.o.view(),
-            post_norm: &self.post_norm,
+            attn_out_norm,
+            post_norm,
             gate_up: self.gate_up.view(),
             down: self.down.view(),
-            activation: Activation::SiluMul,
-            sliding_window: self.window,
+            mlp_out_norm,
+            activation: sp.activation,
+            sliding_window: sp.window,
+            rotary_dim: sp.rotary_dim,
+            rope_table: sp.rope_table,
+            scale: sp.scale,
+            softcap: sp.softcap,
+            residual_scale: sp.residual_scale,
+            cache_group: sp.cache_group,
         }
     }
 }
 
-fn layer(rng: &mut Rng, kinds: [&str; 4], qk_norm: bool, bias: bool, window: usize) -> Layer {
+fn layer(rng: &mut Rng, sp: Spec) -> Layer {
     let norm = |rng: &mut Rng, len| bf16s(rng, len, 0.5, 1.0);
+    let (q_len, k_len) = match sp.qk_norm {
+        QkNorm::Whole => (HEADS * HD, KV_HEADS * HD),
+        _ => (HD, HD),
+    };
+    let has_qk = sp.qk_norm != QkNorm::None;
     Layer {
-        window,
-        input_norm: norm(rng, HIDDEN),
-        post_norm: norm(rng, HIDDEN),
-        q_norm: qk_norm.then(|| norm(rng, HD)),
-        k_norm: qk_norm.then(|| norm(rng, HD)),
-        qkv: Proj::new(rng, kinds[0], (HEADS + 2 * KV_HEADS) * HD, HIDDEN, bias),
-        o: Proj::new(rng, kinds[1], HIDDEN, HEADS * HD, false),
-        gate_up: Proj::new(rng, kinds[2], 2 * INTER, HIDDEN, false),
-        down: Proj::new(rng, kinds[3], HIDDEN, INTER, false),
+        spec: sp,
+        norms: sp.norms.map(|on| on.then(|| norm(rng, HIDDEN))),
+        q_norm: has_qk.then(|| norm(rng, q_len)),
+        k_norm: has_qk.then(|| norm(rng, k_len)),
+        qkv: Proj::new(
+            rng,
+            sp.kinds[0],
+            (HEADS + 2 * KV_HEADS) * HD,
+            HIDDEN,
+            sp.bias,
+        ),
+        o: Proj::new(rng, sp.kinds[1], HIDDEN, HEADS * HD, false),
+        gate_up: Proj::new(rng, sp.kinds[2], 2 * INTER, HIDDEN, false),
+        down: Proj::new(rng, sp.kinds[3], HIDDEN, INTER, false),
     }
 }
 
@@ -168,10 +233,12 @@ fn rms_norm(x: &[f64], w: &[Bf16]) -> Vec<f64> {
         .collect()
 }
 
+/// rotate_half over the first `cos.len()` dims; the others as they are.
 fn rotate(x: &mut [f64], cos: &[f64], sin: &[f64]) {
-    let half = x.len() / 2;
+    let rd = cos.len();
+    let half = rd / 2;
     let orig = x.to_vec();
-    for i in 0..x.len() {
+    for i in 0..rd {
         let other = if i < half {
             -orig[i + half]
         } else {
@@ -181,58 +248,102 @@ fn rotate(x: &mut [f64], cos: &[f64], sin: &[f64]) {
     }
 }
 
-struct Step {
+fn gelu_tanh(x: f64) -> f64 {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+}
+
+/// One cache group's step: its rows' block tables, lengths and new slots.
+struct GroupStep {
     tables: Vec<i32>,
     lens: Vec<i32>,
     width: usize,
     slots: Vec<i64>,
+    blocks: usize,
+}
+
+/// A rotary table `[rows, dim]`.
+struct Rope {
     cos: Vec<Bf16>,
     sin: Vec<Bf16>,
+    dim: usize,
+}
+
+struct Step {
+    groups: Vec<GroupStep>,
+    ropes: Vec<Rope>,
 }
 
 impl Step {
     fn shape(&self) -> DecodeShape {
         DecodeShape {
-            num_seqs: self.lens.len(),
+            num_seqs: self.groups[0].lens.len(),
             num_heads: HEADS,
             num_kv_heads: KV_HEADS,
             head_dim: HD,
             block_size: BLOCK,
-            max_blocks: self.width,
-            num_blocks: BLOCKS,
-            // Not read by the stack: each layer attends with its own window.
+            // Not read by the stack: each layer's group and window.
+            max_blocks: 0,
+            num_blocks: 0,
             sliding_window: 0,
         }
     }
+
+    fn rows(&self) -> usize {
+        self.groups[0].lens.len()
+    }
 }
 
-fn step() -> Step {
-    // Row 0: 7 tokens in blocks 3, 5; row 1: 10 tokens in blocks 1, 6, 2.
-    let width = 3;
-    let tables = vec![3, 5, 0, 1, 6, 2];
-    let lens = vec![7, 10];
+fn group_step(tables: Vec<i32>, width: usize, lens: Vec<i32>, blocks: usize) -> GroupStep {
     let slot = |row: usize| {
         let pos = lens[row] as usize - 1;
         (tables[row * width + pos / BLOCK] as usize * BLOCK + pos % BLOCK) as i64
     };
-    let slots = vec![slot(0), slot(1)];
-    let (mut cos, mut sin) = (Vec::new(), Vec::new());
-    for &len in &lens {
-        let pos = (len - 1) as f32;
-        for i in 0..HD {
-            let freq = 10_000f32.powf(-((i % (HD / 2)) as f32) * 2.0 / HD as f32);
-            cos.push(Bf16::from_f32((pos * freq).cos()));
-            sin.push(Bf16::from_f32((pos * freq).sin()));
-        }
-    }
-    Step {
+    let slots = (0..lens.len()).map(slot).collect();
+    GroupStep {
         tables,
         lens,
         width,
         slots,
-        cos,
-        sin,
+        blocks,
     }
+}
+
+/// A table of `dim` dims at each row's position, with rope base `base`.
+fn rope(lens: &[i32], dim: usize, base: f32) -> Rope {
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for &len in lens {
+        let pos = (len - 1) as f32;
+        for i in 0..dim {
+            let freq = base.powf(-((i % (dim / 2)) as f32) * 2.0 / dim as f32);
+            cos.push(Bf16::from_f32((pos * freq).cos()));
+            sin.push(Bf16::from_f32((pos * freq).sin()));
+        }
+    }
+    Rope { cos, sin, dim }
+}
+
+/// Group 0: row 0 has 7 tokens in blocks 3, 5; row 1 has 10 in blocks 1, 6, 2. Group 1
+/// (fewer blocks, other ids): the same lengths in blocks 4, 0 and 2, 3, 1. Table 0 is
+/// full-width with base 10000, table 1 full-width with base 100 (Gemma 3's local and
+/// global bases differ), table 2 `rotary_dim` wide for partial rotary.
+fn step_with(partial: usize) -> Step {
+    let lens = vec![7, 10];
+    let mut ropes = vec![rope(&lens, HD, 10_000.0), rope(&lens, HD, 100.0)];
+    if partial > 0 && partial < HD {
+        ropes.push(rope(&lens, partial, 10_000.0));
+    }
+    Step {
+        groups: vec![
+            group_step(vec![3, 5, 0, 1, 6, 2], 3, lens.clone(), BLOCKS),
+            group_step(vec![4, 0, -1, 2, 3, 1], 3, lens.clone(), BLOCKS_1),
+        ],
+        ropes,
+    }
+}
+
+fn step() -> Step {
+    step_with(0)
 }
 
 /// A layer's K and V cache in f64.
@@ -245,45 +356,72 @@ fn reference(
     caches: &[(Vec<Bf16>, Vec<Bf16>)],
     s: &Step,
 ) -> (Vec<f64>, Vec<F64Cache>) {
-    let rows = s.lens.len();
+    let rows = s.rows();
     let mut h = f64s(h0);
     let mut caches: Vec<F64Cache> = caches.iter().map(|(k, v)| (f64s(k), f64s(v))).collect();
     for (l, (kc, vc)) in layers.iter().zip(caches.iter_mut()) {
+        let sp = l.spec;
+        let g = &s.groups[sp.cache_group];
+        let [input_norm, attn_out_norm, post_norm, mlp_out_norm] = &l.norms;
         let mut attn_all = Vec::new();
         for r in 0..rows {
-            let x = rms_norm(&h[r * HIDDEN..(r + 1) * HIDDEN], &l.input_norm);
-            let qkv = l.qkv.apply(&x);
-            let cos = f64s(&s.cos[r * HD..(r + 1) * HD]);
-            let sin = f64s(&s.sin[r * HD..(r + 1) * HD]);
+            let hr = &h[r * HIDDEN..(r + 1) * HIDDEN];
+            let x = input_norm.as_ref().map_or(hr.to_vec(), |w| rms_norm(hr, w));
+            let mut qkv = l.qkv.apply(&x);
+            if sp.qk_norm == QkNorm::Whole {
+                let q = rms_norm(&qkv[..HEADS * HD], l.q_norm.as_ref().unwrap());
+                let k = rms_norm(&qkv[HEADS * HD..][..KV_ROW], l.k_norm.as_ref().unwrap());
+                qkv[..HEADS * HD].copy_from_slice(&q);
+                qkv[HEADS * HD..][..KV_ROW].copy_from_slice(&k);
+            }
+            let (cos, sin) = match sp.rotary_dim {
+                0 => (Vec::new(), Vec::new()),
+                rd => {
+                    let t = &s.ropes[sp.rope_table];
+                    assert_eq!(t.dim, rd);
+                    (
+                        f64s(&t.cos[r * rd..(r + 1) * rd]),
+                        f64s(&t.sin[r * rd..(r + 1) * rd]),
+                    )
+                }
+            };
             let mut heads: Vec<Vec<f64>> = qkv.chunks(HD).map(|c| c.to_vec()).collect();
             for (i, head) in heads.iter_mut().enumerate().take(HEADS + KV_HEADS) {
                 let w = if i < HEADS { &l.q_norm } else { &l.k_norm };
-                if let Some(w) = w {
+                if let (Some(w), QkNorm::PerHead) = (w, sp.qk_norm) {
                     *head = rms_norm(head, w);
                 }
                 rotate(head, &cos, &sin);
             }
-            let slot = s.slots[r] as usize;
-            for g in 0..KV_HEADS {
-                let at = slot * KV_ROW + g * HD;
-                kc[at..at + HD].copy_from_slice(&heads[HEADS + g]);
-                vc[at..at + HD].copy_from_slice(&heads[HEADS + KV_HEADS + g]);
+            let slot = g.slots[r] as usize;
+            for kvh in 0..KV_HEADS {
+                let at = slot * KV_ROW + kvh * HD;
+                kc[at..at + HD].copy_from_slice(&heads[HEADS + kvh]);
+                vc[at..at + HD].copy_from_slice(&heads[HEADS + KV_HEADS + kvh]);
             }
-            let len = s.lens[r] as usize;
-            let start = if l.window > 0 && len > l.window {
-                len - l.window
+            let len = g.lens[r] as usize;
+            let start = if sp.window > 0 && len > sp.window {
+                len - sp.window
             } else {
                 0
             };
-            let scale = 1.0 / (HD as f64).sqrt();
+            let cap = f64::from(sp.softcap);
             for (hq, q) in heads.iter().enumerate().take(HEADS) {
-                let g = hq / (HEADS / KV_HEADS);
+                let kvh = hq / (HEADS / KV_HEADS);
                 let at = |pos: usize| {
-                    let block = s.tables[r * s.width + pos / BLOCK] as usize;
-                    (block * BLOCK + pos % BLOCK) * KV_ROW + g * HD
+                    let block = g.tables[r * g.width + pos / BLOCK] as usize;
+                    (block * BLOCK + pos % BLOCK) * KV_ROW + kvh * HD
                 };
                 let scores: Vec<f64> = (start..len)
-                    .map(|p| (0..HD).map(|d| q[d] * kc[at(p) + d]).sum::<f64>() * scale)
+                    .map(|p| {
+                        let s = (0..HD).map(|d| q[d] * kc[at(p) + d]).sum::<f64>()
+                            * f64::from(sp.scale);
+                        if cap > 0.0 {
+                            cap * (s / cap).tanh()
+                        } else {
+                            s
+                        }
+                    })
                     .collect();
                 let max = scores.iter().cloned().fold(f64::MIN, f64::max);
                 let e: Vec<f64> = scores.iter().map(|v| (v - max).exp()).collect();
@@ -294,17 +432,27 @@ fn reference(
                 }
             }
         }
+        let rs = f64::from(sp.residual_scale);
         for r in 0..rows {
-            let o = l.o.apply(&attn_all[r * HEADS * HD..(r + 1) * HEADS * HD]);
+            let mut o = l.o.apply(&attn_all[r * HEADS * HD..(r + 1) * HEADS * HD]);
+            if let Some(w) = attn_out_norm {
+                o = rms_norm(&o, w);
+            }
             let hr = &mut h[r * HIDDEN..(r + 1) * HIDDEN];
-            hr.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-            let x = rms_norm(hr, &l.post_norm);
+            hr.iter_mut().zip(&o).for_each(|(a, b)| *a += rs * b);
+            let x = post_norm.as_ref().map_or(hr.to_vec(), |w| rms_norm(hr, w));
             let gu = l.gate_up.apply(&x);
             let act: Vec<f64> = (0..INTER)
-                .map(|i| gu[i] / (1.0 + (-gu[i]).exp()) * gu[INTER + i])
+                .map(|i| match sp.activation {
+                    Activation::SiluMul => gu[i] / (1.0 + (-gu[i]).exp()) * gu[INTER + i],
+                    Activation::GeluTanhMul => gelu_tanh(gu[i]) * gu[INTER + i],
+                })
                 .collect();
-            let down = l.down.apply(&act);
-            hr.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
+            let mut down = l.down.apply(&act);
+            if let Some(w) = mlp_out_norm {
+                down = rms_norm(&down, w);
+            }
+            hr.iter_mut().zip(&down).for_each(|(a, b)| *a += rs * b);
         }
     }
     (h, caches)
@@ -331,42 +479,79 @@ fn in_team(h: &mut [Bf16], l: &[DecoderLayer<'_>], c: &mut [LayerCache<'_>], i: 
 type BfCache = (Vec<Bf16>, Vec<Bf16>);
 
 struct Case {
-    layers: [Layer; 2],
+    layers: Vec<Layer>,
     step: Step,
     h0: Vec<Bf16>,
     caches: Vec<BfCache>,
 }
 
-/// Two layers attending over `windows` (0: every position).
-fn case(windows: [usize; 2]) -> Case {
-    let mut rng = Rng(0x5eed_0000 + windows[0] as u64);
-    let layers = [
-        layer(
-            &mut rng,
-            ["bf16", "bf16", "q4", "q8"],
-            false,
-            false,
-            windows[0],
-        ),
-        layer(&mut rng, ["q8", "q4", "bf16", "q8"], true, true, windows[1]),
-    ];
-    let step = step();
-    let cache_len = BLOCKS * BLOCK * KV_ROW;
-    let caches = (0..2)
-        .map(|_| {
+/// Layers as `specs` describe them, random weights and caches (each of its group's size).
+fn case_of(seed: u64, specs: &[Spec]) -> Case {
+    let mut rng = Rng(seed);
+    let layers: Vec<Layer> = specs.iter().map(|&sp| layer(&mut rng, sp)).collect();
+    let partial = specs
+        .iter()
+        .map(|sp| sp.rotary_dim)
+        .find(|&rd| rd > 0 && rd < HD)
+        .unwrap_or(0);
+    let step = step_with(partial);
+    let caches = specs
+        .iter()
+        .map(|sp| {
+            let len = step.groups[sp.cache_group].blocks * BLOCK * KV_ROW;
             (
-                bf16s(&mut rng, cache_len, 1.0, 0.0),
-                bf16s(&mut rng, cache_len, 1.0, 0.0),
+                bf16s(&mut rng, len, 1.0, 0.0),
+                bf16s(&mut rng, len, 1.0, 0.0),
             )
         })
         .collect();
-    let h0 = bf16s(&mut rng, step.lens.len() * HIDDEN, 1.0, 0.0);
+    let h0 = bf16s(&mut rng, step.rows() * HIDDEN, 1.0, 0.0);
     Case {
         layers,
         step,
         h0,
         caches,
     }
+}
+
+/// Two Llama/Qwen layers attending over `windows` (0: every position).
+fn case(windows: [usize; 2]) -> Case {
+    let first = Spec {
+        window: windows[0],
+        ..LLAMA
+    };
+    let second = Spec {
+        kinds: ["q8", "q4", "bf16", "q8"],
+        qk_norm: QkNorm::PerHead,
+        bias: true,
+        window: windows[1],
+        ..LLAMA
+    };
+    case_of(0x5eed_0000 + windows[0] as u64, &[first, second])
+}
+
+fn ropes_of(s: &Step) -> Vec<RopeTable<'_>> {
+    s.ropes
+        .iter()
+        .map(|t| RopeTable {
+            cos: &t.cos,
+            sin: &t.sin,
+            dim: t.dim,
+        })
+        .collect()
+}
+
+fn groups_of(s: &Step) -> Vec<CacheGroup<'_>> {
+    s.groups
+        .iter()
+        .map(|g| CacheGroup {
+            slots: &g.slots,
+            block_tables: &g.tables,
+            seq_lens: &g.lens,
+            max_blocks: g.width,
+            num_blocks: g.blocks,
+        })
+        .collect()
 }
 
 /// The residual stream and the caches after one step run by `run`.
@@ -377,14 +562,11 @@ fn run_step(c: &Case, run: Runner) -> (Vec<Bf16>, Vec<BfCache>) {
     let views: Vec<DecoderLayer<'_>> = c.layers.iter().map(Layer::view).collect();
     let mut cache_views: Vec<LayerCache<'_>> =
         owned.iter_mut().map(|(k, v)| LayerCache { k, v }).collect();
+    let (ropes, groups) = (ropes_of(s), groups_of(s));
     let inputs = DecodeInputs {
-        cos: &s.cos,
-        sin: &s.sin,
-        slots: &s.slots,
-        block_tables: &s.tables,
-        seq_lens: &s.lens,
+        ropes: &ropes,
+        groups: &groups,
         shape: s.shape(),
-        scale: 1.0 / (HD as f32).sqrt(),
         eps: EPS,
     };
     run(&mut h, &views, &mut cache_views, &inputs);
@@ -392,10 +574,11 @@ fn run_step(c: &Case, run: Runner) -> (Vec<Bf16>, Vec<BfCache>) {
     (h, owned)
 }
 
-fn run_case(window: [usize; 2]) {
-    let c = case(window);
+/// The step against the f64 reference: the residual and every cache within bf16's
+/// rounding of the step's values. Returns the residual stream.
+fn check_case(c: &Case, what: &str) -> Vec<Bf16> {
     let (want_h, want_caches) = reference(&c.layers, &c.h0, &c.caches, &c.step);
-    let (h, owned) = run_step(&c, scoped);
+    let (h, owned) = run_step(c, scoped);
 
     // bf16 rounds every intermediate (about 3 significant digits): a wiring mistake (a
     // wrong half, slot, sign or head) moves values by their own size instead.
@@ -403,19 +586,25 @@ fn run_case(window: [usize; 2]) {
     let err: Vec<f64> = got.iter().zip(&want_h).map(|(a, b)| a - b).collect();
     assert!(
         max_abs(&err) <= 0.02 * max_abs(&want_h),
-        "windows {window:?}: h error {} against values up to {}",
+        "{what}: h error {} against values up to {}",
         max_abs(&err),
         max_abs(&want_h)
     );
-    for ((k, v), (wk, wv)) in owned.iter().zip(&want_caches) {
+    for (i, ((k, v), (wk, wv))) in owned.iter().zip(&want_caches).enumerate() {
         for (got, want) in [(f64s(k), wk), (f64s(v), wv)] {
             let err: Vec<f64> = got.iter().zip(want).map(|(a, b)| a - b).collect();
             assert!(
                 max_abs(&err) <= 0.02 * max_abs(want),
-                "windows {window:?}: cache error"
+                "{what}: layer {i}'s cache error {}",
+                max_abs(&err)
             );
         }
     }
+    h
+}
+
+fn run_case(window: [usize; 2]) {
+    check_case(&case(window), &format!("windows {window:?}"));
 }
 
 #[test]
@@ -449,53 +638,319 @@ fn each_layer_attends_with_its_own_window() {
     run_case([5, 0]);
 }
 
+/// Each variant against the reference, and against the same layers with the variant's
+/// feature taken out: the feature must change the result by more than the tolerance, so
+/// a kernel that ignored it would fail.
+fn check_variant(seed: u64, specs: &[Spec], plain: &[Spec], what: &str) {
+    let got = check_case(&case_of(seed, specs), what);
+    let c = case_of(seed, plain);
+    let (without, _) = reference(&c.layers, &c.h0, &c.caches, &c.step);
+    let got = f64s(&got);
+    let diff: Vec<f64> = got.iter().zip(&without).map(|(a, b)| a - b).collect();
+    assert!(
+        max_abs(&diff) > 0.05 * max_abs(&without),
+        "{what}: the feature changes nothing ({} against {})",
+        max_abs(&diff),
+        max_abs(&without)
+    );
+}
+
+#[test]
+fn soft_capped_attention() {
+    // Scores of a few units with scale 1: a cap of 2 bends them hard.
+    let capped = Spec {
+        scale: 1.0,
+        softcap: 2.0,
+        ..LLAMA
+    };
+    let plain = Spec {
+        softcap: 0.0,
+        ..capped
+    };
+    check_variant(11, &[capped, capped], &[plain, plain], "softcap");
+}
+
+#[test]
+fn gelu_tanh_mlp() {
+    let gelu = Spec {
+        activation: Activation::GeluTanhMul,
+        ..LLAMA
+    };
+    check_variant(12, &[gelu, gelu], &[LLAMA, LLAMA], "gelu");
+}
+
+#[test]
+fn norms_after_each_sublayer_only() {
+    // OLMo 2: no pre-norms, an output norm after each sublayer, whole-projection q/k norms.
+    let olmo = Spec {
+        norms: [false, true, false, true],
+        qk_norm: QkNorm::Whole,
+        ..LLAMA
+    };
+    let pre = Spec {
+        norms: [true, false, true, false],
+        ..olmo
+    };
+    check_variant(13, &[olmo, olmo], &[pre, pre], "norms after");
+}
+
+#[test]
+fn sandwich_norms_gelu_softcap_and_two_rope_tables() {
+    // Gemma 2/3: all four norms, per-head q/k norms, GELU-tanh, a softcap; a local
+    // sliding layer on table 0 and a global layer on table 1.
+    let local = Spec {
+        norms: [true; 4],
+        qk_norm: QkNorm::PerHead,
+        activation: Activation::GeluTanhMul,
+        softcap: 3.0,
+        scale: 0.5,
+        window: 4,
+        ..LLAMA
+    };
+    let global = Spec {
+        window: 0,
+        rope_table: 1,
+        ..local
+    };
+    let pre_only = |sp: Spec| Spec {
+        norms: [true, false, true, false],
+        ..sp
+    };
+    check_variant(
+        14,
+        &[local, global],
+        &[pre_only(local), pre_only(global)],
+        "sandwich",
+    );
+    // The global layer's table matters.
+    check_variant(
+        15,
+        &[local, global],
+        &[
+            local,
+            Spec {
+                rope_table: 0,
+                ..global
+            },
+        ],
+        "two rope tables",
+    );
+}
+
+#[test]
+fn whole_projection_q_k_norms() {
+    let whole = Spec {
+        qk_norm: QkNorm::Whole,
+        ..LLAMA
+    };
+    check_variant(16, &[whole, whole], &[LLAMA, LLAMA], "whole q/k norm");
+}
+
+#[test]
+fn partial_and_no_rotary() {
+    for (seed, rd) in [(17, HD / 2), (18, HD * 3 / 4)] {
+        let partial = Spec {
+            rotary_dim: rd,
+            rope_table: 2,
+            ..LLAMA
+        };
+        check_variant(
+            seed,
+            &[partial, partial],
+            &[LLAMA, LLAMA],
+            &format!("rotary {rd}"),
+        );
+    }
+    let nope = Spec {
+        rotary_dim: 0,
+        ..LLAMA
+    };
+    // SmolLM3: NoPE layers between rotary ones.
+    check_variant(19, &[nope, LLAMA], &[LLAMA, LLAMA], "no rotary");
+}
+
+#[test]
+fn residual_multiplier() {
+    let granite = Spec {
+        residual_scale: 0.25,
+        ..LLAMA
+    };
+    check_variant(20, &[granite, granite], &[LLAMA, LLAMA], "residual scale");
+    // With output norms too: norm first, then the multiplier.
+    let both = Spec {
+        norms: [true; 4],
+        residual_scale: 0.5,
+        ..LLAMA
+    };
+    let unscaled = Spec {
+        residual_scale: 1.0,
+        ..both
+    };
+    check_variant(21, &[both, both], &[unscaled, unscaled], "norms and scale");
+}
+
+#[test]
+fn two_cache_groups_with_their_own_blocks() {
+    // A sliding layer in group 1 (fewer blocks, other block ids), a full one in group 0.
+    let sliding = Spec {
+        window: 4,
+        cache_group: 1,
+        ..LLAMA
+    };
+    let full = LLAMA;
+    let c = case_of(22, &[sliding, full, sliding]);
+    check_case(&c, "cache groups");
+    // Group 1's slots were written in group 1's caches only.
+    let (_, caches) = run_step(&c, scoped);
+    for (i, ((k, _), (k0, _))) in caches.iter().zip(&c.caches).enumerate() {
+        let blocks = c.step.groups[c.layers[i].spec.cache_group].blocks;
+        assert_eq!(k.len(), blocks * BLOCK * KV_ROW);
+        let changed = k.iter().zip(k0).filter(|(a, b)| a != b).count();
+        assert!(
+            changed > 0 && changed <= 2 * KV_ROW,
+            "layer {i}: {changed} changed"
+        );
+    }
+    check_variant(23, &[sliding, full], &[full, full], "group + window");
+}
+
 #[test]
 fn an_activation_is_named_as_checkpoints_name_it() {
     assert_eq!(Activation::from_name("silu"), Some(Activation::SiluMul));
-    assert_eq!(Activation::from_name("gelu_pytorch_tanh"), None);
+    assert_eq!(
+        Activation::from_name("gelu_pytorch_tanh"),
+        Some(Activation::GeluTanhMul)
+    );
+    assert_eq!(
+        Activation::from_name("gelu_tanh"),
+        Some(Activation::GeluTanhMul)
+    );
+    assert_eq!(Activation::from_name("gelu"), None);
 }
 
 #[test]
 fn bad_steps_are_errors_and_write_nothing() {
     let mut rng = Rng(7);
-    let layers = [layer(&mut rng, ["q4", "bf16", "q8", "q8"], false, false, 0)];
+    let layers = [layer(
+        &mut rng,
+        Spec {
+            kinds: ["q4", "bf16", "q8", "q8"],
+            ..LLAMA
+        },
+    )];
     let s = step();
     let cache_len = BLOCKS * BLOCK * KV_ROW;
     let mut k = bf16s(&mut rng, cache_len, 1.0, 0.0);
     let mut v = bf16s(&mut rng, cache_len, 1.0, 0.0);
     let (k0, v0) = (k.clone(), v.clone());
     let h0 = bf16s(&mut rng, 2 * HIDDEN, 1.0, 0.0);
-    let views = [layers[0].view()];
+    let good = layers[0].view();
     let shape = s.shape();
+    let g = &s.groups[0];
     let bad_block = vec![3, 5, 0, 1, 60, 2];
-    let bad_slot = vec![s.slots[0], (BLOCKS * BLOCK) as i64];
+    let bad_slot = vec![g.slots[0], (BLOCKS * BLOCK) as i64];
     let too_long = vec![7, 13];
-    let cases: [(&[i32], &[i64], &[i32]); 3] = [
-        (&bad_block, &s.slots, &s.lens),
-        (&s.tables, &bad_slot, &s.lens),
-        (&s.tables, &s.slots, &too_long),
+    let ropes = ropes_of(&s);
+    let short_norm = vec![Bf16::from_f32(1.0); HD + 1];
+    let wrong_qk = vec![Bf16::from_f32(1.0); 2 * HD];
+    let short_cos = RopeTable {
+        cos: &ropes[0].cos[..HD],
+        ..ropes[0]
+    };
+    let bad_layers: [DecoderLayer<'_>; 7] = [
+        DecoderLayer {
+            q_norm: Some(&wrong_qk),
+            k_norm: Some(&wrong_qk),
+            ..good
+        },
+        DecoderLayer {
+            k_norm: Some(&short_norm),
+            ..good
+        },
+        DecoderLayer {
+            attn_out_norm: Some(&short_norm),
+            ..good
+        },
+        DecoderLayer {
+            rotary_dim: HD / 2,
+            ..good
+        },
+        DecoderLayer {
+            rope_table: 5,
+            ..good
+        },
+        DecoderLayer {
+            cache_group: 2,
+            ..good
+        },
+        DecoderLayer {
+            // This cache is group 0's size.
+            cache_group: 1,
+            ..good
+        },
     ];
-    for (tables, slots, lens) in cases {
+    let group = |tables, slots, lens| CacheGroup {
+        slots,
+        block_tables: tables,
+        seq_lens: lens,
+        max_blocks: g.width,
+        num_blocks: g.blocks,
+    };
+    let good_group = group(&g.tables, &g.slots, &g.lens);
+    let group1 = groups_of(&s)[1];
+    let mut cases: Vec<(DecoderLayer<'_>, Vec<CacheGroup<'_>>, Vec<RopeTable<'_>>)> = vec![
+        (
+            good,
+            vec![group(&bad_block, &g.slots, &g.lens)],
+            ropes.clone(),
+        ),
+        (
+            good,
+            vec![group(&g.tables, &bad_slot, &g.lens)],
+            ropes.clone(),
+        ),
+        (
+            good,
+            vec![group(&g.tables, &g.slots, &too_long)],
+            ropes.clone(),
+        ),
+        (good, vec![good_group], vec![short_cos]),
+        (good, vec![good_group, group1], vec![]),
+    ];
+    for l in bad_layers {
+        cases.push((l, vec![good_group, group1], ropes.clone()));
+    }
+    for (i, (l, groups, ropes)) in cases.iter().enumerate() {
         let mut h = h0.clone();
         let mut caches = [LayerCache {
             k: &mut k,
             v: &mut v,
         }];
         let inputs = DecodeInputs {
-            cos: &s.cos,
-            sin: &s.sin,
-            slots,
-            block_tables: tables,
-            seq_lens: lens,
+            ropes,
+            groups,
             shape,
-            scale: 0.25,
             eps: EPS,
         };
-        let result = decode_layers(&mut h, &views, &mut caches, &inputs, 2, &ScopedThreads);
-        assert!(result.is_err());
-        assert_eq!(h, h0);
+        let result = decode_layers(&mut h, &[*l], &mut caches, &inputs, 2, &ScopedThreads);
+        assert!(result.is_err(), "case {i} was taken");
+        assert_eq!(h, h0, "case {i}");
     }
     assert!(k == k0 && v == v0);
+    // And the good layer runs.
+    let mut h = h0.clone();
+    let mut caches = [LayerCache {
+        k: &mut k,
+        v: &mut v,
+    }];
+    let inputs = DecodeInputs {
+        ropes: &ropes,
+        groups: &[good_group],
+        shape,
+        eps: EPS,
+    };
+    decode_layers(&mut h, &[good], &mut caches, &inputs, 2, &ScopedThreads).unwrap();
+    assert_ne!(h, h0);
 }
 
 #[test]
@@ -529,5 +984,44 @@ fn silu_mul_rounds_like_torch() {
         let silu = Bf16::from_f32((g / (1.0 + (-g).exp())) as f32).to_f32();
         let want = Bf16::from_f32(silu * gate_up[4 + i].to_f32());
         assert_eq!(out[i], want, "element {i}");
+    }
+}
+
+#[test]
+fn tanh_is_within_two_ulp_and_saturates() {
+    let mut worst = 0f64;
+    let mut x = -12.0f32;
+    while x < 12.0 {
+        let got = f64::from(tanh(x));
+        let want = f64::from(x).tanh();
+        let ulp = f64::from(f32::EPSILON) * want.abs().max(f64::from(f32::MIN_POSITIVE));
+        worst = worst.max((got - want).abs() / ulp);
+        x += 0.00137;
+    }
+    assert!(worst <= 2.0, "worst error {worst} ulp");
+    assert_eq!(tanh(50.0), 1.0);
+    assert_eq!(tanh(-50.0), -1.0);
+    assert_eq!(tanh(0.0), 0.0);
+    assert!(tanh(f32::NAN).is_nan());
+}
+
+#[test]
+fn gelu_tanh_mul_rounds_like_torch() {
+    // torch: F.gelu(gate, approximate="tanh") in f32 (its formula, in its order, with an
+    // accurate tanh) rounded to bf16, then * up rounded to bf16. At -6 the tanh rounds to
+    // -1 in f32 and the GELU to -0, as torch's does.
+    let values = [-6.0f32, -3.0, -0.7, -0.01, 0.0, 0.3, 0.5, 2.0, 10.0];
+    let n = values.len();
+    let mut gate_up: Vec<Bf16> = values.iter().map(|&v| Bf16::from_f32(v)).collect();
+    gate_up.extend(values.iter().map(|&v| Bf16::from_f32(1.5 - v / 4.0)));
+    let mut out = vec![Bf16(0); n];
+    gelu_tanh_mul(&mut out, &gate_up, n);
+    for i in 0..n {
+        let g = gate_up[i].to_f32();
+        let beta = (2.0 / std::f64::consts::PI).sqrt() as f32;
+        let inner = beta * (g + 0.044715 * (g * g * g));
+        let gelu = Bf16::from_f32(0.5 * g * (1.0 + inner.tanh())).to_f32();
+        let want = Bf16::from_f32(gelu * gate_up[n + i].to_f32());
+        assert_eq!(out[i], want, "element {i} (gate {g})");
     }
 }

@@ -79,6 +79,11 @@ fn case_with(
 }
 
 fn reference(c: &Case, q: &[f32], k: &[f32], v: &[f32], scale: f32) -> Vec<f32> {
+    reference_capped(c, q, k, v, scale, 0.0)
+}
+
+/// The reference with each score soft-capped (`cap * tanh(score / cap)`; 0: off).
+fn reference_capped(c: &Case, q: &[f32], k: &[f32], v: &[f32], scale: f32, cap: f64) -> Vec<f32> {
     let s = c.shape;
     let (hd, group) = (s.head_dim, s.num_heads / s.num_kv_heads);
     let mut out = vec![0f32; q.len()];
@@ -105,6 +110,7 @@ fn reference(c: &Case, q: &[f32], k: &[f32], v: &[f32], scale: f32) -> Vec<f32> 
                         .sum::<f64>()
                         * scale as f64
                 })
+                .map(|x| if cap > 0.0 { cap * (x / cap).tanh() } else { x })
                 .collect();
             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
@@ -126,6 +132,16 @@ fn run<T: Element>(c: &Case, threads: usize) -> Vec<f32> {
 }
 
 fn run_on<T: Element>(path: AttentionPath, c: &Case, scale: f32, threads: usize) -> Vec<f32> {
+    run_capped::<T>(path, c, scale, 0.0, threads)
+}
+
+fn run_capped<T: Element>(
+    path: AttentionPath,
+    c: &Case,
+    scale: f32,
+    softcap: f32,
+    threads: usize,
+) -> Vec<f32> {
     let cast = |x: &[f32]| x.iter().map(|&v| T::from_f32(v)).collect::<Vec<T>>();
     let mut out = vec![T::from_f32(0.0); c.q.len()];
     paged_decode_attention_on(
@@ -138,6 +154,7 @@ fn run_on<T: Element>(path: AttentionPath, c: &Case, scale: f32, threads: usize)
         &c.lens,
         &c.shape,
         scale,
+        softcap,
         threads,
         &ScopedThreads,
     )
@@ -271,6 +288,69 @@ fn every_path_matches_the_reference_over_tiles_blocks_groups_and_rows() {
     }
 }
 
+/// Soft-capped scores on every path this CPU has: scores up to ~10x the cap, so the cap
+/// changes the weights a lot (an uncapped kernel fails by far more than the tolerance),
+/// with a sliding window, GQA groups and tiles that end inside the context.
+#[test]
+fn every_path_soft_caps_the_scores() {
+    let mut rng = Rng(0xcab);
+    for (heads, kv_heads, head_dim, block_size, lens, window, scale, cap) in [
+        (4, 2, 64, 16, vec![1, 15, 40], 0, 1.5, 5.0),
+        (9, 3, 128, 5, vec![77, 33], 20, 1.0, 10.0),
+        (8, 1, 32, 16, vec![63, 2], 0, 2.0, 3.0),
+    ] {
+        let c = case_with(
+            &mut rng, heads, kv_heads, head_dim, block_size, &lens, window,
+        );
+        let rq = round_bf16(&c.q);
+        let (rk, rv) = (round_bf16(&c.k), round_bf16(&c.v));
+        let want = reference_capped(&c, &c.q, &c.k, &c.v, scale, f64::from(cap));
+        let want_bf16 = reference_capped(&c, &rq, &rk, &rv, scale, f64::from(cap));
+        let uncapped = reference(&c, &c.q, &c.k, &c.v, scale);
+        assert!(
+            max_err(&want, &uncapped) > 0.05,
+            "the cap changes nothing here"
+        );
+        for path in PATHS {
+            let what = format!("{path:?} {heads}/{kv_heads}x{head_dim} cap {cap}");
+            if path.available::<f32>(head_dim) {
+                let got = run_capped::<f32>(path, &c, scale, cap, 2);
+                let err = max_err(&got, &want);
+                assert!(err < 2e-5, "f32 {what}: error {err}");
+            }
+            if path.available::<Bf16>(head_dim) {
+                let got = run_capped::<Bf16>(path, &c, scale, cap, 2);
+                for (k, (g, w)) in got.iter().zip(&want_bf16).enumerate() {
+                    let tol = w.abs() / 256.0 + 1e-5;
+                    assert!(
+                        (g - w).abs() <= tol,
+                        "bf16 {what}: element {k}: {g} against {w}"
+                    );
+                }
+            }
+        }
+    }
+    // A negative or non-finite cap is refused.
+    let c = case_with(&mut rng, 4, 2, 64, 16, &[5], 0);
+    let mut out = vec![0f32; c.q.len()];
+    for cap in [-1.0, f32::NAN, f32::INFINITY] {
+        let r = paged_decode_attention(
+            &mut out,
+            &c.q,
+            &c.k,
+            &c.v,
+            &c.tables,
+            &c.lens,
+            &c.shape,
+            1.0,
+            cap,
+            1,
+            &ScopedThreads,
+        );
+        assert!(r.is_err(), "cap {cap}");
+    }
+}
+
 #[test]
 fn paths_the_cpu_or_the_shape_rules_out_are_errors() {
     let mut rng = Rng(5);
@@ -287,6 +367,7 @@ fn paths_the_cpu_or_the_shape_rules_out_are_errors() {
         &c.lens,
         &c.shape,
         0.125,
+        0.0,
         1,
         &ScopedThreads,
     );
@@ -322,7 +403,7 @@ fn threads_already_waiting_split_one_sequence_with_the_same_results() {
             };
             let mut out = vec![Bf16::from_f32(0.0); c.q.len()];
             paged_decode_attention_on(
-                path, &mut out, &q, &k, &v, &c.tables, &c.lens, &c.shape, 0.125, 2, &recorder,
+                path, &mut out, &q, &k, &v, &c.tables, &c.lens, &c.shape, 0.125, 0.0, 2, &recorder,
             )
             .unwrap();
             let got: Vec<f32> = out.iter().map(|x| x.to_f32()).collect();
@@ -334,7 +415,7 @@ fn threads_already_waiting_split_one_sequence_with_the_same_results() {
         let mut out = vec![Bf16::from_f32(0.0); c.q.len()];
         run_in_team(2, &ScopedThreads, |team| {
             paged_decode_attention_on(
-                path, &mut out, &q, &k, &v, &c.tables, &c.lens, &c.shape, 0.125, 2, team,
+                path, &mut out, &q, &k, &v, &c.tables, &c.lens, &c.shape, 0.125, 0.0, 2, team,
             )
         })
         .unwrap();
@@ -375,6 +456,7 @@ fn bad_inputs_are_errors_and_write_nothing() {
             lens,
             &shape,
             1.0,
+            0.0,
             1,
             &ScopedThreads,
         );
