@@ -87,8 +87,9 @@ def test_a_memory_budget_is_split_between_the_groups_not_spent_twice() -> None:
     per_token = be.model.kv_bytes_per_token()
     spent = (full.size * per_token[0] + sliding.size * per_token[1]) * BS
     assert 0.9 * 0.01 * 2**30 <= spent <= 0.01 * 2**30
-    # A sliding group never needs more blocks than the full one to serve as many sequences.
-    assert 0 < sliding.size <= full.size
+    # As many sequences of 512 tokens (the tiny model's context) in each group: a decoding
+    # sequence holds 128 full blocks and 7-8 sliding ones (its window of 24 and a block).
+    assert 12 * sliding.size <= full.size <= 20 * sliding.size
     assert [t.shape[1] for t in be.model.kv_caches] == [sliding.size, full.size]
 
 

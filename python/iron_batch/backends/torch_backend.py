@@ -300,14 +300,16 @@ def group_blocks_for_memory(
     net: DecoderModel, block_size: int, memory_gb: float | None
 ) -> list[int]:
     """Blocks of each cache group from one memory budget, split by the core so that each
-    group serves as many sequences (a sliding group holds a window and a chunk of each)."""
+    group serves as many sequences of ``_SPLIT_CONTEXT`` tokens. A sliding group is sized
+    for what a decoding sequence holds (its window and a block): the step's prompt chunk
+    is shared by the few sequences in prefill, not held by every one."""
     budget = kv_blocks_for_memory(net, block_size, memory_gb) * net.kv_bytes_per_block(
         block_size)
     specs = [(kind, window, per_token) for (kind, window), per_token
              in zip(net.cache_groups, net.kv_bytes_per_token(), strict=True)]
     context = min(net.config.max_position_embeddings, _SPLIT_CONTEXT)
     groups = split_pool(budget, specs, block_size, _CORE_DEFAULTS.max_running_seqs, context,
-                        _CORE_DEFAULTS.max_batch_tokens)
+                        block_size)
     return [g.size for g in groups]
 
 
