@@ -54,9 +54,42 @@ fn assert_exact(groups: &[CacheGroup], prompts: &HashMap<String, Vec<u32>>, out:
 }
 
 fn assert_all_free(s: &Scheduler) {
-    for u in s.group_usage() {
+    let usage = s.group_usage();
+    assert_eq!(
+        usage.len(),
+        s.config().groups().len(),
+        "one usage entry per group"
+    );
+    for u in usage {
         assert_eq!((u.used, u.free), (0, u.total), "{u:?}");
     }
+}
+
+#[test]
+fn a_sliding_group_peaks_at_its_window_and_chunk_over_misaligned_blocks() {
+    // Window 16 and one new token, blocks of 16: the 16 positions read may straddle two
+    // blocks; 17 of them (a chunk of 2) still fit two, 18 need three.
+    assert_eq!(CacheGroup::sliding_peak_blocks(16, 1, 16), 2);
+    assert_eq!(CacheGroup::sliding_peak_blocks(16, 2, 16), 3);
+    assert_eq!(CacheGroup::sliding_peak_blocks(1, 1, 4), 2);
+    assert_eq!(CacheGroup::sliding_peak_blocks(6, 8, 4), 5);
+}
+
+#[test]
+fn usage_reports_every_group_with_what_it_holds() {
+    let groups = vec![CacheGroup::full(16), CacheGroup::sliding(6, 12)];
+    let mut s = Scheduler::new(cfg(groups, 4, 8, 4)).unwrap();
+    s.add_request("a", &(100..110).collect::<Vec<u32>>(), 4, &[])
+        .unwrap();
+    let _batch = s.schedule();
+    let usage = s.group_usage();
+    assert_eq!(
+        usage.iter().map(|u| u.total).collect::<Vec<_>>(),
+        vec![16, 12]
+    );
+    // The first chunk of 8 tokens holds two blocks in each group.
+    assert_eq!(usage.iter().map(|u| u.used).collect::<Vec<_>>(), vec![2, 2]);
+    assert!(usage.iter().all(|u| u.used + u.free == u.total));
 }
 
 #[test]
