@@ -40,7 +40,7 @@ from iron_batch.attention import paged
 from iron_batch.layers.embedding import Embedding, LMHead
 from iron_batch.layers.linear import Linear
 from iron_batch.layers.mlp import GatedMLP
-from iron_batch.layers.norm import HeadNorm, RMSNorm
+from iron_batch.layers.norm import RMSNorm
 from iron_batch.layers.rotary import RotaryEmbedding, apply_rope
 from iron_batch.layers.weights import LoadContext, Part, WeightSource
 from iron_batch.models.config import GATED_ACTIVATION_NAMES, ModelConfig
@@ -163,6 +163,9 @@ def _kv_sources(cfg: dict[str, Any], kinds: list[str]) -> list[int | None]:
         raise ValueError(f"unsupported num_kv_shared_layers {shared} of {n} layers (some "
                          "layer must compute the K/V the others share)")
     first = n - shared
+    if shared and set(kinds[:first]) != set(kinds):
+        raise ValueError(f"num_kv_shared_layers {shared}: every layer kind must have a "
+                         "layer that computes its K/V before the sharing ones")
     out: list[int | None] = [None] * n
     for i in range(first, n):
         producers = [j for j in range(first) if kinds[j] == kinds[i]]
@@ -282,7 +285,6 @@ class Gemma4ForCausalLM(DecoderModel):
         c = self.config
         assert isinstance(c, Gemma4Config) and plan is None
         names = self.hf_names
-        fused = ctx.kernels.fused
         windows = [c.layer_window(i) for i in range(c.num_layers)]
         self.cache_groups: list[tuple[str, int | None]] = []
         if any(w is None for w in windows):
@@ -290,11 +292,8 @@ class Gemma4ForCausalLM(DecoderModel):
         for w in sorted({w for w in windows if w is not None}):
             self.cache_groups.append(("sliding", w))
 
-        def norm(name: str) -> RMSNorm:
-            return RMSNorm(ctx.need(Part(name)), c.rms_norm_eps, fused=fused)
-
-        def head_norm(name: str) -> HeadNorm:
-            return HeadNorm(ctx.need(Part(name)), c.rms_norm_eps, fused=fused)
+        def norm(name: str) -> Gemma4Norm:
+            return Gemma4Norm(ctx.need(Part(name)), c.rms_norm_eps)
 
         def dense(name: str) -> Linear:
             return Linear(ctx.need(Part(name)), kernels=ctx.kernels)
@@ -337,8 +336,8 @@ class Gemma4ForCausalLM(DecoderModel):
             self.layers.append(Gemma4Layer(
                 input_norm=norms["input_norm"],
                 qkv=qkv,
-                q_norm=head_norm(n["q_norm"]),
-                k_norm=head_norm(n["k_norm"]) if src is None else None,
+                q_norm=norm(n["q_norm"]),
+                k_norm=norm(n["k_norm"]) if src is None else None,
                 o=o,
                 post_norm=norms["post_norm"],
                 mlp=GatedMLP(gate_up, down, c.hidden_act, max_rows=mlp_rows),
@@ -354,15 +353,15 @@ class Gemma4ForCausalLM(DecoderModel):
                 kv_heads=kvh,
                 v_from_k=v_from_k,
                 # The v norm has no weight: a norm by ones.
-                v_norm=HeadNorm(torch.ones(hd, device=ctx.device, dtype=ctx.dtype),
-                                c.rms_norm_eps, fused=fused) if src is None else None,
+                v_norm=Gemma4Norm(torch.ones(hd, device=ctx.device, dtype=ctx.dtype),
+                                  c.rms_norm_eps) if src is None else None,
                 kv_source=src,
                 ple_gate=dense(n["ple_gate"]) if ple else None,
                 ple_proj=dense(n["ple_proj"]) if ple else None,
                 ple_norm=norm(n["ple_norm"]) if ple else None,
                 layer_scalar=scalar(n["layer_scalar"]),
             ))
-        self.norm = RMSNorm(ctx.need(Part(names["norm"])), c.rms_norm_eps)
+        self.norm = norm(names["norm"])
         head_name = names["embed"] if c.tie_word_embeddings else names["lm_head"]
         head = Linear.load(ctx, [Part(head_name)], head=True)
         self.lm_head = LMHead(head, c.vocab_size)
@@ -375,11 +374,11 @@ class Gemma4ForCausalLM(DecoderModel):
         #: every layer's vector, and that projection's norm (None without them).
         self.ple_embed: Embedding | None = None
         self.ple_model_proj: Linear | None = None
-        self.ple_proj_norm: HeadNorm | None = None
+        self.ple_proj_norm: Gemma4Norm | None = None
         if c.ple_dim:
             self.ple_embed = Embedding(ctx.need(Part(names["ple_embed"])))
             self.ple_model_proj = dense(names["ple_model_proj"])
-            self.ple_proj_norm = head_norm(names["ple_proj_norm"])
+            self.ple_proj_norm = norm(names["ple_proj_norm"])
         self.activation = _PLAIN_ACTIVATIONS[c.hidden_act]
 
     def _linears(self, head: bool = False) -> list[Linear]:
@@ -523,6 +522,27 @@ class Gemma4ForCausalLM(DecoderModel):
         return (projected + token.view(n, c.num_layers, c.ple_dim)) * 2**-0.5
 
 
+class Gemma4Norm(RMSNorm):
+    """Gemma 4's RMSNorm over the last dimension of any shape: the statistics and the
+    product with the weight both in float32, rounded to the compute dtype once (the
+    shared norm rounds before multiplying by its weight; in bf16 the two differ)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__(weight.float(), eps)
+        self.dtype = weight.dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        return (xf * self.weight).to(x.dtype)
+
+    def add(
+        self, residual: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + delta
+        return residual, self(residual)
+
+
 @dataclass
 class Gemma4Layer(DecoderLayer):
     """A decoder layer with Gemma 4's per-layer head shape, its weightless v norm, K/V
@@ -532,11 +552,11 @@ class Gemma4Layer(DecoderLayer):
     kv_heads: int = 0
     #: The values are the k projection's output (``attention_k_eq_v``, global layers).
     v_from_k: bool = False
-    v_norm: HeadNorm | None = None
+    v_norm: Gemma4Norm | None = None
     #: The earlier layer whose K/V this one reads (None: it computes and stores its own).
     kv_source: int | None = None
     ple_gate: Linear | None = None
     ple_proj: Linear | None = None
-    ple_norm: RMSNorm | None = None
+    ple_norm: Gemma4Norm | None = None
     #: The layer's output is multiplied by this (None: by one).
     layer_scalar: torch.Tensor | None = None
