@@ -18,7 +18,9 @@ def _backend(name: str, quantization: str | None, fused: bool,
     monkeypatch.setenv("IRON_BATCH_CPU_DECODER", "1" if fused else "0")
     be = TorchBackend.from_model(str(checkpoint(name)), device="cpu", dtype="bfloat16",
                                  total_kv_blocks=96, kv_block_size=4, quantization=quantization)
-    assert (be.model.decoder is not None) == fused
+    # A family whose layers the stack does not describe (Gemma 4) keeps the Python path
+    # with the switch on.
+    assert (be.model.decoder is not None) == (fused and be.model.one_call_decode)
     return be
 
 
@@ -37,7 +39,7 @@ def test_one_call_decode_gives_the_python_paths_tokens_and_logits(
         alone = [_logits_run(be, [p], rows) for p in prompts[:2]]
         together = _logits_run(be, prompts if quantization else prompts[:2], rows)
         runs.append((alone, together))
-        if fused:
+        if fused and be.model.one_call_decode:
             # The stack ran the decode steps, alone and batched.
             assert 1 in rows and max(rows) == (5 if quantization else 2)
         else:

@@ -97,8 +97,6 @@ def _hf_with_our_weights(name: str, net: DecoderModel) -> Any:
     """transformers' float32 model of ``name`` with every projection (and the LM head)
     replaced by our dequantized weights: the same weights, full-precision activations."""
     model = copy.deepcopy(reference_model(name))
-    c = net.config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     with torch.no_grad():
         for layer, ours in zip(model.model.layers, net.layers, strict=True):
             qkv = _dense(ours.qkv.weight)
@@ -106,16 +104,23 @@ def _hf_with_our_weights(name: str, net: DecoderModel) -> Any:
             if hasattr(attn, "qkv_proj"):  # Phi-3's fused tensors
                 attn.qkv_proj.weight.copy_(qkv)
             else:
-                attn.q_proj.weight.copy_(qkv[:q])
-                attn.k_proj.weight.copy_(qkv[q : q + kv])
-                attn.v_proj.weight.copy_(qkv[q + kv :])
+                # The layer's own projections, q then k then v, each as many rows as it
+                # has (per-layer shapes; Gemma 4 layers may lack v, or k and v).
+                start = 0
+                for proj in ("q_proj", "k_proj", "v_proj"):
+                    w = getattr(attn, proj, None)
+                    if w is not None:
+                        w.weight.copy_(qkv[start : start + w.weight.shape[0]])
+                        start += w.weight.shape[0]
+                assert start == qkv.shape[0]
             attn.o_proj.weight.copy_(_dense(ours.o.weight))
             gate_up = _dense(ours.mlp.gate_up.weight)
             if hasattr(mlp, "gate_up_proj"):
                 mlp.gate_up_proj.weight.copy_(gate_up)
             else:
-                mlp.gate_proj.weight.copy_(gate_up[: c.intermediate_size])
-                mlp.up_proj.weight.copy_(gate_up[c.intermediate_size :])
+                rows = mlp.gate_proj.weight.shape[0]
+                mlp.gate_proj.weight.copy_(gate_up[:rows])
+                mlp.up_proj.weight.copy_(gate_up[rows:])
             mlp.down_proj.weight.copy_(_dense(ours.mlp.down.weight))
         model.lm_head.weight = torch.nn.Parameter(_dense(net.lm_head.linear.weight))
     model.generation_config.eos_token_id = None

@@ -26,12 +26,27 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch
             raise ValueError(f"{len(factors)} rope frequency factors for {len(inv_freq)} "
                              "frequencies")
         return inv_freq / factors
+    if rope_type == "proportional":
+        return _proportional_inv_freq(inv_freq, head_dim, scaling)
     raise ValueError(f"unsupported rope scaling type {rope_type!r} "
                      f"(supported: {', '.join(ROPE_TYPES)})")
 
 
 #: Rope scaling types :func:`rope_inv_freq` implements.
-ROPE_TYPES = ("default", "linear", "llama3", "longrope", "freq_factors")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "freq_factors", "proportional")
+
+
+def _proportional_inv_freq(
+    inv_freq: torch.Tensor, head_dim: int, scaling: dict[str, Any]
+) -> torch.Tensor:
+    # Gemma 4's global layers: the first `partial_rotary_factor` of the frequency pairs
+    # keep the whole head's exponents (spaced by 2 / head_dim, not by 2 / rotated dims);
+    # the other pairs get frequency 0, so cos is 1, sin 0 and those dimensions pass
+    # through. The tables stay as wide as the head, in the half-split layout.
+    rotated = int(float(scaling.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    out = inv_freq.clone()
+    out[rotated:] = 0.0
+    return out / float(scaling.get("factor", 1.0))
 
 
 def _longrope_inv_freq(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:

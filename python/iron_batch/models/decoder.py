@@ -155,6 +155,9 @@ class DecoderModel:
     gguf_rope_scaling_types: ClassVar[tuple[str, ...]] = ()
     hf_names: ClassVar[dict[str, str]] = HF_NAMES
     gguf_names: ClassVar[dict[str, str]] = GGUF_NAMES
+    #: Whether ``layers/decoder_stack.py`` can describe the family's layers (False: its
+    #: decode steps take the layer-by-layer Python path whatever the switches say).
+    one_call_decode: ClassVar[bool] = True
 
     @classmethod
     def config_from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -207,7 +210,7 @@ class DecoderModel:
                 linear.prepack()
         # Decode steps with few rows: every layer in one Rust call (see decoder_stack).
         self.decoder: decoder_stack.DecoderStack | None = None
-        if shard is None and kernels.decoder:
+        if shard is None and kernels.decoder and self.one_call_decode:
             self.decoder = decoder_stack.DecoderStack(
                 self.layers, hidden=c.hidden_size, heads=self.num_heads,
                 kv_heads=self.num_kv_heads, head_dim=c.head_dim, eps=c.rms_norm_eps,
@@ -485,14 +488,8 @@ class DecoderModel:
         pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev)
         largest = int(positions.max()) if len(positions) else 0
         n = ids.shape[0]
-        num_seqs = len(seq_lens)
-        groups = [(slot_mapping, block_tables)]
-        for g in range(1, len(self.cache_groups)):
-            if group_slot_mapping is None or group_block_tables is None:
-                raise ValueError(f"the model has {len(self.cache_groups)} cache groups: the "
-                                 "batch needs the other groups' slots and block tables")
-            groups.append((group_slot_mapping[g - 1],
-                           group_block_tables[(g - 1) * num_seqs : g * num_seqs]))
+        groups = self._group_tables(slot_mapping, block_tables, group_slot_mapping,
+                                    group_block_tables, len(seq_lens))
         ropes = [r.cos_sin(pos, largest) for r in self.rotaries]
         decoder = self.decoder
         if decoder is not None and 0 < n <= decoder.max_rows and len(query_start_loc) == n + 1:
@@ -543,6 +540,24 @@ class DecoderModel:
             after = layers[i + 1].input_norm if i + 1 < len(layers) else None
             h, x = self._join(h, mlp, layer.mlp_out_norm, layer.residual_scale, after)
         return h
+
+    def _group_tables(
+        self,
+        slot_mapping: np.ndarray,
+        block_tables: np.ndarray,
+        group_slot_mapping: np.ndarray | None,
+        group_block_tables: np.ndarray | None,
+        num_seqs: int,
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(slots, block tables) of each cache group, in :attr:`cache_groups` order."""
+        groups = [(slot_mapping, block_tables)]
+        for g in range(1, len(self.cache_groups)):
+            if group_slot_mapping is None or group_block_tables is None:
+                raise ValueError(f"the model has {len(self.cache_groups)} cache groups: the "
+                                 "batch needs the other groups' slots and block tables")
+            groups.append((group_slot_mapping[g - 1],
+                           group_block_tables[(g - 1) * num_seqs : g * num_seqs]))
+        return groups
 
     @staticmethod
     def _join(

@@ -61,6 +61,9 @@ def plan_shards(config: ModelConfig, world: int) -> list[ShardPlan]:
     c = config
     if world < 1:
         raise TensorParallelError(f"tensor parallel size must be >= 1, got {world}")
+    if world > 1 and c.unsplittable:
+        raise TensorParallelError(f"cannot split {c.model_type} over {world} ranks: "
+                                  f"{c.unsplittable}")
     heads, kv = c.num_heads, c.num_kv_heads
     group = heads // kv
     name = f"{c.model_type} ({heads} query heads, {kv} KV heads)"

@@ -12,6 +12,7 @@ from iron_batch.models.config import ModelConfig
 from iron_batch.models.decoder import DecoderModel
 from iron_batch.models.gemma2 import Gemma2ForCausalLM
 from iron_batch.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOfMultimodal
+from iron_batch.models.gemma4 import Gemma4ForCausalLM
 from iron_batch.models.granite import GraniteForCausalLM
 from iron_batch.models.llama import LlamaForCausalLM
 from iron_batch.models.mistral import MistralForCausalLM
@@ -29,6 +30,7 @@ FAMILIES: tuple[type[DecoderModel], ...] = (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextOfMultimodal,
+    Gemma4ForCausalLM,
     Phi3ForCausalLM,
     Olmo2ForCausalLM,
     GraniteForCausalLM,

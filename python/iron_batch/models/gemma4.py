@@ -1,0 +1,562 @@
+"""Gemma 4 (text, dense): Gemma 3's sandwich-normed layer with the changes below, the
+``gemma4_text`` checkpoints that ``Gemma4ForCausalLM`` reads.
+
+- Norms multiply by their weight ``w`` (not ``1 + w``); q and k are normed per head, and v
+  too, by a norm without a weight. Attention scores are not scaled (scale 1).
+- Sliding and global layers differ in shape: a global layer's heads may be wider
+  (``global_head_dim``) and fewer on the K/V side; each layer's cache has its own head
+  shape. The global layers' rope is "proportional": only the first part of each head's
+  frequency pairs turns (see ``layers/rotary.py``).
+- ``attention_k_eq_v``: a global layer has no v projection; its values are the k
+  projection's output, normed by the weightless v norm (its keys by ``k_norm`` and rope).
+- ``num_kv_shared_layers``: the last layers compute no K/V at all. Each reads the cache of
+  the last earlier layer of its own kind (sliding or global) and stores nothing; the
+  memory per token counts only the layers that store. Their MLP may be twice as wide
+  (``use_double_wide_mlp``: the checkpoint's shapes say so).
+- Per-layer embeddings (``hidden_size_per_layer_input``): a second token table gives
+  every layer a small vector of its own, mixed with a projection of the scaled token
+  embedding; after its MLP each layer adds ``norm(proj(act(gate(h)) * vector))``.
+- Every layer's output is multiplied by its ``layer_scalar``; final logits soft-capped.
+
+Decode steps run layer by layer in Python: the one-call Rust stack
+(``layers/decoder_stack.py``) does not describe these layers, so ``decoder`` stays None.
+The per-layer-embedding projections stay dense under ``--quantization`` (the attention
+and MLP projections and the head are quantized as usual). Refused by name at load:
+mixture-of-experts layers (``enable_moe_block``), bidirectional attention, rope types
+other than "default" and "proportional", and tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from iron_batch.attention import paged
+from iron_batch.layers.embedding import Embedding, LMHead
+from iron_batch.layers.linear import Linear
+from iron_batch.layers.mlp import GatedMLP
+from iron_batch.layers.norm import RMSNorm
+from iron_batch.layers.rotary import RotaryEmbedding, apply_rope
+from iron_batch.layers.weights import LoadContext, Part, WeightSource
+from iron_batch.models.config import GATED_ACTIVATION_NAMES, ModelConfig
+from iron_batch.models.decoder import HF_NAMES, NORM_LAYOUTS, DecoderLayer, DecoderModel, Shard
+from iron_batch.models.partition import ShardPlan
+from iron_batch.platform import heap, huge_pages
+
+#: Layer kinds, in the order of the rope tables (``Gemma4Config.ropes``).
+LAYER_KINDS = ("sliding_attention", "full_attention")
+
+#: What transformers' config uses when a checkpoint gives no ``rope_parameters``.
+_DEFAULT_ROPES = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                       "rope_theta": 1_000_000.0},
+}
+
+#: The gate's activation in a per-layer-embedding block, by the config's name.
+_PLAIN_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+_NAMES = {
+    **HF_NAMES,
+    "layer_scalar": "model.layers.{i}.layer_scalar",
+    "ple_gate": "model.layers.{i}.per_layer_input_gate.weight",
+    "ple_proj": "model.layers.{i}.per_layer_projection.weight",
+    "ple_norm": "model.layers.{i}.post_per_layer_input_norm.weight",
+    "ple_embed": "model.embed_tokens_per_layer.weight",
+    "ple_model_proj": "model.per_layer_model_projection.weight",
+    "ple_proj_norm": "model.per_layer_projection_norm.weight",
+}
+
+#: Where a tensor-parallel split would have to cut differently per layer.
+_UNSPLITTABLE = ("Gemma 4's layers differ in head shape and share K/V across layers "
+                 "(tensor parallelism is not implemented for it)")
+
+
+@dataclass
+class Gemma4Config(ModelConfig):
+    """``ModelConfig`` plus what Gemma 4 sets per layer. ``head_dim``/``num_kv_heads``
+    are the sliding layers' (the config's top-level values)."""
+
+    #: Each layer's head width and K/V heads.
+    layer_head_dims: list[int] = field(default_factory=list)
+    layer_kv_heads: list[int] = field(default_factory=list)
+    #: Each layer's kind index into ``LAYER_KINDS``.
+    layer_kinds: list[int] = field(default_factory=list)
+    #: For a layer that shares K/V: the layer whose cache it reads (None: its own).
+    kv_sources: list[int | None] = field(default_factory=list)
+    #: Global layers take their values from the k projection.
+    k_eq_v: bool = False
+    #: Rope (theta, scaling) of each kind in ``LAYER_KINDS``.
+    ropes: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+    #: Width of each layer's per-layer embedding (0: none), and that table's vocabulary.
+    ple_dim: int = 0
+    ple_vocab: int = 0
+
+
+def _kinds(cfg: dict[str, Any], n: int) -> list[str]:
+    types = cfg.get("layer_types")
+    if types is None:  # transformers' default: five sliding layers to each global one
+        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+    types = list(types)
+    unknown = sorted(set(types) - set(LAYER_KINDS))
+    if unknown or len(types) != n:
+        raise ValueError(f"unsupported layer_types {unknown or types!r}")
+    types[-1] = "full_attention"  # as transformers forces it
+    return types
+
+
+def _rope(kind: str, params: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    rope_type = params.get("rope_type", "default")
+    theta = float(params.get("rope_theta", _DEFAULT_ROPES[kind]["rope_theta"]))
+    if rope_type == "default":  # transformers reads only theta for this type
+        return theta, {"rope_type": "default"}
+    if rope_type == "proportional":
+        return theta, {"rope_type": "proportional",
+                       "partial_rotary_factor": float(params.get("partial_rotary_factor", 1.0)),
+                       "factor": float(params.get("factor", 1.0))}
+    raise ValueError(f"unsupported rope_type {rope_type!r} for {kind} layers "
+                     "(supported: default, proportional)")
+
+
+def _shapes(cfg: dict[str, Any], kinds: list[str]) -> tuple[list[int], list[int]]:
+    """Each layer's head width and K/V heads: the config's, with ``per_layer_config``'s
+    overrides (or, without it, what transformers derives for the global layers)."""
+    n = len(kinds)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    kv = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    per_layer = cfg.get("per_layer_config")
+    if per_layer is None:
+        over: dict[str, Any] = {"head_dim": cfg.get("global_head_dim", 512)}
+        if cfg.get("attention_k_eq_v", True) and cfg.get("num_global_key_value_heads"):
+            over["num_key_value_heads"] = cfg["num_global_key_value_heads"]
+        per_layer = {i: over for i, k in enumerate(kinds) if k == "full_attention"}
+    dims, heads = [head_dim] * n, [kv] * n
+    for key, values in per_layer.items():
+        i = int(key)
+        extra = sorted(set(values) - {"head_dim", "num_key_value_heads"})
+        if extra or not 0 <= i < n:
+            raise ValueError(f"unsupported per_layer_config entry {key!r}: {values!r}")
+        dims[i] = int(values.get("head_dim") or dims[i])
+        heads[i] = int(values.get("num_key_value_heads") or heads[i])
+    for kind in set(kinds):
+        if len({dims[i] for i in range(n) if kinds[i] == kind}) > 1:
+            raise ValueError(f"unsupported per_layer_config: {kind} layers of several head "
+                             "widths (one rope table per layer kind)")
+    return dims, heads
+
+
+def _kv_sources(cfg: dict[str, Any], kinds: list[str]) -> list[int | None]:
+    """transformers' ``kv_sharing_modes``: the last ``num_kv_shared_layers`` layers read
+    the K/V of the last earlier layer of their kind."""
+    n = len(kinds)
+    shared = int(cfg.get("num_kv_shared_layers") or 0)
+    if not 0 <= shared < n:
+        raise ValueError(f"unsupported num_kv_shared_layers {shared} of {n} layers (some "
+                         "layer must compute the K/V the others share)")
+    first = n - shared
+    if shared and set(kinds[:first]) != set(kinds):
+        raise ValueError(f"num_kv_shared_layers {shared}: every layer kind must have a "
+                         "layer that computes its K/V before the sharing ones")
+    out: list[int | None] = [None] * n
+    for i in range(first, n):
+        producers = [j for j in range(first) if kinds[j] == kinds[i]]
+        if not producers:
+            raise ValueError(f"num_kv_shared_layers {shared}: no earlier {kinds[i]} layer "
+                             f"computes the K/V layer {i} would share")
+        out[i] = producers[-1]
+    return out
+
+
+class Gemma4ForCausalLM(DecoderModel):
+    model_types = ("gemma4_text",)
+    architectures = ("Gemma4ForCausalLM",)
+    hf_names = _NAMES
+    one_call_decode = False
+
+    @classmethod
+    def config_from_hf(cls, cfg: dict[str, Any]) -> Gemma4Config:
+        if cfg.get("enable_moe_block"):
+            raise ValueError("unsupported enable_moe_block (Gemma 4's mixture-of-experts "
+                             "layers)")
+        # "vision" changes only image tokens' attention; a text model has none.
+        if cfg.get("use_bidirectional_attention") not in (None, "vision"):
+            raise ValueError("unsupported use_bidirectional_attention "
+                             f"{cfg['use_bidirectional_attention']!r} (an encoder, not a decoder)")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in GATED_ACTIVATION_NAMES:
+            raise ValueError(f"unsupported hidden_activation {act!r} (supported: "
+                             f"{', '.join(GATED_ACTIVATION_NAMES)})")
+        n = int(cfg["num_hidden_layers"])
+        kinds = _kinds(cfg, n)
+        dims, kv_heads = _shapes(cfg, kinds)
+        sources = _kv_sources(cfg, kinds)
+        for i, src in enumerate(sources):
+            if src is not None and (dims[i], kv_heads[i]) != (dims[src], kv_heads[src]):
+                raise ValueError(f"layer {i} shares layer {src}'s K/V but differs in head "
+                                 "shape")
+        params = cfg.get("rope_parameters") or _DEFAULT_ROPES
+        if not all(k in LAYER_KINDS for k in params):
+            raise ValueError("unsupported rope_parameters: expected one entry per layer "
+                             f"kind ({', '.join(LAYER_KINDS)}), got {sorted(params)}")
+        ropes = [_rope(k, params.get(k) or _DEFAULT_ROPES[k]) for k in LAYER_KINDS]
+        hidden = int(cfg["hidden_size"])
+        bias = bool(cfg.get("attention_bias", False))
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else [
+            int(e) for e in eos]
+        ple = int(cfg.get("hidden_size_per_layer_input") or 0)
+        sliding_theta, sliding_scaling = ropes[0]
+        return Gemma4Config(
+            model_type=cfg.get("model_type", "gemma4_text"),
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=n,
+            num_heads=int(cfg["num_attention_heads"]),
+            num_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+            head_dim=int(cfg.get("head_dim") or hidden // cfg["num_attention_heads"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 131_072)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            rope_theta=sliding_theta,
+            rope_scaling=dict(sliding_scaling),
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm="head",
+            sliding_window=cfg.get("sliding_window", 512),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            hidden_act=act,
+            sliding_layers=[k == "sliding_attention" for k in kinds],
+            norm_layout="sandwich",
+            attention_scale=1.0,
+            final_softcap=cfg.get("final_logit_softcapping"),
+            embedding_scale=hidden**0.5,
+            embedding_scale_in_dtype=True,
+            unsplittable=_UNSPLITTABLE,
+            layer_head_dims=dims,
+            layer_kv_heads=kv_heads,
+            layer_kinds=[LAYER_KINDS.index(k) for k in kinds],
+            kv_sources=sources,
+            k_eq_v=bool(cfg.get("attention_k_eq_v", False)),
+            ropes=ropes,
+            ple_dim=ple,
+            ple_vocab=int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]),
+        )
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        source: WeightSource,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantization: str | None = None,
+        shard: Shard | None = None,
+    ) -> None:
+        if shard is not None:
+            raise ValueError(f"cannot split {config.model_type}: {_UNSPLITTABLE}")
+        if not isinstance(config, Gemma4Config):
+            raise TypeError("Gemma4ForCausalLM needs the config its config_from_hf reads")
+        super().__init__(config, source, device=device, dtype=dtype,
+                         quantization=quantization, shard=shard)
+        c: Gemma4Config = config
+        # One rope table per layer kind, as wide as that kind's heads.
+        width = {c.layer_kinds[i]: c.layer_head_dims[i] for i in range(c.num_layers)}
+        self.rotaries = [
+            RotaryEmbedding(width.get(k, c.head_dim), theta, scaling, device=device,
+                            dtype=dtype)
+            for k, (theta, scaling) in enumerate(c.ropes)
+        ]
+        self.kv_caches = []
+
+    # ---------------------------------------------------------------- loading
+
+    def _load(self, ctx: LoadContext, plan: ShardPlan | None) -> None:
+        c = self.config
+        assert isinstance(c, Gemma4Config) and plan is None
+        names = self.hf_names
+        windows = [c.layer_window(i) for i in range(c.num_layers)]
+        self.cache_groups: list[tuple[str, int | None]] = []
+        if any(w is None for w in windows):
+            self.cache_groups.append(("full", None))
+        for w in sorted({w for w in windows if w is not None}):
+            self.cache_groups.append(("sliding", w))
+
+        def norm(name: str) -> Gemma4Norm:
+            return Gemma4Norm(ctx.need(Part(name)), c.rms_norm_eps)
+
+        def dense(name: str) -> Linear:
+            return Linear(ctx.need(Part(name)), kernels=ctx.kernels)
+
+        def scalar(name: str) -> torch.Tensor | None:
+            t = ctx.source.tensor(Part(name))
+            if t is None or bool((t == 1).all()):
+                return None  # a multiplication by one: skipped
+            return t.reshape(()).to(device=ctx.device, dtype=ctx.dtype)
+
+        layout = NORM_LAYOUTS[c.norm_layout]
+        self.layers: list[DecoderLayer] = []
+        for i in range(c.num_layers):
+            n = {k: v.format(i=i) for k, v in names.items()}
+            hd, kvh = c.layer_head_dims[i], c.layer_kv_heads[i]
+            src = c.kv_sources[i]
+            global_layer = windows[i] is None
+            v_from_k = c.k_eq_v and global_layer
+            projections = ["q"] if src is not None else ["q", "k"] if v_from_k else [
+                "q", "k", "v"]
+            biases = [Part(n[p] + ".bias") for p in projections] if c.qkv_bias else None
+            qkv = Linear.load(ctx, [Part(n[p] + ".weight") for p in projections],
+                              biases=biases)
+            o = Linear.load(ctx, [Part(n["o"] + ".weight")])
+            if c.o_bias:
+                o.bias = ctx.need(Part(n["o"] + ".bias"))
+            gate_up = Linear.load(ctx, [Part(n["gate"] + ".weight"),
+                                        Part(n["up"] + ".weight")])
+            down = Linear.load(ctx, [Part(n["down"] + ".weight")])
+            # As DecoderModel's: the most rows the MLP takes at once on CPU.
+            mlp_rows = None
+            if ctx.device.type == "cpu":
+                width = gate_up.shape[0] * ctx.dtype.itemsize
+                mlp_rows = max(64, heap.HEAP_BLOCK // width // 64 * 64)
+            norms = {slot: norm(n[key]) for slot, key in layout.items()}
+            ple = c.ple_dim > 0
+            window = windows[i]
+            group = self.cache_groups.index(
+                ("full", None) if window is None else ("sliding", window))
+            self.layers.append(Gemma4Layer(
+                input_norm=norms["input_norm"],
+                qkv=qkv,
+                q_norm=norm(n["q_norm"]),
+                k_norm=norm(n["k_norm"]) if src is None else None,
+                o=o,
+                post_norm=norms["post_norm"],
+                mlp=GatedMLP(gate_up, down, c.hidden_act, max_rows=mlp_rows),
+                sliding_window=window,
+                attn_out_norm=norms["attn_out_norm"],
+                mlp_out_norm=norms["mlp_out_norm"],
+                rotary_dim=hd,
+                rope_table=c.layer_kinds[i],
+                scale=1.0,
+                softcap=None,
+                cache_group=group,
+                head_dim=hd,
+                kv_heads=kvh,
+                v_from_k=v_from_k,
+                # The v norm has no weight: a norm by ones.
+                v_norm=Gemma4Norm(torch.ones(hd, device=ctx.device, dtype=ctx.dtype),
+                                  c.rms_norm_eps) if src is None else None,
+                kv_source=src,
+                ple_gate=dense(n["ple_gate"]) if ple else None,
+                ple_proj=dense(n["ple_proj"]) if ple else None,
+                ple_norm=norm(n["ple_norm"]) if ple else None,
+                layer_scalar=scalar(n["layer_scalar"]),
+            ))
+        self.norm = norm(names["norm"])
+        head_name = names["embed"] if c.tie_word_embeddings else names["lm_head"]
+        head = Linear.load(ctx, [Part(head_name)], head=True)
+        self.lm_head = LMHead(head, c.vocab_size)
+        if c.tie_word_embeddings and ctx.quantization is None:
+            table = head.weight
+        else:
+            table = ctx.need(Part(names["embed"]))
+        self.embed = Embedding(table)
+        #: The per-layer embeddings' table, the projection of the token embedding into
+        #: every layer's vector, and that projection's norm (None without them).
+        self.ple_embed: Embedding | None = None
+        self.ple_model_proj: Linear | None = None
+        self.ple_proj_norm: Gemma4Norm | None = None
+        if c.ple_dim:
+            self.ple_embed = Embedding(ctx.need(Part(names["ple_embed"])))
+            self.ple_model_proj = dense(names["ple_model_proj"])
+            self.ple_proj_norm = norm(names["ple_proj_norm"])
+        self.activation = _PLAIN_ACTIVATIONS[c.hidden_act]
+
+    def _linears(self, head: bool = False) -> list[Linear]:
+        out: list[Linear] = []
+        for layer in self.layers:
+            out += [layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down]
+            if isinstance(layer, Gemma4Layer) and layer.ple_gate is not None:
+                assert layer.ple_proj is not None
+                out += [layer.ple_gate, layer.ple_proj]
+        if self.ple_model_proj is not None:
+            out.append(self.ple_model_proj)
+        return out + [self.lm_head.linear] if head else out
+
+    # ---------------------------------------------------------------- the cache
+
+    def _storing(self) -> list[Gemma4Layer]:
+        return [layer for layer in self._gemma_layers() if layer.kv_source is None]
+
+    def _gemma_layers(self) -> list[Gemma4Layer]:
+        return [layer for layer in self.layers if isinstance(layer, Gemma4Layer)]
+
+    def allocate_kv_cache(self, num_blocks: int | list[int], block_size: int) -> None:
+        """The K/V of each layer that computes its own, in its head shape; a layer that
+        shares K/V holds its source layer's tensor (no memory of its own)."""
+        per_group = num_blocks if isinstance(num_blocks, list) else [num_blocks] * len(
+            self.cache_groups)
+        if len(per_group) != len(self.cache_groups):
+            raise ValueError(f"{len(per_group)} block counts for {len(self.cache_groups)} "
+                             "cache groups")
+        caches: list[torch.Tensor] = []
+        for layer in self._gemma_layers():
+            if layer.kv_source is not None:
+                caches.append(caches[layer.kv_source])
+                continue
+            shape = (2, per_group[layer.cache_group], block_size, layer.kv_heads,
+                     layer.head_dim)
+            caches.append(huge_pages.zeros(shape, self.dtype) if self.kernels.huge_pages
+                          else torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = caches
+        self.block_size = block_size
+        self.num_blocks_per_group = per_group
+
+    def kv_bytes_per_token(self) -> list[int]:
+        """K/V bytes one token takes in each cache group: the layers that store theirs."""
+        size = self.dtype.itemsize
+        return [sum(2 * layer.kv_heads * layer.head_dim * size for layer in self._storing()
+                    if layer.cache_group == g) for g in range(len(self.cache_groups))]
+
+    # ---------------------------------------------------------------- the forward
+
+    def _hidden_states(
+        self,
+        *,
+        input_ids: np.ndarray | torch.Tensor,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        num_computed_before: np.ndarray,
+        block_tables: np.ndarray,
+        group_slot_mapping: np.ndarray | None = None,
+        group_block_tables: np.ndarray | None = None,
+    ) -> torch.Tensor:
+        c = self.config
+        assert isinstance(c, Gemma4Config)
+        dev = self.device
+        if isinstance(input_ids, torch.Tensor):  # placeholders filled in on the device
+            ids = input_ids.to(dev)
+        else:
+            ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).to(dev)
+        pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev)
+        largest = int(positions.max()) if len(positions) else 0
+        groups = self._group_tables(slot_mapping, block_tables, group_slot_mapping,
+                                    group_block_tables, len(seq_lens))
+        ropes = [r.cos_sin(pos, largest) for r in self.rotaries]
+        layers = self._gemma_layers()
+        heads = self.num_heads
+        attn = self.attention
+        # One plan per cache group and query heads per K/V head (the masks of prompt rows
+        # repeat by the latter).
+        plans = {}
+        for layer in layers:
+            key = (layer.cache_group, heads // layer.kv_heads)
+            if key not in plans:
+                slots, tables = groups[layer.cache_group]
+                plans[key] = attn.plan(
+                    query_start_loc=query_start_loc, seq_lens=seq_lens,
+                    num_computed_before=num_computed_before, block_tables=tables,
+                    slot_mapping=slots, block_size=self.block_size, group=key[1],
+                    sliding_window=self.cache_groups[layer.cache_group][1])
+        h = self._embed(ids)
+        n = h.shape[0]
+        per_layer = self._per_layer_inputs(ids, h) if c.ple_dim else None
+        x = layers[0].input_norm(h) if layers[0].input_norm is not None else h
+        # This step's K/V of each storing layer, for the layers that share them.
+        kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, (layer, cache) in enumerate(zip(layers, self.kv_caches, strict=True)):
+            plan = plans[(layer.cache_group, heads // layer.kv_heads)]
+            hd, kvh = layer.head_dim, layer.kv_heads
+            cos, sin = ropes[layer.rope_table]
+            proj = layer.qkv(x)
+            q_size = heads * hd
+            assert layer.q_norm is not None
+            q = apply_rope(layer.q_norm(proj[:, :q_size].view(n, heads, hd)), cos, sin)
+            if layer.kv_source is None:
+                assert layer.k_norm is not None and layer.v_norm is not None
+                k_raw = proj[:, q_size : q_size + kvh * hd].view(n, kvh, hd)
+                v_raw = k_raw if layer.v_from_k else proj[:, q_size + kvh * hd :].view(
+                    n, kvh, hd)
+                k = apply_rope(layer.k_norm(k_raw), cos, sin)
+                v = layer.v_norm(v_raw)
+                paged.write_kv(cache, plan, k, v)
+                kv[i] = (k, v)
+            else:
+                k, v = kv[layer.kv_source]
+            o = layer.o(attn.forward(q, k, v, cache, plan, layer.scale, layer.softcap))
+            h, x = self._join(h, o, layer.attn_out_norm, 1.0, layer.post_norm)
+            h, _ = self._join(h, layer.mlp(x), layer.mlp_out_norm, 1.0, None)
+            if per_layer is not None:
+                assert layer.ple_gate and layer.ple_proj and layer.ple_norm
+                gated = self.activation(layer.ple_gate(h)) * per_layer[:, i]
+                h = h + layer.ple_norm(layer.ple_proj(gated))
+            if layer.layer_scalar is not None:
+                h = h * layer.layer_scalar
+            if i + 1 < len(layers):
+                after = layers[i + 1].input_norm
+                x = after(h) if after is not None else h
+        return h
+
+    def _per_layer_inputs(self, ids: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """[T, layers, ple_dim]: each token's row of the per-layer table (scaled by
+        sqrt(ple_dim)) and the normed projection of its scaled embedding, averaged in
+        the 1/sqrt(2) sense."""
+        c = self.config
+        assert isinstance(c, Gemma4Config)
+        assert self.ple_embed and self.ple_model_proj and self.ple_proj_norm
+        n = ids.shape[0]
+        token = self.ple_embed(ids) * torch.tensor(c.ple_dim**0.5, dtype=embedded.dtype)
+        projected = self.ple_model_proj(embedded) * c.hidden_size**-0.5
+        projected = self.ple_proj_norm(projected.view(n, c.num_layers, c.ple_dim))
+        return (projected + token.view(n, c.num_layers, c.ple_dim)) * 2**-0.5
+
+
+class Gemma4Norm(RMSNorm):
+    """Gemma 4's RMSNorm over the last dimension of any shape: the statistics and the
+    product with the weight both in float32, rounded to the compute dtype once (the
+    shared norm rounds before multiplying by its weight; in bf16 the two differ)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__(weight.float(), eps)
+        self.dtype = weight.dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        return (xf * self.weight).to(x.dtype)
+
+    def add(
+        self, residual: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + delta
+        return residual, self(residual)
+
+
+@dataclass
+class Gemma4Layer(DecoderLayer):
+    """A decoder layer with Gemma 4's per-layer head shape, its weightless v norm, K/V
+    shared from an earlier layer, its per-layer-embedding block and its output scalar."""
+
+    head_dim: int = 0
+    kv_heads: int = 0
+    #: The values are the k projection's output (``attention_k_eq_v``, global layers).
+    v_from_k: bool = False
+    v_norm: Gemma4Norm | None = None
+    #: The earlier layer whose K/V this one reads (None: it computes and stores its own).
+    kv_source: int | None = None
+    ple_gate: Linear | None = None
+    ple_proj: Linear | None = None
+    ple_norm: Gemma4Norm | None = None
+    #: The layer's output is multiplied by this (None: by one).
+    layer_scalar: torch.Tensor | None = None
