@@ -14,15 +14,13 @@ it off, for comparison (see ``platform/switches.py``).
 
 from __future__ import annotations
 
-import ctypes
 import math
+import mmap
 import sys
 from collections.abc import Sequence
 
 import torch
 
-#: Linux's ``MADV_HUGEPAGE``.
-_MADV_HUGEPAGE = 14
 _HUGE = 2 << 20
 #: Each tensor an :class:`Arena` places starts on a 4 KiB boundary.
 _ALIGN = 4096
@@ -33,30 +31,34 @@ def supported() -> bool:
     return sys.platform.startswith("linux")
 
 
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
 def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A 1-D CPU tensor of ``numel`` elements, uninitialized, whose whole 2 MiB pages are
-    marked for huge pages before anything is written to them."""
+    marked for huge pages before anything is written to them.
+
+    The memory is a mapping of its own, not the heap's: a heap block may reuse pages that
+    earlier tensors already faulted in as 4 KiB pages (``platform/heap.py`` keeps freed
+    memory in the process), and the hint does not change pages already there. The tensor
+    holds the mapping, which is unmapped when the tensor is freed."""
     item = dtype.itemsize
-    raw = torch.empty(numel + _HUGE // item, dtype=dtype)
+    nbytes = numel * item + _HUGE
+    flags = getattr(mmap, "MAP_PRIVATE", None)
+    if flags is None:  # not a Unix: no mapping flags, and no huge pages to ask for
+        return torch.empty(numel, dtype=dtype)
+    # Private anonymous memory (Python's default anonymous mapping is shared, which the
+    # kernel backs as shmem, outside the transparent huge page mode that matters here).
+    mapping = mmap.mmap(-1, nbytes, flags=flags | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
     addr = raw.data_ptr()
-    start = -(-addr // _HUGE) * _HUGE
-    # Only whole huge pages inside this allocation: the hint never reaches other memory.
-    length = (addr + raw.numel() * item - start) // _HUGE * _HUGE
-    madvise = _madvise()
-    if madvise is not None and length > 0:
-        madvise(start, length, _MADV_HUGEPAGE)  # a refusal leaves ordinary pages
-    offset = (start - addr) // item
-    return raw[offset : offset + numel]
+    start = -(-addr // _HUGE) * _HUGE - addr
+    # Only whole huge pages inside this mapping.
+    length = (nbytes - start) // _HUGE * _HUGE
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None and length > 0:
+        try:
+            mapping.madvise(advice, start, length)
+        except OSError:
+            pass  # a refusal leaves ordinary pages
+    return raw[start : start + numel * item].view(dtype)
 
 
 def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
