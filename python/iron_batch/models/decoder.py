@@ -478,19 +478,12 @@ class DecoderModel:
         ``group_block_tables`` [(G - 1) * S, B'] (absolute: column j is logical block j)
         hold the other groups' slots and tables."""
         c = self.config
-        dev = self.device
         shard = self.shard
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        if isinstance(input_ids, torch.Tensor):  # placeholders filled in on the device
-            ids = input_ids.to(dev)
-        else:
-            ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).to(dev)
-        pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev)
-        largest = int(positions.max()) if len(positions) else 0
+        ids, ropes = self._ids_and_ropes(input_ids, positions)
         n = ids.shape[0]
         groups = self._group_tables(slot_mapping, block_tables, group_slot_mapping,
                                     group_block_tables, len(seq_lens))
-        ropes = [r.cos_sin(pos, largest) for r in self.rotaries]
         decoder = self.decoder
         if decoder is not None and 0 < n <= decoder.max_rows and len(query_start_loc) == n + 1:
             if np.all(np.diff(query_start_loc) == 1):  # every row decodes
@@ -540,6 +533,20 @@ class DecoderModel:
             after = layers[i + 1].input_norm if i + 1 < len(layers) else None
             h, x = self._join(h, mlp, layer.mlp_out_norm, layer.residual_scale, after)
         return h
+
+    def _ids_and_ropes(
+        self, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The step's token ids on the device, and each rotary table's rows at its
+        positions."""
+        dev = self.device
+        if isinstance(input_ids, torch.Tensor):  # placeholders filled in on the device
+            ids = input_ids.to(dev)
+        else:
+            ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).to(dev)
+        pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev)
+        largest = int(positions.max()) if len(positions) else 0
+        return ids, [r.cos_sin(pos, largest) for r in self.rotaries]
 
     def _group_tables(
         self,

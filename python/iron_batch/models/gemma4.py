@@ -444,16 +444,9 @@ class Gemma4ForCausalLM(DecoderModel):
     ) -> torch.Tensor:
         c = self.config
         assert isinstance(c, Gemma4Config)
-        dev = self.device
-        if isinstance(input_ids, torch.Tensor):  # placeholders filled in on the device
-            ids = input_ids.to(dev)
-        else:
-            ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).to(dev)
-        pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev)
-        largest = int(positions.max()) if len(positions) else 0
+        ids, ropes = self._ids_and_ropes(input_ids, positions)
         groups = self._group_tables(slot_mapping, block_tables, group_slot_mapping,
                                     group_block_tables, len(seq_lens))
-        ropes = [r.cos_sin(pos, largest) for r in self.rotaries]
         layers = self._gemma_layers()
         heads = self.num_heads
         attn = self.attention
