@@ -3,8 +3,11 @@
 Three modes, all with bf16 activations and a bf16 KV cache:
 
 - ``gguf``: a GGUF file's Q8_0, Q4_0 and Q4_1 tensors are kept as they are (their blocks
-  regrouped once at load, nothing rounded); other tensor types in the file are dequantized
-  to bf16 as before, with a message naming them.
+  regrouped once at load, nothing rounded), and so are its K-quants (Q4_K, Q5_K, Q6_K) and
+  Q5_0/Q5_1 tensors, in the file's own bytes; a fused projection whose parts have different
+  types (llama.cpp's quantizer picks one per tensor) stacks their blocks as row ranges.
+  Other tensor types (Q2_K, Q3_K, the IQ formats, ...) are dequantized to bf16, with a
+  message naming them.
 - ``int8``: any checkpoint, weight-only int8 with one scale per output channel; the LM head
   too. Stored as Q8 blocks that all carry their row's scale, so it runs on the Q8_0 kernels.
   (torch's ``_weight_int8pack_mm`` was measured: as fast at batch 1, but its cost grows
@@ -13,7 +16,8 @@ Three modes, all with bf16 activations and a bf16 KV cache:
   each (the Q4_1 layout); the LM head goes to int8 (per channel) as llama.cpp keeps its
   output matrix at 8 bits.
 
-Q4 and Q8_0 matrices run on the Rust kernels (``rust/kernels/src/quant.rs``): a GEMV that
+Q4 and Q8_0 matrices run on the Rust kernels (``rust/kernels/src/quant.rs``; the GGUF block
+formats ``rust/kernels/src/kquant.rs``): a GEMV that
 reads the blocks for up to :data:`GEMV_MAX_ROWS` activation rows, and above that a bf16
 dequantization of the matrix followed by a dense GEMM, which wins once there are enough
 rows to amortise it.
@@ -75,7 +79,10 @@ class QuantWeight:
     ``kind`` "q4": ``quants`` uint8 ``[n, k / 2]`` (nibbles placed as the kernel reads
     them, see :func:`_q4_layout`), ``scale`` and ``min`` float16 ``[n, k / 32]`` (GGUF's
     precision). "q8": ``quants`` int8 ``[n, k]``, ``scale`` float16 ``[n, k / 32]``.
-    ``source`` names the format it came from (for humans).
+    GGUF blocks as the file has them (:data:`GGUF_RAW_BLOCKS`): ``kind`` the format's name
+    in lower case ("q4_k") and ``quants`` uint8 ``[n, row bytes]``, or row ranges of several
+    formats, ``kind`` "q5_0*576+q8_0*192" and ``quants`` their bytes back to back (1-D);
+    ``scale`` is then empty. ``source`` names the format it came from (for humans).
     """
 
     kind: str
@@ -160,6 +167,8 @@ def _scratch(elements: int) -> torch.Tensor:
 
 def _dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
     """Float32 rows of ``w`` by torch ops (a handful of rows: no kernel needed)."""
+    if w.kind not in ("q4", "q8"):
+        return _raw_rows(w, ids)
     quants = w.quants[ids]
     scale = w.scale[ids].float().repeat_interleave(QBLOCK, dim=1)
     if w.kind == "q8":
@@ -171,11 +180,14 @@ def _dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
 
 
 def concat(parts: list[QuantWeight]) -> QuantWeight | None:
-    """The row-wise concatenation (fused q/k/v or gate/up), or None when the parts do not
-    share one layout (the caller then falls back to dense)."""
+    """The row-wise concatenation (fused q/k/v or gate/up): one layout when the parts share
+    it, GGUF blocks stacked as row ranges when they are GGUF types that differ; None when
+    neither fits (the caller then falls back to dense)."""
     first = parts[0]
-    if any(p.kind != first.kind or p.k != first.k for p in parts):
+    if any(p.k != first.k for p in parts):
         return None
+    if any(p.kind != first.kind for p in parts) or first.kind not in ("q4", "q8"):
+        return _stack_raw(parts)
     mins = [p.min for p in parts]
     return QuantWeight(
         kind=first.kind,
@@ -225,13 +237,122 @@ def q4_from_values(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray,
     )
 
 
-#: GGUF block formats kept as they are: name -> bytes per block of 32.
+#: GGUF block formats regrouped into the q4/q8 layouts: name -> bytes per block of 32.
 GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+#: GGUF block formats kept in the file's own bytes: name -> (weights, bytes) per block.
+GGUF_RAW_BLOCKS = {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+                   "Q5_0": (32, 22), "Q5_1": (32, 24)}
+
+#: Formats a stacked matrix may hold (the regrouped ones go back to their GGUF bytes there).
+_STACKABLE = {**GGUF_RAW_BLOCKS, "Q4_1": (32, 20), "Q8_0": (32, 34)}
+
+#: Most row ranges one stacked matrix holds (the kernels' ``MAX_SEGMENTS``).
+MAX_SEGMENTS = 3
+
+
+def gguf_block(type_name: str) -> tuple[int, int] | None:
+    """(weights, bytes) per block of a GGUF type kept quantized, or None."""
+    if type_name in GGUF_BLOCK_BYTES:
+        return (QBLOCK, GGUF_BLOCK_BYTES[type_name])
+    return GGUF_RAW_BLOCKS.get(type_name)
+
+
+def _segments(w: QuantWeight) -> list[tuple[str, int]]:
+    """(GGUF type name, rows) of each row range of a raw-block matrix."""
+    out = []
+    for part in w.kind.split("+"):
+        name, _, rows = part.partition("*")
+        out.append((name.upper(), int(rows) if rows else w.n))
+    return out
+
+
+def _raw_bytes(w: QuantWeight) -> tuple[list[tuple[str, int]], np.ndarray]:
+    """``w`` as GGUF blocks: its row ranges and their bytes (1-D). q4/q8 matrices go back
+    to Q4_1/Q8_0 bytes, losslessly (a Q4_0 block is a Q4_1 one with ``m = -8 d``)."""
+    if w.kind == "q8":
+        scale = w.scale.numpy().view(np.uint8).reshape(w.n, -1, 2)
+        q = w.quants.numpy().view(np.uint8).reshape(w.n, -1, QBLOCK)
+        return [("Q8_0", w.n)], np.concatenate([scale, q], axis=-1).ravel()
+    if w.kind == "q4":
+        assert w.min is not None
+        at, shift = _q4_layout(w.k)
+        q = ((w.quants[:, at] >> shift) & 15).numpy().reshape(w.n, -1, QBLOCK)
+        nibbles = q[..., :16] | (q[..., 16:] << 4)
+        scale = w.scale.numpy().view(np.uint8).reshape(w.n, -1, 2)
+        low = w.min.numpy().view(np.uint8).reshape(w.n, -1, 2)
+        return [("Q4_1", w.n)], np.concatenate([scale, low, nibbles], axis=-1).ravel()
+    return _segments(w), w.quants.numpy().ravel()
+
+
+def _raw_weight(segments: list[tuple[str, int]], data: np.ndarray, k: int,
+                source: str) -> QuantWeight:
+    n = sum(rows for _, rows in segments)
+    if len(segments) == 1:
+        kind, quants = segments[0][0].lower(), torch.from_numpy(data.reshape(n, -1))
+    else:
+        kind = "+".join(f"{name.lower()}*{rows}" for name, rows in segments)
+        quants = torch.from_numpy(data)
+    return QuantWeight(kind=kind, n=n, k=k, quants=quants,
+                       scale=torch.empty(0, dtype=torch.float16), min=None, source=source)
+
+
+def _stack_raw(parts: list[QuantWeight]) -> QuantWeight | None:
+    """GGUF-block parts stacked as row ranges (neighbours of one format merged)."""
+    segments: list[tuple[str, int]] = []
+    chunks = []
+    for p in parts:
+        if p.source not in _STACKABLE and p.source not in GGUF_BLOCK_BYTES:
+            return None
+        part_segments, data = _raw_bytes(p)
+        for name, rows in part_segments:
+            if name not in _STACKABLE:
+                return None
+            if segments and segments[-1][0] == name:
+                segments[-1] = (name, segments[-1][1] + rows)
+            else:
+                segments.append((name, rows))
+        chunks.append(data)
+    if len(segments) > MAX_SEGMENTS:
+        return None
+    return _raw_weight(segments, np.concatenate(chunks), parts[0].k,
+                       "+".join(sorted({p.source for p in parts})))
+
+
+def _raw_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Float32 rows ``ids`` of a raw-block matrix, by ``gguf.quants`` (the values the
+    kernels compute)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    segments, data = _raw_bytes(w)
+    out = torch.empty(len(ids), w.k, dtype=torch.float32)
+    at, first = 0, 0
+    wanted = ids.reshape(-1).numpy()
+    for name, rows in segments:
+        weights, per_block = _STACKABLE[name]
+        row_bytes = w.k // weights * per_block
+        block = data[at:at + rows * row_bytes].reshape(rows, row_bytes)
+        here = np.nonzero((wanted >= first) & (wanted < first + rows))[0]
+        if len(here):
+            values = dequantize(block[wanted[here] - first], GGMLQuantizationType[name])
+            out[torch.from_numpy(here)] = torch.from_numpy(
+                np.asarray(values, dtype=np.float32).reshape(len(here), w.k))
+        at += rows * row_bytes
+        first += rows
+    return out
 
 
 def from_gguf_blocks(type_name: str, raw: np.ndarray, n: int, k: int) -> QuantWeight | None:
     """A GGUF tensor's raw bytes ``[n, row bytes]`` (rows in HF order) as a QuantWeight, or
-    None for a type not kept quantized (see :data:`GGUF_BLOCK_BYTES`)."""
+    None for a type not kept quantized (see :data:`GGUF_BLOCK_BYTES` and
+    :data:`GGUF_RAW_BLOCKS`)."""
+    if type_name in GGUF_RAW_BLOCKS:
+        weights, per_block = GGUF_RAW_BLOCKS[type_name]
+        if k % weights or raw.size != n * (k // weights) * per_block:
+            return None
+        data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1).copy()
+        return _raw_weight([(type_name, n)], data, k, type_name)
     per_block = GGUF_BLOCK_BYTES.get(type_name)
     if per_block is None or k % QBLOCK:
         return None

@@ -81,7 +81,8 @@ def load_model(
                    quantization=quantization, shard=shard)
     if model.dequantized:
         logger.warning("--quantization gguf: %d tensors are in GGUF types without a kernel "
-                       "(supported: Q8_0, Q4_0, Q4_1) and run as bf16: %s",
+                       "(supported: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
+                       "Q6_K) and run as bf16: %s",
                        len(model.dequantized), ", ".join(model.dequantized[:4]) + (
                            ", ..." if len(model.dequantized) > 4 else ""))
     return model

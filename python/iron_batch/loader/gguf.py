@@ -224,12 +224,13 @@ class GGUFSource:
             n = data.shape[0]
         if part.cols is not None:
             start, stop = part.cols.start or 0, k if part.cols.stop is None else part.cols.stop
-            per_block = quant.GGUF_BLOCK_BYTES.get(type_name)
+            block = quant.gguf_block(type_name)
             # A row-parallel slice keeps its blocks only when it starts and ends on them.
-            if per_block is None or start % quant.QBLOCK or stop % quant.QBLOCK:
+            if block is None or start % block[0] or stop % block[0]:
                 return None
-            blocks = data.reshape(n, k // quant.QBLOCK, per_block)
-            data = blocks[:, start // quant.QBLOCK : stop // quant.QBLOCK].reshape(n, -1)
+            weights, per_block = block
+            blocks = data.reshape(n, k // weights, per_block)
+            data = blocks[:, start // weights : stop // weights].reshape(n, -1)
             k = stop - start
         return quant.from_gguf_blocks(type_name, data, n, k)
 

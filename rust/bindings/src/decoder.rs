@@ -4,8 +4,8 @@
 //! alive as long as the stack, because the stack holds their addresses, not the tensors.
 
 use iron_batch_kernels::{
-    decode_layers, run_in_team, Activation, CacheGroup, DecodeInputs, DecodeShape, DecoderLayer,
-    KernelError, LayerCache, Matrix, Projection, RopeTable,
+    decode_layers, parse_layout, run_in_team, Activation, CacheGroup, DecodeInputs, DecodeShape,
+    DecoderLayer, KernelError, LayerCache, Matrix, Projection, RopeTable,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -13,7 +13,8 @@ use pyo3::prelude::*;
 
 use crate::kernels::{qmatrix, run_kernel, slice, slice_mut};
 
-/// A projection as Python describes it: (kind "bf16" | "q4" | "q8", weight or quants,
+/// A projection as Python describes it: (kind "bf16" | "q4" | "q8" | a GGUF block format
+/// such as "q4_k" (the bindings' `qmatrix`), weight or quants,
 /// scale, min, bias, n, k); unused addresses and "no bias" are 0.
 type ProjectionSpec = (String, usize, usize, usize, usize, usize, usize);
 /// A layer: (norms, q_norm, k_norm, [qkv, o, gate_up, down], activation, attention,
@@ -134,7 +135,9 @@ impl DecoderStack {
             let projections: Vec<ProjectionAddrs> = projections
                 .into_iter()
                 .map(|(kind, weight, scale, min, bias, n, k)| {
-                    if !matches!(kind.as_str(), "bf16" | "q4" | "q8") {
+                    if !matches!(kind.as_str(), "bf16" | "q4" | "q8")
+                        && parse_layout(&kind, n).is_none()
+                    {
                         return Err(PyValueError::new_err(format!(
                             "unknown weight kind {kind:?}"
                         )));

@@ -7,9 +7,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use iron_batch_kernels::{
-    add_rms_norm, dequantize_bf16, gemv_bf16, gemv_quant, paged_decode_attention, q4_nibble,
-    rope_store_kv, Activation, Bf16, DecodeShape, Element, KernelError, Parallel, QMatrix,
-    ScopedThreads, F16, Q4, Q8, QBLOCK,
+    add_rms_norm, dequantize_bf16, gemv_bf16, gemv_quant, paged_decode_attention, parse_layout,
+    q4_nibble, rope_store_kv, Activation, Bf16, Blocks, DecodeShape, Element, KernelError,
+    Parallel, QMatrix, ScopedThreads, Segment, F16, Q4, Q8, QBLOCK,
 };
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -373,8 +373,11 @@ pub fn _gemv_bf16(
     })
 }
 
-/// The quantized matrix at these addresses: `kind` "q4" (packed nibbles, scale, min) or
-/// "q8" (i8 quants, scale; `min` unused).
+/// The quantized matrix at these addresses: `kind` "q4" (packed nibbles, scale, min),
+/// "q8" (i8 quants, scale; `min` unused), or GGUF blocks as the file has them: a block
+/// format ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q4_1", "q8_0") or row ranges of several
+/// ("q5_0*576+q8_0*192", see `parse_layout`), their bytes back to back at `quants`;
+/// `scale` and `min` unused.
 ///
 /// SAFETY: as for `slice`, with the element counts of an `n` x `k` matrix of that kind.
 pub(crate) unsafe fn qmatrix<'a>(
@@ -385,6 +388,35 @@ pub(crate) unsafe fn qmatrix<'a>(
     n: usize,
     k: usize,
 ) -> Result<QMatrix<'a>, KernelError> {
+    if let Some(layout) = parse_layout(kind, n) {
+        if let Some((f, _)) = layout.iter().find(|(f, _)| !k.is_multiple_of(f.values())) {
+            return Err(KernelError(format!(
+                "k must be a multiple of {} for {}, not {k}",
+                f.values(),
+                f.name()
+            )));
+        }
+        if layout.iter().map(|(_, rows)| rows).sum::<usize>() != n {
+            return Err(KernelError(format!(
+                "layout {kind:?} does not have {n} rows"
+            )));
+        }
+        let total: usize = layout.iter().map(|(f, rows)| rows * f.row_bytes(k)).sum();
+        let mut data = slice::<u8>(quants, total);
+        let mut segments = Vec::with_capacity(layout.len());
+        for (format, rows) in layout {
+            let (this, rest) = data.split_at(rows * format.row_bytes(k));
+            segments.push(Segment {
+                format,
+                rows,
+                data: this,
+            });
+            data = rest;
+        }
+        return Blocks::stacked(&segments)
+            .map(QMatrix::Blocks)
+            .ok_or_else(|| KernelError(format!("layout {kind:?} has too many row ranges")));
+    }
     if !k.is_multiple_of(QBLOCK) {
         return Err(KernelError(format!(
             "k must be a multiple of {QBLOCK}, not {k}"

@@ -21,6 +21,7 @@
 
 use crate::attention::{KernelError, Parallel};
 use crate::element::{Bf16, Element, F16};
+use crate::kquant::{dequantize_blocks, gemv_blocks, Blocks};
 
 /// Weights per quantization block.
 pub const QBLOCK: usize = 32;
@@ -44,11 +45,13 @@ pub struct Q8<'a> {
     pub scale: &'a [F16],
 }
 
-/// Either quantized layout.
+/// A quantized layout: the two above, or GGUF blocks read as the file has them
+/// (K-quants, Q5_0, Q5_1: `crate::kquant`).
 #[derive(Clone, Copy)]
 pub enum QMatrix<'a> {
     Q4(Q4<'a>),
     Q8(Q8<'a>),
+    Blocks(Blocks<'a>),
 }
 
 impl QMatrix<'_> {
@@ -64,6 +67,7 @@ impl QMatrix<'_> {
             QMatrix::Q8(m) => {
                 k.is_multiple_of(QBLOCK) && m.quants.len() == n * k && m.scale.len() == blocks
             }
+            QMatrix::Blocks(m) => m.fits(n, k),
         };
         if ok && k > 0 {
             Ok(())
@@ -86,6 +90,7 @@ impl QMatrix<'_> {
                 m.scale[b].to_f32() * f32::from(q) + m.min[b].to_f32()
             }
             QMatrix::Q8(m) => m.scale[b].to_f32() * f32::from(m.quants[row * k + j]),
+            QMatrix::Blocks(m) => m.weight(row, j, k),
         }
     }
 }
@@ -117,6 +122,9 @@ pub fn gemv_quant(
     threads: usize,
     parallel: &dyn Parallel,
 ) -> Result<(), KernelError> {
+    if let QMatrix::Blocks(m) = weight {
+        return gemv_blocks(out, x, m, bias, rows, n, k, threads, parallel);
+    }
     weight.check(n, k)?;
     if rows == 0
         || x.len() != rows * k
@@ -187,6 +195,9 @@ pub fn dequantize_bf16(
     threads: usize,
     parallel: &dyn Parallel,
 ) -> Result<(), KernelError> {
+    if let QMatrix::Blocks(m) = weight {
+        return dequantize_blocks(out, m, n, k, threads, parallel);
+    }
     weight.check(n, k)?;
     if out.len() != n * k {
         return Err(KernelError(format!(
@@ -233,6 +244,7 @@ pub fn dequantize_bf16(
                         *d = Bf16::from_f32(scale[j / QBLOCK] * f32::from(q));
                     }
                 }
+                QMatrix::Blocks(_) => unreachable!("dequantize_blocks serves these"),
             }
         }
     };
@@ -261,6 +273,7 @@ fn simd_available(weight: &QMatrix<'_>) -> bool {
         match weight {
             QMatrix::Q4(_) => base && std::arch::is_x86_feature_detected!("avx512bf16"),
             QMatrix::Q8(_) => base,
+            QMatrix::Blocks(_) => false,
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -323,6 +336,7 @@ impl RowScales {
         let (scale, min) = match weight {
             QMatrix::Q4(m) => (&m.scale[range.clone()], Some(&m.min[range])),
             QMatrix::Q8(m) => (&m.scale[range], None),
+            QMatrix::Blocks(_) => unreachable!("gemv_blocks serves these"),
         };
         #[cfg(target_arch = "x86_64")]
         if simd {
@@ -365,6 +379,7 @@ fn dot_chunk(
             match weight {
                 QMatrix::Q4(m) => avx512::dot_q4_rows(m.packed, rows, k, xs, scales, results),
                 QMatrix::Q8(m) => avx512::dot_q8_rows(m.quants, rows, k, xs, scales, results),
+                QMatrix::Blocks(_) => unreachable!("gemv_blocks serves these"),
             }
         }
         return;
@@ -411,6 +426,7 @@ fn dot_row(
                         _ => avx512::dot_q8::<4>(w, scale, xs, k, dots),
                     }
                 }
+                QMatrix::Blocks(_) => unreachable!("gemv_blocks serves these"),
             }
         }
         return;
@@ -586,6 +602,7 @@ mod avx512 {
                     }
                 }
             }
+            QMatrix::Blocks(_) => unreachable!("dequantize_blocks serves these"),
         }
     }
 

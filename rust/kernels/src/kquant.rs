@@ -1,0 +1,796 @@
+//! GGUF's K-quants (Q4_K, Q5_K, Q6_K) and the 5-bit formats llama.cpp's quantizer falls
+//! back to (Q5_0, Q5_1), read in the file's own bytes: a GEMV for a few bf16 activation
+//! rows, and a dequantization to bf16 for larger batches.
+//!
+//! A row of `k` weights is `k / V` blocks of `B` bytes, rows back to back (`V` values a
+//! block: 256 for the K-quants, 32 for Q5_0/Q5_1). Every format is, per group of `G`
+//! consecutive weights of a block, `w = scale * q + offset` with `q` a small integer:
+//!
+//! | format | V | B | G | q | scale | offset |
+//! |---|---|---|---|---|---|---|
+//! | Q4_K | 256 | 144 | 32 | 4 bits | `d * sc` (f16 `d`, 6-bit `sc`) | `-(dmin * m)` (6-bit `m`) |
+//! | Q5_K | 256 | 176 | 32 | 5 bits | as Q4_K | as Q4_K |
+//! | Q6_K | 256 | 210 | 16 | 6 bits minus 32 | `d * sc` (i8 `sc`) | none |
+//! | Q5_0 | 32 | 22 | 32 | 5 bits minus 16 | `d` | none |
+//! | Q5_1 | 32 | 24 | 32 | 5 bits | `d` | `m` (f16) |
+//! | Q4_1 | 32 | 20 | 32 | 4 bits | `d` | `m` (f16) |
+//! | Q8_0 | 32 | 34 | 32 | i8 | `d` | none |
+//!
+//! Q8_0 and Q4_1 (and Q4_0, which is Q4_1 with `m = -8 d`) have faster layouts of their own
+//! in `crate::quant`; they are here for the matrices that stack row ranges of different
+//! formats: llama.cpp's quantizer picks a type per tensor, so the fused q/k/v of one layer
+//! can be Q5_0, Q5_0 and Q8_0. A [`Blocks`] matrix is up to [`MAX_SEGMENTS`] such row
+//! ranges, each in its own format.
+//!
+//! The dequantization computes each weight in f32 as ggml's reference (and the `gguf`
+//! package's `gguf.quants`) does: the f32 product `d * sc`, then `scale * q`, then the
+//! offset added, no fused multiply-add; then rounds it to bf16. The GEMV sums in f32 per
+//! group `scale * sum(q x) + offset * sum(x)`, which is the dot product with those weights
+//! up to the order and rounding of the additions.
+
+use crate::attention::{KernelError, Parallel};
+use crate::element::{Bf16, Element, F16};
+use crate::prefetch::prefetch_ahead;
+use crate::quant::MAX_ROWS;
+
+/// Output rows per part below which a call is not split.
+const MIN_ROWS_PER_PART: usize = 64;
+/// Output rows per chunk: a chunk's results are written before the next chunk is read.
+const CHUNK_ROWS: usize = 128;
+/// Most values a block holds (the K-quants' super-block).
+const MAX_VALUES: usize = 256;
+/// Most scale groups a block holds (Q6_K's 16 groups of 16).
+const MAX_GROUPS: usize = 16;
+
+/// A block format kept as GGUF writes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockFormat {
+    Q4K,
+    Q5K,
+    Q6K,
+    Q5_0,
+    Q5_1,
+    Q4_1,
+    Q8_0,
+}
+
+impl BlockFormat {
+    /// Every format, for callers that list them.
+    pub const ALL: [BlockFormat; 7] = [
+        Self::Q4K,
+        Self::Q5K,
+        Self::Q6K,
+        Self::Q5_0,
+        Self::Q5_1,
+        Self::Q4_1,
+        Self::Q8_0,
+    ];
+
+    /// The layout name the bindings and Python use ("q4_k", ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Q4K => "q4_k",
+            Self::Q5K => "q5_k",
+            Self::Q6K => "q6_k",
+            Self::Q5_0 => "q5_0",
+            Self::Q5_1 => "q5_1",
+            Self::Q4_1 => "q4_1",
+            Self::Q8_0 => "q8_0",
+        }
+    }
+
+    /// The format a layout name names.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| f.name() == name)
+    }
+
+    /// Weights a block holds.
+    pub fn values(self) -> usize {
+        match self {
+            Self::Q4K | Self::Q5K | Self::Q6K => 256,
+            Self::Q5_0 | Self::Q5_1 | Self::Q4_1 | Self::Q8_0 => 32,
+        }
+    }
+
+    /// Bytes a block takes.
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::Q4K => 144,
+            Self::Q5K => 176,
+            Self::Q6K => 210,
+            Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
+            Self::Q4_1 => 20,
+            Self::Q8_0 => 34,
+        }
+    }
+
+    /// Weights that share one scale (and offset).
+    pub fn group(self) -> usize {
+        match self {
+            Self::Q6K => 16,
+            _ => 32,
+        }
+    }
+
+    /// Bytes of a row of `k` weights.
+    pub fn row_bytes(self, k: usize) -> usize {
+        k / self.values() * self.bytes()
+    }
+}
+
+/// Most row ranges of different formats one [`Blocks`] matrix stacks (q, k and v).
+pub const MAX_SEGMENTS: usize = 3;
+
+/// `rows` consecutive rows in one format: `data` is `rows` rows of `format.row_bytes(k)`.
+#[derive(Clone, Copy)]
+pub struct Segment<'a> {
+    pub format: BlockFormat,
+    pub rows: usize,
+    pub data: &'a [u8],
+}
+
+/// A matrix of GGUF blocks: one to [`MAX_SEGMENTS`] row ranges, each in its own format.
+#[derive(Clone, Copy)]
+pub struct Blocks<'a> {
+    segments: [Segment<'a>; MAX_SEGMENTS],
+    count: usize,
+}
+
+/// The formats and row counts a layout name gives: "q4_k" (every one of the `n` rows),
+/// or row ranges joined by "+", each "format*rows" ("q5_0*576+q5_0*192+q8_0*192").
+pub fn parse_layout(name: &str, n: usize) -> Option<Vec<(BlockFormat, usize)>> {
+    if let Some(f) = BlockFormat::from_name(name) {
+        return Some(vec![(f, n)]);
+    }
+    let parts: Option<Vec<(BlockFormat, usize)>> = name
+        .split('+')
+        .map(|part| {
+            let (f, rows) = part.split_once('*')?;
+            Some((BlockFormat::from_name(f)?, rows.parse().ok()?))
+        })
+        .collect();
+    parts.filter(|p| (1..=MAX_SEGMENTS).contains(&p.len()))
+}
+
+impl<'a> Blocks<'a> {
+    /// All rows in one format.
+    pub fn new(format: BlockFormat, rows: usize, data: &'a [u8]) -> Self {
+        Self::stacked(&[Segment { format, rows, data }]).expect("one segment")
+    }
+
+    /// Row ranges stacked in order (None: none, or more than [`MAX_SEGMENTS`]).
+    pub fn stacked(segments: &[Segment<'a>]) -> Option<Self> {
+        if segments.is_empty() || segments.len() > MAX_SEGMENTS {
+            return None;
+        }
+        let mut all = [segments[0]; MAX_SEGMENTS];
+        all[..segments.len()].copy_from_slice(segments);
+        Some(Blocks {
+            segments: all,
+            count: segments.len(),
+        })
+    }
+
+    /// The row ranges, in order.
+    pub fn segments(&self) -> &[Segment<'a>] {
+        &self.segments[..self.count]
+    }
+
+    /// Whether this holds `n` x `k` weights (`k` a positive multiple of every block).
+    pub fn fits(&self, n: usize, k: usize) -> bool {
+        k > 0
+            && self.segments().iter().map(|s| s.rows).sum::<usize>() == n
+            && self.segments().iter().all(|s| {
+                k.is_multiple_of(s.format.values())
+                    && s.data.len() == s.rows * s.format.row_bytes(k)
+            })
+    }
+
+    /// Row `row`'s format and bytes (a row of `k` weights).
+    #[inline]
+    fn row(&self, row: usize, k: usize) -> (BlockFormat, &'a [u8]) {
+        let mut first = 0;
+        for s in self.segments() {
+            if row < first + s.rows {
+                let bytes = s.format.row_bytes(k);
+                let at = (row - first) * bytes;
+                return (s.format, &s.data[at..at + bytes]);
+            }
+            first += s.rows;
+        }
+        panic!("row {row} past the matrix's {first}");
+    }
+
+    /// Weight `j` of row `row`, dequantized (as the dequantization computes it, in f32).
+    pub fn weight(&self, row: usize, j: usize, k: usize) -> f32 {
+        let (f, data) = self.row(row, k);
+        let at = j / f.values() * f.bytes();
+        let mut unpacked = Unpacked::new();
+        unpack(f, &data[at..at + f.bytes()], &mut unpacked);
+        unpacked.weight(f, j % f.values())
+    }
+}
+
+/// One block unpacked: `q` per weight, `scale` and `offset` per group.
+struct Unpacked {
+    q: [i8; MAX_VALUES],
+    scale: [f32; MAX_GROUPS],
+    offset: [f32; MAX_GROUPS],
+}
+
+impl Unpacked {
+    fn new() -> Self {
+        Unpacked {
+            q: [0; MAX_VALUES],
+            scale: [0.0; MAX_GROUPS],
+            offset: [0.0; MAX_GROUPS],
+        }
+    }
+
+    /// Weight `j` of the block: `scale * q`, then the offset added (formats with one).
+    #[inline(always)]
+    fn weight(&self, f: BlockFormat, j: usize) -> f32 {
+        let g = j / f.group();
+        let w = self.scale[g] * f32::from(self.q[j]);
+        if has_offset(f) {
+            w + self.offset[g]
+        } else {
+            w
+        }
+    }
+}
+
+#[inline(always)]
+fn has_offset(f: BlockFormat) -> bool {
+    matches!(
+        f,
+        BlockFormat::Q4K | BlockFormat::Q5K | BlockFormat::Q5_1 | BlockFormat::Q4_1
+    )
+}
+
+#[inline(always)]
+fn f16_at(bytes: &[u8], at: usize) -> f32 {
+    F16(u16::from_le_bytes([bytes[at], bytes[at + 1]])).to_f32()
+}
+
+/// The eight 6-bit (scale, min) pairs of a Q4_K/Q5_K block's 12 scale bytes (ggml's
+/// `get_scale_min_k4`).
+#[inline(always)]
+fn scale_min_k4(s: &[u8], j: usize) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Block `b` (`f.bytes()` bytes) into `u`.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // one index walks several arrays of a block
+fn unpack(f: BlockFormat, b: &[u8], u: &mut Unpacked) {
+    match f {
+        BlockFormat::Q4K | BlockFormat::Q5K => {
+            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+            let scales = &b[4..16];
+            for g in 0..8 {
+                let (sc, m) = scale_min_k4(scales, g);
+                u.scale[g] = d * f32::from(sc);
+                u.offset[g] = -(dmin * f32::from(m));
+            }
+            let (qh, qs): (&[u8], &[u8]) = if f == BlockFormat::Q5K {
+                (&b[16..48], &b[48..176])
+            } else {
+                (&[], &b[16..144])
+            };
+            // Groups by pairs over 32 bytes: low nibbles the first, high the second.
+            for pair in 0..4 {
+                let bytes = &qs[32 * pair..32 * pair + 32];
+                let (lo, hi) = u.q[64 * pair..64 * pair + 64].split_at_mut(32);
+                for e in 0..32 {
+                    lo[e] = (bytes[e] & 15) as i8;
+                    hi[e] = (bytes[e] >> 4) as i8;
+                }
+            }
+            if f == BlockFormat::Q5K {
+                // Bit g of qh[e] is the fifth bit of weight e of group g.
+                for g in 0..8 {
+                    let group = &mut u.q[32 * g..32 * g + 32];
+                    for e in 0..32 {
+                        group[e] |= (((qh[e] >> g) & 1) << 4) as i8;
+                    }
+                }
+            }
+        }
+        BlockFormat::Q6K => {
+            let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+            let d = f16_at(b, 208);
+            for g in 0..16 {
+                u.scale[g] = d * f32::from(sc[g] as i8);
+            }
+            // Weight 128 h + 32 u + e: low 4 bits from ql[64 h + 32 (u % 2) + e] (high
+            // nibble for u >= 2), high 2 bits from qh[32 h + e] >> 2 u.
+            for h in 0..2 {
+                for part in 0..4 {
+                    let low = &ql[64 * h + 32 * (part % 2)..64 * h + 32 * (part % 2) + 32];
+                    let high = &qh[32 * h..32 * h + 32];
+                    let dst = &mut u.q[128 * h + 32 * part..128 * h + 32 * part + 32];
+                    let shift = 4 * (part / 2) as u32;
+                    for e in 0..32 {
+                        let v = ((low[e] >> shift) & 15) | (((high[e] >> (2 * part)) & 3) << 4);
+                        dst[e] = v as i8 - 32;
+                    }
+                }
+            }
+        }
+        BlockFormat::Q5_0 | BlockFormat::Q5_1 => {
+            let d = f16_at(b, 0);
+            let at = if f == BlockFormat::Q5_1 { 4 } else { 2 };
+            if f == BlockFormat::Q5_1 {
+                u.offset[0] = f16_at(b, 2);
+            }
+            u.scale[0] = d;
+            let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+            let qs = &b[at + 4..at + 20];
+            let minus = if f == BlockFormat::Q5_0 { 16 } else { 0 };
+            for e in 0..16 {
+                let low = (qs[e] & 15) | ((((qh >> e) & 1) as u8) << 4);
+                let high = (qs[e] >> 4) | ((((qh >> (e + 16)) & 1) as u8) << 4);
+                u.q[e] = low as i8 - minus;
+                u.q[e + 16] = high as i8 - minus;
+            }
+        }
+        BlockFormat::Q4_1 => {
+            u.scale[0] = f16_at(b, 0);
+            u.offset[0] = f16_at(b, 2);
+            for e in 0..16 {
+                u.q[e] = (b[4 + e] & 15) as i8;
+                u.q[e + 16] = (b[4 + e] >> 4) as i8;
+            }
+        }
+        BlockFormat::Q8_0 => {
+            u.scale[0] = f16_at(b, 0);
+            for e in 0..32 {
+                u.q[e] = b[2 + e] as i8;
+            }
+        }
+    }
+}
+
+/// `out[r][i] = sum_j x[r][j] * W[i][j] (+ bias[i])` for `r` in `0..rows`; `x` is
+/// `[rows, k]` bf16, `out` `[rows, n]` bf16 (rounded once from the f32 sum). Every
+/// [`MAX_ROWS`] activation rows take one pass over the weights.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_blocks(
+    out: &mut [Bf16],
+    x: &[Bf16],
+    weight: Blocks<'_>,
+    bias: Option<&[Bf16]>,
+    rows: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
+    check(&weight, n, k)?;
+    if rows == 0
+        || x.len() != rows * k
+        || out.len() != rows * n
+        || bias.is_some_and(|b| b.len() != n)
+    {
+        return Err(KernelError(format!(
+            "gemv ({}): x {} / out {} elements for {rows} rows of {k} by {n}",
+            weight.name(),
+            x.len(),
+            out.len()
+        )));
+    }
+    let simd = avx2_available();
+    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    // Per-group sums of each activation row, for groups of 16 and of 32.
+    let sums16: Vec<f32> = xf.chunks_exact(16).map(|c| c.iter().sum()).collect();
+    let sums32: Vec<f32> = xf.chunks_exact(32).map(|c| c.iter().sum()).collect();
+    let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
+    let out_addr = out.as_mut_ptr() as usize;
+    let task = |part: usize| {
+        let (lo, hi) = (n * part / parts, n * (part + 1) / parts);
+        let mut results: Vec<[f32; MAX_ROWS]> = Vec::with_capacity(CHUNK_ROWS);
+        for chunk in (lo..hi).step_by(CHUNK_ROWS) {
+            let end = (chunk + CHUNK_ROWS).min(hi);
+            let mut first = 0;
+            while first < rows {
+                let take = (rows - first).min(MAX_ROWS);
+                let xs = &xf[first * k..(first + take) * k];
+                results.clear();
+                results.resize(end - chunk, [0.0; MAX_ROWS]);
+                for (i, row) in (chunk..end).enumerate() {
+                    let (f, w) = weight.row(row, k);
+                    let (sums, groups) = if f.group() == 16 {
+                        (&sums16, k / 16)
+                    } else {
+                        (&sums32, k / 32)
+                    };
+                    let ss = &sums[first * groups..(first + take) * groups];
+                    dot_row(f, w, xs, ss, take, k, simd, &mut results[i]);
+                }
+                for (row, dots) in (chunk..end).zip(&results) {
+                    let b = bias.map_or(0.0, |b| b[row].to_f32());
+                    for (r, dot) in dots.iter().enumerate().take(take) {
+                        // SAFETY: parts own disjoint column ranges [lo, hi) of each output
+                        // row, and `out` (rows * n elements) outlives the call.
+                        unsafe {
+                            *(out_addr as *mut Bf16).add((first + r) * n + row) =
+                                Bf16::from_f32(dot + b);
+                        }
+                    }
+                }
+                first += take;
+            }
+        }
+    };
+    if parts == 1 {
+        task(0);
+    } else {
+        parallel.run(parts, &task);
+    }
+    Ok(())
+}
+
+/// The whole matrix as bf16 `[n, k]`, each weight as the module docs compute it.
+pub fn dequantize_blocks(
+    out: &mut [Bf16],
+    weight: Blocks<'_>,
+    n: usize,
+    k: usize,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
+    check(&weight, n, k)?;
+    if out.len() != n * k {
+        return Err(KernelError(format!(
+            "dequantize ({}): out has {} of {n} x {k}",
+            weight.name(),
+            out.len()
+        )));
+    }
+    let simd = avx2_available();
+    let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
+    let out_addr = out.as_mut_ptr() as usize;
+    let task = |part: usize| {
+        let (lo, hi) = (n * part / parts, n * (part + 1) / parts);
+        let mut u = Unpacked::new();
+        for row in lo..hi {
+            // SAFETY: parts own disjoint row ranges of `out`, which outlives the call.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut((out_addr as *mut Bf16).add(row * k), k) };
+            let (f, src) = weight.row(row, k);
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: `simd` means AVX2 and FMA were detected.
+                unsafe { avx2::dequantize_row(f, src, dst, &mut u) };
+                continue;
+            }
+            let _ = simd;
+            dequantize_row(f, src, dst, &mut u);
+        }
+    };
+    if parts == 1 {
+        task(0);
+    } else {
+        parallel.run(parts, &task);
+    }
+    Ok(())
+}
+
+fn check(weight: &Blocks<'_>, n: usize, k: usize) -> Result<(), KernelError> {
+    if weight.fits(n, k) {
+        Ok(())
+    } else {
+        Err(KernelError(format!(
+            "GGUF block matrix ({}) does not hold {n} x {k} weights",
+            weight.name()
+        )))
+    }
+}
+
+impl Blocks<'_> {
+    /// The layout name [`parse_layout`] reads.
+    pub fn name(&self) -> String {
+        let names: Vec<String> = self
+            .segments()
+            .iter()
+            .map(|s| format!("{}*{}", s.format.name(), s.rows))
+            .collect();
+        names.join("+")
+    }
+}
+
+/// One row's blocks `src` as bf16 into `dst` (portable; the AVX2 build of the same code
+/// is [`avx2::dequantize_row`]).
+#[inline(always)]
+fn dequantize_row(f: BlockFormat, src: &[u8], dst: &mut [Bf16], u: &mut Unpacked) {
+    let (v, g) = (f.values(), f.group());
+    for (block, out) in src.chunks_exact(f.bytes()).zip(dst.chunks_exact_mut(v)) {
+        unpack(f, block, u);
+        for (group, out) in out.chunks_exact_mut(g).enumerate() {
+            let (scale, offset) = (u.scale[group], u.offset[group]);
+            let q = &u.q[group * g..group * g + g];
+            if has_offset(f) {
+                for (o, &q) in out.iter_mut().zip(q) {
+                    *o = Bf16::from_f32(scale * f32::from(q) + offset);
+                }
+            } else {
+                for (o, &q) in out.iter_mut().zip(q) {
+                    *o = Bf16::from_f32(scale * f32::from(q));
+                }
+            }
+        }
+    }
+}
+
+fn avx2_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `dots[r]` = activation row `r`'s dot with the weight row `w` (its blocks), for the
+/// `count` rows of `xs` (`[count, k]` f32; `sums` their per-group sums).
+#[allow(clippy::too_many_arguments)]
+fn dot_row(
+    f: BlockFormat,
+    w: &[u8],
+    xs: &[f32],
+    sums: &[f32],
+    count: usize,
+    k: usize,
+    simd: bool,
+    dots: &mut [f32; MAX_ROWS],
+) {
+    prefetch_ahead(w.as_ptr(), w.len());
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` means AVX2 and FMA were detected; the caller checked the shapes.
+        unsafe {
+            match count {
+                1 => avx2::dot_row::<1>(f, w, xs, sums, k, dots),
+                2 => avx2::dot_row::<2>(f, w, xs, sums, k, dots),
+                3 => avx2::dot_row::<3>(f, w, xs, sums, k, dots),
+                _ => avx2::dot_row::<4>(f, w, xs, sums, k, dots),
+            }
+        }
+        return;
+    }
+    let _ = simd;
+    let (v, g) = (f.values(), f.group());
+    let groups = k / g;
+    let mut u = Unpacked::new();
+    let mut acc = [0f32; MAX_ROWS];
+    for (b, block) in w.chunks_exact(f.bytes()).enumerate() {
+        unpack(f, block, &mut u);
+        for group in 0..v / g {
+            let at = b * v + group * g;
+            let q = &u.q[group * g..group * g + g];
+            for (r, acc) in acc.iter_mut().enumerate().take(count) {
+                let x = &xs[r * k + at..r * k + at + g];
+                let s: f32 = q.iter().zip(x).map(|(&q, &x)| f32::from(q) * x).sum();
+                *acc += u.scale[group] * s;
+                if has_offset(f) {
+                    *acc += u.offset[group] * sums[r * groups + at / g];
+                }
+            }
+        }
+    }
+    dots[..count].copy_from_slice(&acc[..count]);
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{has_offset, unpack, BlockFormat, Unpacked, MAX_ROWS};
+    use crate::element::Bf16;
+
+    /// The portable dequantization compiled for AVX2 (the compiler widens its loops).
+    ///
+    /// SAFETY: AVX2 and FMA available.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dequantize_row(
+        f: BlockFormat,
+        src: &[u8],
+        dst: &mut [Bf16],
+        u: &mut Unpacked,
+    ) {
+        super::dequantize_row(f, src, dst, u);
+    }
+
+    /// Eight `q` values from `p` as f32.
+    #[inline(always)]
+    unsafe fn q8(p: *const i8) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+    }
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// The portable `dot_row` with the group sums in 8-lane FMAs, the `q` of each group
+    /// widened once for all `ROWS` activation rows.
+    ///
+    /// SAFETY: AVX2 and FMA; `w` is whole blocks of a row of `k`, `xs` `ROWS` rows of `k`,
+    /// `sums` their `k / group` group sums.
+    #[allow(clippy::needless_range_loop)] // `r` indexes `acc`, `dots` and the rows of `xs`
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_row<const ROWS: usize>(
+        f: BlockFormat,
+        w: &[u8],
+        xs: &[f32],
+        sums: &[f32],
+        k: usize,
+        dots: &mut [f32; MAX_ROWS],
+    ) {
+        match f {
+            BlockFormat::Q4K => dot::<ROWS, 256, 32, true>(f, w, xs, sums, k, dots),
+            BlockFormat::Q5K => dot::<ROWS, 256, 32, true>(f, w, xs, sums, k, dots),
+            BlockFormat::Q6K => dot::<ROWS, 256, 16, false>(f, w, xs, sums, k, dots),
+            BlockFormat::Q5_0 => dot::<ROWS, 32, 32, false>(f, w, xs, sums, k, dots),
+            BlockFormat::Q5_1 | BlockFormat::Q4_1 => {
+                dot::<ROWS, 32, 32, true>(f, w, xs, sums, k, dots)
+            }
+            BlockFormat::Q8_0 => dot::<ROWS, 32, 32, false>(f, w, xs, sums, k, dots),
+        }
+    }
+
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn dot<const ROWS: usize, const V: usize, const G: usize, const OFFSET: bool>(
+        f: BlockFormat,
+        w: &[u8],
+        xs: &[f32],
+        sums: &[f32],
+        k: usize,
+        dots: &mut [f32; MAX_ROWS],
+    ) {
+        debug_assert_eq!(has_offset(f), OFFSET);
+        let groups = k / G;
+        let mut u = Unpacked::new();
+        let mut acc = [_mm256_setzero_ps(); ROWS];
+        let mut off = [0f32; ROWS];
+        let xp = xs.as_ptr();
+        for (b, block) in w.chunks_exact(f.bytes()).enumerate() {
+            unpack(f, block, &mut u);
+            for group in 0..V / G {
+                let at = b * V + group * G;
+                let qp = u.q.as_ptr().add(group * G);
+                let mut q = [_mm256_setzero_ps(); 4];
+                for v in 0..G / 8 {
+                    q[v] = q8(qp.add(8 * v));
+                }
+                let scale = _mm256_set1_ps(u.scale[group]);
+                for r in 0..ROWS {
+                    let x = xp.add(r * k + at);
+                    let mut t = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
+                    for v in 1..G / 8 {
+                        t = _mm256_fmadd_ps(q[v], _mm256_loadu_ps(x.add(8 * v)), t);
+                    }
+                    acc[r] = _mm256_fmadd_ps(t, scale, acc[r]);
+                    if OFFSET {
+                        off[r] += u.offset[group] * *sums.get_unchecked(r * groups + at / G);
+                    }
+                }
+            }
+        }
+        for r in 0..ROWS {
+            dots[r] = hsum(acc[r]) + off[r];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..len)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (s >> 33) as u8
+            })
+            .collect()
+    }
+
+    /// Random blocks whose f16 fields are small finite numbers.
+    fn blocks(f: BlockFormat, n: usize, k: usize, seed: u64) -> Vec<u8> {
+        let mut data = random_bytes(n * f.row_bytes(k), seed);
+        let halves: &[usize] = match f {
+            BlockFormat::Q4K | BlockFormat::Q5K => &[0, 2],
+            BlockFormat::Q6K => &[208],
+            BlockFormat::Q5_0 => &[0],
+            BlockFormat::Q5_1 | BlockFormat::Q4_1 => &[0, 2],
+            BlockFormat::Q8_0 => &[0],
+        };
+        for (i, block) in data.chunks_exact_mut(f.bytes()).enumerate() {
+            for &at in halves {
+                let v = F16::from_f32(0.001 + (i % 7) as f32 * 0.0007)
+                    .0
+                    .to_le_bytes();
+                block[at..at + 2].copy_from_slice(&v);
+            }
+        }
+        data
+    }
+
+    /// The portable and AVX2 dots agree, and both equal the dot with the dequantized
+    /// weights up to f32 summation.
+    #[test]
+    fn portable_and_simd_dots_agree_with_the_weights() {
+        for f in BlockFormat::ALL {
+            let k = 3 * f.values().max(64);
+            let n = 3;
+            let data = blocks(f, n, k, 7);
+            let m = Blocks::new(f, n, &data);
+            let xs: Vec<f32> = (0..2 * k)
+                .map(|i| Bf16::from_f32((i as f32 * 0.37).sin()).to_f32())
+                .collect();
+            let sums: Vec<f32> = xs.chunks_exact(f.group()).map(|c| c.iter().sum()).collect();
+            for row in 0..n {
+                let w = &data[row * f.row_bytes(k)..(row + 1) * f.row_bytes(k)];
+                let (mut plain, mut fast) = ([0f32; MAX_ROWS], [0f32; MAX_ROWS]);
+                dot_row(f, w, &xs, &sums, 2, k, false, &mut plain);
+                dot_row(f, w, &xs, &sums, 2, k, avx2_available(), &mut fast);
+                for r in 0..2 {
+                    let (mut exact, mut size) = (0f64, 0f64);
+                    for j in 0..k {
+                        let t = f64::from(m.weight(row, j, k)) * f64::from(xs[r * k + j]);
+                        exact += t;
+                        size += t.abs();
+                    }
+                    for got in [plain[r], fast[r]] {
+                        let err = (f64::from(got) - exact).abs();
+                        assert!(err <= 1e-5 * size + 1e-6, "{f:?}: {got} vs {exact}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX2 build of the dequantization gives the portable one's bits.
+    #[test]
+    fn dequantization_paths_agree() {
+        for f in BlockFormat::ALL {
+            let k = 2 * f.values();
+            let data = blocks(f, 1, k, 11);
+            let mut u = Unpacked::new();
+            let mut plain = vec![Bf16(0); k];
+            dequantize_row(f, &data, &mut plain, &mut u);
+            let m = Blocks::new(f, 1, &data);
+            for (j, p) in plain.iter().enumerate() {
+                assert_eq!(*p, Bf16::from_f32(m.weight(0, j, k)), "{f:?} weight {j}");
+            }
+            #[cfg(target_arch = "x86_64")]
+            if avx2_available() {
+                let mut fast = vec![Bf16(0); k];
+                // SAFETY: AVX2 and FMA detected.
+                unsafe { avx2::dequantize_row(f, &data, &mut fast, &mut u) };
+                assert_eq!(plain, fast, "{f:?}");
+            }
+        }
+    }
+}
