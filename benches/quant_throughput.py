@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,15 @@ def bytes_per_token(model: str, fmt: str) -> int:
                                                   layer.mlp.down))
         total += size(layer.input_norm.weight) + size(layer.post_norm.weight)
     return total
+
+
+def tensor_types(path: Path) -> str:
+    """The file's matrix types, most common first ("166 Q5_0, 16 Q4_K, ...")."""
+    import gguf
+
+    types = Counter(t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors
+                    if len(t.shape) == 2)
+    return ", ".join(f"{n} {t}" for t, n in types.most_common())
 
 
 def main() -> None:
@@ -99,7 +109,7 @@ def main() -> None:
         }
     bandwidth = copy_bandwidth_gbs()
 
-    print(f"\nSmolLM2-135M ({source.gguf.name}), W = {args.requests} x {args.prompt_tokens} "
+    print(f"\n{source.gguf.name}, W = {args.requests} x {args.prompt_tokens} "
           f"in x {args.new_tokens} out; copy bandwidth {bandwidth:.1f} GB/s")
     print("| engine, weights | weights read per token | floor ms | batch-1 ms/token | "
           "vs llama.cpp | W output tok/s | vs llama.cpp |")
@@ -113,8 +123,8 @@ def main() -> None:
         print(f"| {name} | {r['weight_bytes'] / 1e6:.0f} MB | {floor:.1f} | {b1:.1f} | {vs_b1} "
               f"| {w:.1f} | {vs_w} |")
 
-    names = {"gguf": "iron-batch server, GGUF Q4_1 blocks", "int8": "iron-batch server, int8",
-             "bf16": "iron-batch server, bf16"}
+    names = {"gguf": f"iron-batch server, --quantization gguf ({tensor_types(source.gguf)})",
+             "int8": "iron-batch server, int8", "bf16": "iron-batch server, bf16"}
     for fmt, r in rows.items():
         line(names[fmt], r)
     if llama:

@@ -120,7 +120,14 @@ class QuantWeight:
                              f"[rows, {self.k}] bf16")
         rows = x.shape[0]
         if rows > gemv_rows or rows == 0:
-            return F.linear(x, self.dequantize(scratch=True), bias)
+            dense = self.dequantize(scratch=True)
+            if bf16_gemm_is_native():
+                return F.linear(x, dense, bias)
+            # The same bf16-rounded weights, multiplied in f32 (see bf16_gemm_is_native).
+            wide = _scratch(self.n * self.k, torch.float32).view(self.n, self.k)
+            wide.copy_(dense)
+            return F.linear(x.float(), wide, None if bias is None else bias.float()).to(
+                torch.bfloat16)
         if not x.is_contiguous():
             x = x.contiguous()
         if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (self.n,)):
@@ -156,13 +163,30 @@ class QuantWeight:
 _local = threading.local()
 
 
-def _scratch(elements: int) -> torch.Tensor:
-    """This thread's bf16 buffer of at least ``elements`` (grown, never shrunk)."""
-    buf: torch.Tensor | None = getattr(_local, "buffer", None)
+def _scratch(elements: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """This thread's buffer of ``dtype`` of at least ``elements`` (grown, never shrunk)."""
+    name = f"buffer_{dtype}"
+    buf: torch.Tensor | None = getattr(_local, name, None)
     if buf is None or buf.numel() < elements:
-        buf = torch.empty(elements, dtype=torch.bfloat16)
-        _local.buffer = buf
+        # A normal tensor even when made under inference mode, so that torch ops may
+        # write into it outside it too.
+        with torch.inference_mode(False):
+            buf = torch.empty(elements, dtype=dtype)
+        setattr(_local, name, buf)
     return buf[:elements]
+
+
+@functools.cache
+def bf16_gemm_is_native() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX). Elsewhere torch's
+    bf16 GEMM emulates it: on an AVX2 EPYC a 64-row product with a 1536 x 576 matrix took
+    97 ms in bf16 and 13 ms in f32 over the same (bf16-rounded) weights, so the dense path
+    of a quantized projection multiplies in f32 there."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return True
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
