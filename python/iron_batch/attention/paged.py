@@ -217,13 +217,21 @@ def _fresh_layout(
     )
 
 
-def write_kv(cache: torch.Tensor, plan: AttentionPlan, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store this step's K and V [num_tokens, kv_heads, head_dim] at their slots."""
+def write_kv(
+    cache: torch.Tensor, plan: AttentionPlan, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store this step's K and V [num_tokens, kv_heads, head_dim] at their slots; returns
+    them as the cache holds them: an int8 cache's rows dequantized, so that a prompt's
+    attention sees the keys and values its later chunks and decodes will read."""
     flat = cache.view(2, -1, cache.shape[-2], cache.shape[-1])
     if kv_int8.is_int8(cache):
-        k, v = kv_int8.quantize(k), kv_int8.quantize(v)
+        k8, v8 = kv_int8.quantize(k), kv_int8.quantize(v)
+        flat[0].index_copy_(0, plan.slot_mapping, k8)
+        flat[1].index_copy_(0, plan.slot_mapping, v8)
+        return kv_int8.dequantize(k8, k.dtype), kv_int8.dequantize(v8, v.dtype)
     flat[0].index_copy_(0, plan.slot_mapping, k)
     flat[1].index_copy_(0, plan.slot_mapping, v)
+    return k, v
 
 
 def paged_attention(

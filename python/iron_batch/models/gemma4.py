@@ -490,7 +490,7 @@ class Gemma4ForCausalLM(DecoderModel):
                     n, kvh, hd)
                 k = apply_rope(layer.k_norm(k_raw), cos, sin)
                 v = layer.v_norm(v_raw)
-                paged.write_kv(cache, plan, k, v)
+                k, v = paged.write_kv(cache, plan, k, v)
                 kv[i] = (k, v)
             else:
                 k, v = kv[layer.kv_source]
