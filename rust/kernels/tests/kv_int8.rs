@@ -182,7 +182,8 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 fn attention_over_int8_rows_is_attention_over_their_dequantized_values() {
     let mut rng = Rng(0x5eed_1234);
     // (heads, kv heads, head_dim, block size, lengths, window, softcap)
-    let cases: [(usize, usize, usize, usize, &[usize], usize, f32); 5] = [
+    type Spec = (usize, usize, usize, usize, &'static [usize], usize, f32);
+    let cases: [Spec; 5] = [
         (4, 4, 64, 16, &[1, 17, 100], 0, 0.0),
         (8, 2, 64, 16, &[33, 5, 160, 64], 0, 0.0),
         (6, 3, 48, 8, &[90, 7], 24, 0.0),
