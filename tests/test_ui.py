@@ -52,7 +52,8 @@ def test_page_info_and_snapshots(start_server: ServerFactory) -> None:
     assert httpx.get(server.url + "/ui/style.css").status_code == 200
     info = httpx.get(server.url + "/ui/api/info").json()
     assert info["backend"] == "mock" and info["model"] == "mock"
-    assert info["kv"] == {"blocks": 64, "block_size": 8, "tokens": 512, "bytes": None}
+    assert info["kv"] == {"blocks": 64, "block_size": 8, "tokens": 512, "bytes": None,
+                          "dtype": None}
     assert info["tokenizer"] is False and info["auth"] is False
     status, _ = server.generate({"prompt_tokens": 8, "max_new_tokens": 16})
     assert status == 200

@@ -361,6 +361,48 @@ def _rope_store_kv(
     """Rotary embedding + KV store over raw CPU tensor addresses (``cos``/``sin``
     [tokens, rotary_dim], None: head_dim); call it through ``iron_batch.layers.cpu_kernels``."""
 
+def _paged_decode_attention_int8(
+    out: int,
+    q: int,
+    k_cache: int,
+    v_cache: int,
+    block_tables: npt.NDArray[np.int32],
+    seq_lens: npt.NDArray[np.int32],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_blocks: int,
+    sliding_window: int,
+    scale: float,
+    bf16: bool,
+    threads: int,
+    openmp: tuple[int, int, int] | None = None,
+    softcap: float = 0.0,
+) -> None:
+    """``_paged_decode_attention`` over int8 caches (rows of ``head_dim`` int8 values and
+    their float32 scale); call it through ``iron_batch.attention.cpu_kernel``."""
+
+def _rope_store_kv_int8(
+    q_out: int,
+    k_cache: int,
+    v_cache: int,
+    qkv: int,
+    cos: int,
+    sin: int,
+    slots: npt.NDArray[np.int64],
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    num_slots: int,
+    bf16: bool,
+    rotary_dim: int | None = None,
+) -> None:
+    """``_rope_store_kv`` into int8 caches (each row quantized with its own scale); call it
+    through ``iron_batch.layers.cpu_kernels``."""
+
 def _gated_activation(
     out: int, gate_up: int, *, rows: int, inter: int, activation: str
 ) -> None:
@@ -451,7 +493,11 @@ class _DecoderStack:
         head_dim: int,
     ) -> None: ...
     def set_caches(
-        self, caches: list[tuple[int, int]], num_blocks: list[int], block_size: int
+        self,
+        caches: list[tuple[int, int]],
+        num_blocks: list[int],
+        block_size: int,
+        int8: bool = False,
     ) -> None: ...
     def decode(
         self,

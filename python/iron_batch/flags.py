@@ -18,7 +18,7 @@ from typing import Any
 from iron_batch._core import SchedulerConfig
 from iron_batch.backends.mock import DEFAULT_PREFILL_TOKEN_LATENCY_US, DEFAULT_TOKEN_LATENCY_US
 from iron_batch.cli_args import non_negative_float, positive_int
-from iron_batch.layers import QUANTIZATION_MODES
+from iron_batch.layers import KV_CACHE_DTYPES, QUANTIZATION_MODES
 
 _CORE = SchedulerConfig()
 
@@ -64,6 +64,12 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
         type=non_negative_float, default=None,
         help="torch: size the KV pool from this memory budget when --total-kv-blocks is not "
         "given (default: 1 GiB on CPU, 85%% of free GPU memory on CUDA)")),
+    Flag("--kv-cache-dtype", dict(
+        choices=KV_CACHE_DTYPES, default=None,
+        help="torch: how the KV cache stores K and V: auto (the model's dtype, bf16 on CPU) "
+        "or int8 (int8 values with a float32 scale per token and head: about half the "
+        "bytes, so about twice the tokens in the same --kv-cache-memory-gb; default "
+        "auto)")),
     Flag("--mock-token-latency-us", dict(
         type=non_negative_float, default=DEFAULT_TOKEN_LATENCY_US,
         help="mock: time of one decode step in microseconds, whatever the batch size "
@@ -77,7 +83,7 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
 #: The flags that say which model runs and how its KV pool is laid out (what a spawned
 #: tensor-parallel rank needs from rank 0).
 MODEL_FLAGS = ("--model", "--device", "--dtype", "--quantization", "--total-kv-blocks",
-               "--kv-block-size", "--kv-cache-memory-gb")
+               "--kv-block-size", "--kv-cache-memory-gb", "--kv-cache-dtype")
 
 
 def add(parser: argparse.ArgumentParser | Any, names: Iterable[str], **overrides: Any) -> None:

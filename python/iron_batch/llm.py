@@ -40,9 +40,11 @@ class LLM:
     """Generate for a list of prompts with continuous batching.
 
     ``model`` is a checkpoint directory, GGUF file or short name for the torch backend
-    (``device``, ``dtype``, ``total_kv_blocks``, ``kv_cache_memory_gb`` and
-    ``quantization`` go to it; ``tensor_parallel_size`` > 1 splits the model over that
-    many local processes, or over torchrun's ranks, ``tp_timeout`` bounding each collective;
+    (``device``, ``dtype``, ``total_kv_blocks``, ``kv_cache_memory_gb``,
+    ``kv_cache_dtype`` ("auto" or "int8": int8 K/V with a float scale per token and head,
+    about twice the tokens in the same memory) and ``quantization`` go to it;
+    ``tensor_parallel_size`` > 1 splits the model over that many local processes, or over
+    torchrun's ranks, ``tp_timeout`` bounding each collective;
     see ``iron_batch.parallel``); or
     pass any ``backend`` (e.g. ``MockBackend()``). ``overlap_depth``: steps kept in flight
     while the next is scheduled (0: none; None: one when the backend's ``submit`` returns
@@ -62,6 +64,7 @@ class LLM:
         dtype: str | None = None,
         kv_cache_memory_gb: float | None = None,
         quantization: str | None = None,
+        kv_cache_dtype: str | None = None,
         tensor_parallel_size: int = 1,
         tp_timeout: float | None = None,
         overlap_depth: int | None = None,
@@ -86,6 +89,7 @@ class LLM:
                 kv_block_size=kv_block_size,
                 kv_cache_memory_gb=kv_cache_memory_gb,
                 quantization=quantization,
+                kv_cache_dtype=kv_cache_dtype,
                 tensor_parallel_size=tensor_parallel_size,
                 tp_timeout=tp_timeout,
             )

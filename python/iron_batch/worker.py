@@ -333,6 +333,7 @@ def build_backend(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         backend, total_kv_blocks=args.total_kv_blocks, kv_block_size=args.kv_block_size
     )
     tokenizer = backend.tokenizer
+    described = backend.describe()
     return backend, {
         "model_name": backend.model_name,
         "num_kv_blocks": config.total_kv_blocks,
@@ -346,6 +347,9 @@ def build_backend(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         # The model's cache groups (sliding-window layers): the server schedules the same.
         "cache_groups": [[g.kind, g.size, g.window, g.unit_bytes]
                          for g in config.cache_groups],
+        # What the page and the banner show of the worker's cache.
+        "kv_cache_dtype": described.kv_cache_dtype,
+        "kv_bytes_per_block": described.kv_bytes_per_block,
     }
 
 

@@ -117,7 +117,7 @@ class AttentionBackend:
             # which on a small CPU cost more in dispatch than in arithmetic.
             qk = apply_rope(qkv[:, : q_size + kv_size].view(n, -1, head_dim), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
-        paged.write_kv(cache, plan, k, v)
+        k, v = paged.write_kv(cache, plan, k, v)
         return q, k, v
 
     def forward(

@@ -17,9 +17,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 from iron_batch import _core
+from iron_batch.attention import kv_int8
 from iron_batch.platform.openmp import entry_points
 
 _KERNEL = getattr(_core, "_paged_decode_attention", None)
+_KERNEL_INT8 = getattr(_core, "_paged_decode_attention_int8", None)
 _DTYPES = {torch.bfloat16: True, torch.float32: False}
 
 
@@ -33,19 +35,23 @@ def paged_decode_attention(
     *,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [S, heads, hd] -> [S, heads * hd]; ``cache`` [2, blocks, block_size, kv_heads, hd];
+    """q [S, heads, hd] -> [S, heads * hd]; ``cache`` [2, blocks, block_size, kv_heads, hd]
+    (or an int8 cache, ``attention/kv_int8.py``, its last dim ``hd + 4``);
     ``block_tables`` int32 [S, width] and ``seq_lens`` int32 [S] of the decoding sequences
     (lengths include the new token, whose K/V is already in the cache). With ``softcap``
     (Gemma 2's ``attn_logit_softcapping``) each score ``s = scale * q.k`` becomes
     ``softcap * tanh(s / softcap)`` before the softmax; None or 0: off."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_blocks, block_size, kv_heads, cache_hd = cache.shape
+    int8 = kv_int8.is_int8(cache)
     # The kernel trusts these: it gets addresses, not tensors.
-    if q.dtype != cache.dtype or q.dtype not in _DTYPES:
-        raise TypeError(f"q {q.dtype} and cache {cache.dtype} must both be bf16 or float32")
+    if (q.dtype != cache.dtype and not int8) or q.dtype not in _DTYPES:
+        raise TypeError(f"q {q.dtype} and cache {cache.dtype} must both be bf16 or float32 "
+                        "(or the cache int8)")
     if q.device.type != "cpu" or cache.device.type != "cpu" or not cache.is_contiguous():
         raise ValueError("the CPU attention kernel needs a contiguous CPU cache")
-    if cache_hd != head_dim or cache.shape[0] != 2:
+    row = kv_int8.row_bytes(head_dim) if int8 else head_dim
+    if cache_hd != row or cache.shape[0] != 2:
         raise ValueError(f"cache shape {tuple(cache.shape)} does not fit q {tuple(q.shape)}")
     tables = np.ascontiguousarray(block_tables, dtype=np.int32)
     lens = np.ascontiguousarray(seq_lens, dtype=np.int32)
@@ -56,7 +62,7 @@ def paged_decode_attention(
         raise ValueError(f"softcap must be positive (or None), not {softcap}")
     q = q.contiguous()
     out = torch.empty(num_seqs, num_heads * head_dim, dtype=q.dtype)
-    _KERNEL(
+    (_KERNEL_INT8 if int8 else _KERNEL)(
         out.data_ptr(), q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), tables, lens,
         num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
         num_blocks=num_blocks, sliding_window=sliding_window or 0, scale=float(scale),

@@ -1,6 +1,8 @@
 """Attention over a paged KV cache for one flattened batch of mixed prefills and decodes.
 
-The cache of each layer is one tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``.
+The cache of each layer is one tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``
+(int8 rows of ``head_dim + 4`` bytes with ``--kv-cache-dtype int8``: ``attention/kv_int8.py``;
+the torch routes here dequantize the rows they gather).
 Everything that depends only on the batch layout (gather indices, masks) is computed once
 per forward in :class:`AttentionPlan` and reused by every layer.
 """
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from iron_batch.attention import cpu_kernel
+from iron_batch.attention import cpu_kernel, kv_int8
 
 
 @dataclass
@@ -215,11 +217,21 @@ def _fresh_layout(
     )
 
 
-def write_kv(cache: torch.Tensor, plan: AttentionPlan, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store this step's K and V [num_tokens, kv_heads, head_dim] at their slots."""
+def write_kv(
+    cache: torch.Tensor, plan: AttentionPlan, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store this step's K and V [num_tokens, kv_heads, head_dim] at their slots; returns
+    them as the cache holds them: an int8 cache's rows dequantized, so that a prompt's
+    attention sees the keys and values its later chunks and decodes will read."""
     flat = cache.view(2, -1, cache.shape[-2], cache.shape[-1])
+    if kv_int8.is_int8(cache):
+        k8, v8 = kv_int8.quantize(k), kv_int8.quantize(v)
+        flat[0].index_copy_(0, plan.slot_mapping, k8)
+        flat[1].index_copy_(0, plan.slot_mapping, v8)
+        return kv_int8.dequantize(k8, k.dtype), kv_int8.dequantize(v8, v.dtype)
     flat[0].index_copy_(0, plan.slot_mapping, k)
     flat[1].index_copy_(0, plan.slot_mapping, v)
+    return k, v
 
 
 def paged_attention(
@@ -237,7 +249,7 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = cache.shape[-2]
     group = num_heads // kv_heads
-    flat = cache.view(2, -1, kv_heads, head_dim)
+    flat = cache.view(2, -1, kv_heads, cache.shape[-1])
     if plan.every_row is not None:
         e = plan.every_row
         return cpu_kernel.paged_decode_attention(q, cache, e.tables, e.lens, scale,
@@ -288,6 +300,10 @@ def _decode_attention(
     length = d.num_blocks * block_size
     keys = torch.index_select(cache[0].view(num_blocks, -1), 0, d.block_rows)
     values = torch.index_select(cache[1].view(num_blocks, -1), 0, d.block_rows)
+    if kv_int8.is_int8(cache):
+        row = kv_int8.row_bytes(head_dim)
+        keys = kv_int8.dequantize(keys.view(-1, row), q.dtype)
+        values = kv_int8.dequantize(values.view(-1, row), q.dtype)
     keys = keys.view(s, length, kv_heads, head_dim).transpose(1, 2)  # [S, kvh, L, hd]
     values = values.view(s, length, kv_heads, head_dim).transpose(1, 2)
     qg = q.reshape(s, kv_heads, group, head_dim)
@@ -340,6 +356,8 @@ def _prefill_attention(
         keys, values = k, v
     else:
         keys, values = flat[0][p.gather], flat[1][p.gather]
+        if kv_int8.is_int8(flat):
+            keys, values = kv_int8.dequantize(keys, q.dtype), kv_int8.dequantize(values, q.dtype)
     # [kvh, q_len * group, hd]: row r is query token r // group, head (kv_head, r % group).
     qg = q.view(q_len, kv_heads, group, head_dim).permute(1, 0, 2, 3)
     qg = qg.reshape(kv_heads, q_len * group, head_dim)

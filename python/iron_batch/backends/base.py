@@ -132,6 +132,8 @@ class BackendInfo:
     #: The tuning switches in force (environment name -> value; see
     #: ``platform/switches.py``), for backends that read them.
     switches: dict[str, str] | None = None
+    #: What the KV cache stores K/V as ("bfloat16", "int8", ...), for backends with one.
+    kv_cache_dtype: str | None = None
 
 
 

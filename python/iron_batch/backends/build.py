@@ -13,6 +13,7 @@ from iron_batch._core import CacheGroup, SchedulerConfig
 from iron_batch.backends.base import Backend
 from iron_batch.backends.mock import DEFAULT_PREFILL_TOKEN_LATENCY_US, DEFAULT_TOKEN_LATENCY_US
 from iron_batch.backends.remote import DEFAULT_TIMEOUT_S
+from iron_batch.layers import KV_CACHE_DTYPES
 
 # ``--quantization`` modes of the torch backend (``iron_batch.layers.quant``).
 from iron_batch.layers import QUANTIZATION_MODES as QUANTIZATION_MODES
@@ -21,7 +22,7 @@ from iron_batch.layers import QUANTIZATION_MODES as QUANTIZATION_MODES
 BACKEND_KINDS = ("mock", "torch", "remote")
 ALIASES = {"real": "remote"}
 _TORCH_ONLY = ("model", "device", "dtype", "kv_cache_memory_gb", "quantization",
-               "tensor_parallel_size")
+               "tensor_parallel_size", "kv_cache_dtype")
 
 #: The Rust core's scheduler defaults.
 DEFAULTS = SchedulerConfig()
@@ -51,6 +52,7 @@ def build_backend(
     kv_block_size: int | None = None,
     kv_cache_memory_gb: float | None = None,
     quantization: str | None = None,
+    kv_cache_dtype: str | None = None,
     mock_token_latency_us: float = DEFAULT_TOKEN_LATENCY_US,
     mock_prefill_token_latency_us: float = DEFAULT_PREFILL_TOKEN_LATENCY_US,
     url: str | None = None,
@@ -64,10 +66,14 @@ def build_backend(
     ``tensor_parallel_size`` > 1 splits the model over that many ranks (see
     ``iron_batch.parallel``); under torchrun, ranks >= 1 never return from here."""
     kind = ALIASES.get(kind, kind)
+    if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise BackendConfigError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of "
+                                 f"{', '.join(KV_CACHE_DTYPES)}")
     if kind != "torch":
         given = {"model": model, "device": device, "dtype": dtype,
                  "kv_cache_memory_gb": kv_cache_memory_gb, "quantization": quantization,
-                 "tensor_parallel_size": tensor_parallel_size > 1}
+                 "tensor_parallel_size": tensor_parallel_size > 1,
+                 "kv_cache_dtype": kv_cache_dtype not in (None, "auto")}
         for name in _TORCH_ONLY:
             if given[name]:
                 raise BackendConfigError(f"--{name.replace('_', '-')} only applies to "
@@ -87,7 +93,7 @@ def build_backend(
                 model, tensor_parallel_size, device=device, dtype=dtype,
                 total_kv_blocks=total_kv_blocks, kv_block_size=kv_block_size,
                 kv_cache_memory_gb=kv_cache_memory_gb, quantization=quantization,
-                timeout=tp_timeout)
+                timeout=tp_timeout, kv_cache_dtype=kv_cache_dtype)
         # Imported lazily: the mock server must not need (or pay for) torch.
         from iron_batch.backends.torch_backend import TorchBackend
 
@@ -100,6 +106,7 @@ def build_backend(
                 kv_block_size=kv_block_size or DEFAULTS.kv_block_size,
                 kv_cache_memory_gb=kv_cache_memory_gb or None,
                 quantization=quantization or None,
+                kv_cache_dtype=kv_cache_dtype or "auto",
             )
         except (OSError, ValueError) as exc:
             raise BackendConfigError(f"cannot load --model {model!r}: {exc}") from exc
@@ -120,6 +127,7 @@ def _tensor_parallel_backend(
     model: str, world: int, *, device: str | None, dtype: str | None,
     total_kv_blocks: int | None, kv_block_size: int | None,
     kv_cache_memory_gb: float | None, quantization: str | None, timeout: float | None,
+    kv_cache_dtype: str | None = None,
 ) -> Backend:
     from iron_batch.models.partition import TensorParallelError
     from iron_batch.parallel.backend import TensorParallelTorchBackend
@@ -135,6 +143,7 @@ def _tensor_parallel_backend(
             kv_block_size=kv_block_size or DEFAULTS.kv_block_size,
             kv_cache_memory_gb=kv_cache_memory_gb or None,
             quantization=quantization or None,
+            kv_cache_dtype=kv_cache_dtype or "auto",
             timeout_s=timeout or DEFAULT_TIMEOUT_S,
         )
     except TensorParallelError as exc:

@@ -266,11 +266,14 @@ class RemoteBackend(BackendBase):
     def describe(self) -> BackendInfo:
         info = self.info if isinstance(self.info, dict) else {}
         dtype, device = info.get("dtype"), info.get("device")
+        kv_dtype, kv_bytes = info.get("kv_cache_dtype"), info.get("kv_bytes_per_block")
         return BackendInfo(
             kind="remote",
             dtype=dtype if isinstance(dtype, str) else None,
             device=device if isinstance(device, str) else None,
             url=self.url,
+            kv_cache_dtype=kv_dtype if isinstance(kv_dtype, str) else None,
+            kv_bytes_per_block=kv_bytes if isinstance(kv_bytes, int) else None,
         )
 
     def execute(self, batch: Batch) -> np.ndarray:

@@ -146,11 +146,15 @@ class TorchBackend(BackendBase):
         kv_block_size: int = _CORE_DEFAULTS.kv_block_size,
         kv_cache_memory_gb: float | None = None,
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> TorchBackend:
+        """``kv_cache_dtype``: "auto" (K/V in the model's dtype) or "int8" (see
+        ``attention/kv_int8.py``); the memory budget counts the bytes of that layout."""
         source = resolve(model)
         dev = pick_device(device)
         net = load_model(source, device=dev, dtype=pick_dtype(dtype, dev, quantization),
                          quantization=quantization)
+        net.set_kv_cache_dtype(kv_cache_dtype)
         blocks: int | list[int]
         if total_kv_blocks is not None:
             blocks = total_kv_blocks
@@ -269,6 +273,7 @@ class TorchBackend(BackendBase):
             device=str(net.device),
             kv_bytes_per_block=net.kv_bytes_per_block(self.kv_block_size),
             switches=net.switches.as_dict(),
+            kv_cache_dtype=kv_cache_dtype_name(net),
         )
 
     def _state(self, request_id: str) -> RequestState:
@@ -278,6 +283,13 @@ class TorchBackend(BackendBase):
             state = self.sampler.new_state([], SamplingParams())
             self._requests[request_id] = state
         return state
+
+
+def kv_cache_dtype_name(net: DecoderModel) -> str:
+    """What the model's KV cache holds: "int8", or the model's dtype ("bfloat16")."""
+    if net.kv_cache_dtype == "int8":
+        return "int8"
+    return str(net.dtype).removeprefix("torch.")
 
 
 def kv_blocks_for_memory(net: DecoderModel, block_size: int, memory_gb: float | None) -> int:

@@ -17,6 +17,7 @@ from iron_batch.platform.openmp import entry_points
 
 _RMS = getattr(_core, "_add_rms_norm", None)
 _ROPE = getattr(_core, "_rope_store_kv", None)
+_ROPE_INT8 = getattr(_core, "_rope_store_kv_int8", None)
 _GEMV = getattr(_core, "_gemv_bf16", None)
 _ACT = getattr(_core, "_gated_activation", None)
 
@@ -77,14 +78,18 @@ def rope_store_kv(
         raise ValueError(f"rope_store_kv: rotary_dim {rd} must be even and at most {head_dim}")
     cos = cos.reshape(tokens, rd)
     sin = sin.reshape(tokens, rd)
-    _check(qkv, cos, sin, cache)
+    int8 = cache.dtype == torch.int8  # int8 rows and their scales (attention/kv_int8.py)
+    _check(qkv, cos, sin, *([] if int8 else [cache]))
+    if int8 and (cache.device.type != "cpu" or not cache.is_contiguous()):
+        raise ValueError("rope_store_kv: the int8 cache must be contiguous on the CPU")
     slots = np.ascontiguousarray(slot_mapping, dtype=np.int64)
     if qkv.shape != (tokens, (heads + 2 * kv_heads) * head_dim) or slots.shape != (tokens,):
         raise ValueError("rope_store_kv: qkv must be [T, (heads + 2 kv_heads) * hd]")
-    if cache.shape[0] != 2 or cache.shape[-2:] != (kv_heads, head_dim):
+    row = head_dim + 4 if int8 else head_dim
+    if cache.shape[0] != 2 or cache.shape[-2:] != (kv_heads, row):
         raise ValueError(f"rope_store_kv: cache shape {tuple(cache.shape)} does not fit")
     q = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype)
-    _ROPE(
+    (_ROPE_INT8 if int8 else _ROPE)(
         q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), qkv.data_ptr(),
         cos.data_ptr(), sin.data_ptr(), slots, heads=heads, kv_heads=kv_heads,
         head_dim=head_dim, num_slots=cache.shape[1] * cache.shape[2],

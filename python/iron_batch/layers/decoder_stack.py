@@ -179,22 +179,25 @@ class DecoderStack:
         return ("bf16", self._address(weight, (n, k)), 0, 0, bias_at, n, k)
 
     def set_caches(self, caches: list[torch.Tensor], block_size: int) -> None:
-        """The layers' caches, each ``[2, blocks, block_size, kv_heads, head_dim]``: ``blocks``
-        may differ between cache groups, not within one."""
+        """The layers' caches, each ``[2, blocks, block_size, kv_heads, head_dim]`` bf16 (or all
+        int8, ``head_dim + 4`` bytes a row): ``blocks`` may differ between cache groups, not
+        within one."""
         if len(caches) != len(self.cache_groups):
             raise ValueError(f"decoder stack: {len(caches)} caches for "
                              f"{len(self.cache_groups)} layers")
         blocks: dict[int, int] = {}
+        # int8 caches: rows of head_dim values and their 4-byte scale (attention/kv_int8.py).
+        int8 = bool(caches) and caches[0].dtype == torch.int8
+        dtype, row = (torch.int8, self.head_dim + 4) if int8 else (torch.bfloat16, self.head_dim)
         for group, c in zip(self.cache_groups, caches, strict=True):
-            shape = (2, blocks.setdefault(group, c.shape[1]), block_size, self.kv_heads,
-                     self.head_dim)
-            if (c.dtype != torch.bfloat16 or c.device.type != "cpu" or not c.is_contiguous()
+            shape = (2, blocks.setdefault(group, c.shape[1]), block_size, self.kv_heads, row)
+            if (c.dtype != dtype or c.device.type != "cpu" or not c.is_contiguous()
                     or tuple(c.shape) != shape):
                 raise ValueError(f"decoder stack: every cache of group {group} must be "
-                                 f"contiguous bf16 {shape}, got {tuple(c.shape)}")
+                                 f"contiguous {dtype} {shape}, got {tuple(c.shape)} {c.dtype}")
         self._caches = caches
         self._stack.set_caches([(c[0].data_ptr(), c[1].data_ptr()) for c in caches],
-                               [c.shape[1] for c in caches], block_size)
+                               [c.shape[1] for c in caches], block_size, int8=int8)
 
     def decode(
         self,

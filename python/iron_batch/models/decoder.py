@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from iron_batch.attention import backend as attention_backends
+from iron_batch.attention import kv_int8
 from iron_batch.layers import cpu_kernels, decoder_stack, quant
 from iron_batch.layers.embedding import Embedding, LMHead, VocabParallel
 from iron_batch.layers.linear import Linear
@@ -227,6 +228,9 @@ class DecoderModel:
         self.scale = self.layers[0].scale
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
+        #: How K/V are stored (``attention/kv_int8.py``): "auto" (the model's dtype) or
+        #: "int8"; set by :meth:`set_kv_cache_dtype` before the cache is allocated.
+        self.kv_cache_dtype = "auto"
 
     # ---------------------------------------------------------------- loading
 
@@ -404,30 +408,42 @@ class DecoderModel:
         if tied:
             self.embed.table = head.weight
 
+    def set_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """Store K/V as ``kv_cache_dtype`` ("auto": the model's dtype; "int8": int8 rows
+        with a float32 scale per token and head) in caches allocated from now on."""
+        self.kv_cache_dtype = kv_int8.check(kv_cache_dtype)
+
+    def _kv_row(self) -> tuple[int, torch.dtype]:
+        """The last dimension of a cache and its dtype."""
+        if self.kv_cache_dtype == "int8":
+            return kv_int8.row_bytes(self.config.head_dim), torch.int8
+        return self.config.head_dim, self.dtype
+
     def allocate_kv_cache(self, num_blocks: int | list[int], block_size: int) -> None:
         """Each layer's paged K/V: ``num_blocks`` blocks, or as many as its cache group's
         entry of the list (one per :attr:`cache_groups`)."""
-        c = self.config
         per_group = num_blocks if isinstance(num_blocks, list) else [num_blocks] * len(
             self.cache_groups)
         if len(per_group) != len(self.cache_groups):
             raise ValueError(f"{len(per_group)} block counts for {len(self.cache_groups)} "
                              "cache groups")
         self.kv_caches = []
+        row, kv_dtype = self._kv_row()
         for layer in self.layers:
-            shape = (2, per_group[layer.cache_group], block_size, self.num_kv_heads,
-                     c.head_dim)
+            shape = (2, per_group[layer.cache_group], block_size, self.num_kv_heads, row)
             self.kv_caches.append(
-                huge_pages.zeros(shape, self.dtype) if self.kernels.huge_pages
-                else torch.zeros(shape, dtype=self.dtype, device=self.device))
+                huge_pages.zeros(shape, kv_dtype) if self.kernels.huge_pages
+                else torch.zeros(shape, dtype=kv_dtype, device=self.device))
         self.block_size = block_size
         self.num_blocks_per_group = per_group
         if self.decoder is not None:
             self.decoder.set_caches(self.kv_caches, block_size)
 
     def kv_bytes_per_token(self) -> list[int]:
-        """K/V bytes one token takes in each cache group (all its layers)."""
-        per_layer = 2 * self.num_kv_heads * self.config.head_dim * self.dtype.itemsize
+        """K/V bytes one token takes in each cache group (all its layers): int8 rows
+        count their scales."""
+        row, kv_dtype = self._kv_row()
+        per_layer = 2 * self.num_kv_heads * row * kv_dtype.itemsize
         return [per_layer * sum(1 for layer in self.layers if layer.cache_group == g)
                 for g in range(len(self.cache_groups))]
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from iron_batch.attention import paged
+from iron_batch.attention import kv_int8, paged
 from iron_batch.layers.embedding import Embedding, LMHead
 from iron_batch.layers.linear import Linear
 from iron_batch.layers.mlp import GatedMLP
@@ -413,18 +413,25 @@ class Gemma4ForCausalLM(DecoderModel):
             if layer.kv_source is not None:
                 caches.append(caches[layer.kv_source])
                 continue
-            shape = (2, per_group[layer.cache_group], block_size, layer.kv_heads,
-                     layer.head_dim)
-            caches.append(huge_pages.zeros(shape, self.dtype) if self.kernels.huge_pages
-                          else torch.zeros(shape, dtype=self.dtype, device=self.device))
+            row, kv_dtype = layer.head_dim, self.dtype
+            if self.kv_cache_dtype == "int8":  # values and a float32 scale a row
+                row, kv_dtype = kv_int8.row_bytes(layer.head_dim), torch.int8
+            shape = (2, per_group[layer.cache_group], block_size, layer.kv_heads, row)
+            caches.append(huge_pages.zeros(shape, kv_dtype) if self.kernels.huge_pages
+                          else torch.zeros(shape, dtype=kv_dtype, device=self.device))
         self.kv_caches = caches
         self.block_size = block_size
         self.num_blocks_per_group = per_group
 
     def kv_bytes_per_token(self) -> list[int]:
         """K/V bytes one token takes in each cache group: the layers that store theirs."""
-        size = self.dtype.itemsize
-        return [sum(2 * layer.kv_heads * layer.head_dim * size for layer in self._storing()
+        int8 = self.kv_cache_dtype == "int8"
+        size = 1 if int8 else self.dtype.itemsize
+
+        def row(layer: Gemma4Layer) -> int:
+            return kv_int8.row_bytes(layer.head_dim) if int8 else layer.head_dim
+
+        return [sum(2 * layer.kv_heads * row(layer) * size for layer in self._storing()
                     if layer.cache_group == g) for g in range(len(self.cache_groups))]
 
     # ---------------------------------------------------------------- the forward
@@ -483,7 +490,7 @@ class Gemma4ForCausalLM(DecoderModel):
                     n, kvh, hd)
                 k = apply_rope(layer.k_norm(k_raw), cos, sin)
                 v = layer.v_norm(v_raw)
-                paged.write_kv(cache, plan, k, v)
+                k, v = paged.write_kv(cache, plan, k, v)
                 kv[i] = (k, v)
             else:
                 k, v = kv[layer.kv_source]

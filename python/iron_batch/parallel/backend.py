@@ -89,6 +89,7 @@ class TensorParallelTorchBackend(TorchBackend):
         kv_cache_memory_gb: float | None = None,
         quantization: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        kv_cache_dtype: str = "auto",
     ) -> TensorParallelTorchBackend:
         """Rank 0's backend. Outside torchrun the other ranks are spawned here, as
         subprocesses of this one; under torchrun this call on a rank >= 1 runs that rank's
@@ -117,6 +118,7 @@ class TensorParallelTorchBackend(TorchBackend):
                     "model": model, "device": dev.type, "dtype": str(dt).removeprefix("torch."),
                     "kv_block_size": kv_block_size, "total_kv_blocks": total_kv_blocks,
                     "kv_cache_memory_gb": kv_cache_memory_gb, "quantization": quantization,
+                    "kv_cache_dtype": kv_cache_dtype,
                 })
         dev = rank_device(dev, rendezvous)
         threads_before = share_cores(rendezvous.local_world)
@@ -126,7 +128,8 @@ class TensorParallelTorchBackend(TorchBackend):
             loaded = load_rank(
                 source, config, rendezvous, device=dev, dtype=dt, timeout_s=timeout_s,
                 total_kv_blocks=total_kv_blocks, kv_block_size=kv_block_size,
-                kv_cache_memory_gb=kv_cache_memory_gb, quantization=quantization, store=store)
+                kv_cache_memory_gb=kv_cache_memory_gb, quantization=quantization, store=store,
+                kv_cache_dtype=kv_cache_dtype)
         except BaseException:
             _stop(local_ranks, 0)
             torch.set_num_threads(threads_before)
@@ -162,7 +165,7 @@ class TensorParallelTorchBackend(TorchBackend):
         return BackendInfo(kind=f"torch, tensor parallel x{self.tensor_parallel_size}",
                            dtype=info.dtype, device=info.device,
                            kv_bytes_per_block=info.kv_bytes_per_block,
-                           switches=info.switches)
+                           switches=info.switches, kv_cache_dtype=info.kv_cache_dtype)
 
     def close(self) -> None:
         """Stop the other ranks (they exit) and leave the group; idempotent."""

@@ -72,6 +72,7 @@ def load_rank(
     kv_cache_memory_gb: float | None,
     quantization: str | None = None,
     store: Any = None,
+    kv_cache_dtype: str = "auto",
 ) -> LoadedRank:
     """Join the group, load this rank's shard, and agree on the KV pool: each rank sizes it
     from its own memory and KV heads, the pool is the smallest of them (block ids are the
@@ -83,6 +84,7 @@ def load_rank(
     try:
         model = load_model(source, device=device, dtype=dtype, quantization=quantization,
                            shard=RankShard(plan, group))
+        model.set_kv_cache_dtype(kv_cache_dtype)
         blocks = total_kv_blocks or kv_blocks_for_memory(model, kv_block_size, kv_cache_memory_gb)
         blocks = group.min_int(blocks)
     except BaseException:

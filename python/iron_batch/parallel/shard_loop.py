@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         timeout_s=args.timeout, quantization=args.quantization,
         total_kv_blocks=args.total_kv_blocks, kv_block_size=args.kv_block_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb, store=store,
+        kv_cache_dtype=args.kv_cache_dtype or "auto",
     )
     sys.exit(serve(loaded, args.kv_block_size))
 

@@ -83,6 +83,8 @@ def server_info(
             "block_size": config.kv_block_size,
             "tokens": config.total_kv_blocks * config.kv_block_size,
             "bytes": kv_bytes,
+            # What K/V are stored as (None: a backend without a cache of its own).
+            "dtype": described.kv_cache_dtype,
         },
         "scheduler": {
             "max_batch_tokens": config.max_batch_tokens,
@@ -126,8 +128,11 @@ def banner(info: dict[str, Any], urls: list[str], *, ui: bool) -> str:
         model += f", worker {info['backend_url']}"
     model += ")"
     pool = f"{kv['blocks']} blocks x {kv['block_size']} tokens = {kv['tokens']} tokens"
-    if kv.get("bytes"):
-        pool += f" ({_bytes(kv['bytes'])})"
+    stored = [_bytes(kv["bytes"])] if kv.get("bytes") else []
+    if kv.get("dtype"):
+        stored.append(f"{kv['dtype']} K/V")
+    if stored:
+        pool += f" ({', '.join(stored)})"
     if not sched["prefix_caching"]:
         pool += ", prefix caching off"
     parts = [

@@ -4,8 +4,9 @@
 //! alive as long as the stack, because the stack holds their addresses, not the tensors.
 
 use iron_batch_kernels::{
-    decode_layers, parse_layout, run_in_team, Activation, CacheGroup, DecodeInputs, DecodeShape,
-    DecoderLayer, KernelError, LayerCache, Matrix, Projection, RopeTable,
+    decode_layers, int8_row_len, parse_layout, run_in_team, Activation, CacheGroup, DecodeInputs,
+    DecodeShape, DecoderLayer, Int8LayerCache, KernelError, LayerCache, Matrix, Projection,
+    RopeTable,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -110,6 +111,8 @@ pub struct DecoderStack {
     /// Blocks in each cache of group g: `group_blocks[g]`.
     group_blocks: Vec<usize>,
     block_size: usize,
+    /// The caches hold int8 rows with their scales (`kv_int8.rs`), not bf16.
+    int8: bool,
 }
 
 #[pymethods]
@@ -180,16 +183,20 @@ impl DecoderStack {
             caches: Vec::new(),
             group_blocks: Vec::new(),
             block_size: 0,
+            int8: false,
         })
     }
 
     /// The layers' KV caches: one (K, V) address pair per layer, and each layer's cache's
-    /// block count (the same for every layer of a cache group).
+    /// block count (the same for every layer of a cache group); `int8`: int8 caches
+    /// (`[blocks * block_size, kv_heads, head_dim + 4]` bytes), else bf16.
+    #[pyo3(signature = (caches, num_blocks, block_size, int8=false))]
     fn set_caches(
         &mut self,
         caches: Vec<(usize, usize)>,
         num_blocks: Vec<usize>,
         block_size: usize,
+        int8: bool,
     ) -> PyResult<()> {
         if caches.len() != self.layers.len() || num_blocks.len() != self.layers.len() {
             return Err(PyValueError::new_err(
@@ -218,6 +225,7 @@ impl DecoderStack {
         // A group no layer uses holds no cache: 0 blocks.
         self.group_blocks = group_blocks.into_iter().map(|n| n.unwrap_or(0)).collect();
         self.block_size = block_size;
+        self.int8 = int8;
         Ok(())
     }
 
@@ -315,17 +323,16 @@ impl DecoderStack {
                         })
                     })
                     .collect::<Result<Vec<_>, KernelError>>()?;
-                let mut caches: Vec<LayerCache<'_>> = self
-                    .caches
+                // Each layer's cache length in its elements (bf16 values or int8 bytes).
+                let row = if self.int8 {
+                    self.kv_heads * int8_row_len(self.head_dim)
+                } else {
+                    kv_row
+                };
+                let lens: Vec<usize> = self
+                    .layers
                     .iter()
-                    .zip(&self.layers)
-                    .map(|(&(k, v), l)| {
-                        let len = self.group_blocks[l.cache_group] * self.block_size * kv_row;
-                        LayerCache {
-                            k: slice_mut(k, len),
-                            v: slice_mut(v, len),
-                        }
-                    })
+                    .map(|l| self.group_blocks[l.cache_group] * self.block_size * row)
                     .collect();
                 let ropes: Vec<RopeTable<'_>> = ropes
                     .iter()
@@ -344,7 +351,29 @@ impl DecoderStack {
                 let h = slice_mut(h, rows * hidden);
                 // One parallel region for the whole step (see `run_in_team`).
                 run_in_team(threads, parallel, |team| {
-                    decode_layers(h, &layers, &mut caches, &inputs, threads, team)
+                    if self.int8 {
+                        let mut caches: Vec<Int8LayerCache<'_>> = self
+                            .caches
+                            .iter()
+                            .zip(&lens)
+                            .map(|(&(k, v), &len)| Int8LayerCache {
+                                k: slice_mut(k, len),
+                                v: slice_mut(v, len),
+                            })
+                            .collect();
+                        decode_layers(h, &layers, &mut caches, &inputs, threads, team)
+                    } else {
+                        let mut caches: Vec<LayerCache<'_>> = self
+                            .caches
+                            .iter()
+                            .zip(&lens)
+                            .map(|(&(k, v), &len)| LayerCache {
+                                k: slice_mut(k, len),
+                                v: slice_mut(v, len),
+                            })
+                            .collect();
+                        decode_layers(h, &layers, &mut caches, &inputs, threads, team)
+                    }
                 })
             }
         })

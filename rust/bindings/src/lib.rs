@@ -7,6 +7,7 @@ mod decoder;
 mod errors;
 mod events;
 mod kernels;
+mod kv_int8;
 mod scheduler;
 
 use pyo3::prelude::*;
@@ -41,6 +42,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::_paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_rope_store_kv, m)?)?;
+    m.add_function(wrap_pyfunction!(kv_int8::_paged_decode_attention_int8, m)?)?;
+    m.add_function(wrap_pyfunction!(kv_int8::_rope_store_kv_int8, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_gated_activation, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_gemv_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_gemv_quant, m)?)?;

@@ -902,7 +902,7 @@ fn run_items_generic<T: Element, const FMA: bool>(job: &Job<'_, T>, first: usize
 
 /// Scores to `cap * tanh(score / cap)`, in f32 (std's `tanh`: only soft-capped models pay).
 #[inline]
-fn soft_cap(scores: &mut [f32], cap: f32) {
+pub(crate) fn soft_cap(scores: &mut [f32], cap: f32) {
     let inv = 1.0 / cap;
     for x in scores {
         *x = cap * (*x * inv).tanh();
@@ -919,7 +919,7 @@ fn load<T: Element>(dst: &mut [f32], src: &[T]) {
 /// Sum of products with 16 independent lanes, so the compiler can keep it in vectors
 /// (a single running sum would pin the order of additions).
 #[inline(always)]
-fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 16];
     let whole = a.len() / 16 * 16;
     for (x, y) in a[..whole].chunks_exact(16).zip(b[..whole].chunks_exact(16)) {
@@ -946,7 +946,7 @@ fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[inline(always)]
-fn axpy<const FMA: bool>(acc: &mut [f32], p: f32, x: &[f32]) {
+pub(crate) fn axpy<const FMA: bool>(acc: &mut [f32], p: f32, x: &[f32]) {
     for (a, &v) in acc.iter_mut().zip(x) {
         *a = if FMA { p.mul_add(v, *a) } else { *a + p * v };
     }
@@ -972,7 +972,7 @@ const EXP_C: [f32; 8] = [
 /// vectorizes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial,
 /// 2^n through the exponent bits. Below -87 (where e^x leaves the normal range) it is 0.
 #[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
+pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
     let small = x < -87.0;
     let x = x.max(-87.0);

@@ -16,6 +16,7 @@ use crate::attention::{paged_decode_attention, DecodeShape, KernelError, Paralle
 use crate::element::{Bf16, Element};
 use crate::elementwise::{add_rms_norm, rope_store_kv};
 use crate::gemv::gemv_bf16;
+use crate::kv_int8::{int8_row_len, paged_decode_attention_int8, rope_store_kv_int8};
 use crate::quant::{gemv_quant, QMatrix};
 
 /// A projection matrix `[n, k]`: plain bf16 or quantized blocks.
@@ -158,6 +159,150 @@ pub struct LayerCache<'a> {
     pub v: &'a mut [Bf16],
 }
 
+/// One layer's int8 paged KV cache (see `kv_int8.rs`): K and V, each `[num_blocks *
+/// block_size, kv_heads, head_dim + 4]` bytes.
+pub struct Int8LayerCache<'a> {
+    pub k: &'a mut [i8],
+    pub v: &'a mut [i8],
+}
+
+/// What a step does with a layer's cache: store the new K/V (rotating q and k), and
+/// attend over it. [`decode_layers`] runs over either kind.
+pub trait LayerKv {
+    /// Whether the cache holds `slots` token slots of `kv_heads` rows of `head_dim`.
+    fn holds(&self, slots: usize, kv_heads: usize, head_dim: usize) -> bool;
+
+    /// [`rope_store_kv`] into this cache.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store(
+        &mut self,
+        q_out: &mut [Bf16],
+        qkv: &[Bf16],
+        cos: &[Bf16],
+        sin: &[Bf16],
+        slots: &[i64],
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        rotary_dim: usize,
+    ) -> Result<(), KernelError>;
+
+    /// [`paged_decode_attention`] over this cache.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        out: &mut [Bf16],
+        q: &[Bf16],
+        block_tables: &[i32],
+        seq_lens: &[i32],
+        shape: &DecodeShape,
+        scale: f32,
+        softcap: f32,
+        threads: usize,
+        parallel: &dyn Parallel,
+    ) -> Result<(), KernelError>;
+}
+
+impl LayerKv for LayerCache<'_> {
+    fn holds(&self, slots: usize, kv_heads: usize, head_dim: usize) -> bool {
+        self.k.len() == self.v.len() && self.k.len() == slots * kv_heads * head_dim
+    }
+
+    fn rope_store(
+        &mut self,
+        q_out: &mut [Bf16],
+        qkv: &[Bf16],
+        cos: &[Bf16],
+        sin: &[Bf16],
+        slots: &[i64],
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        rotary_dim: usize,
+    ) -> Result<(), KernelError> {
+        rope_store_kv(
+            q_out, self.k, self.v, qkv, cos, sin, slots, heads, kv_heads, head_dim, rotary_dim,
+        )
+    }
+
+    fn attend(
+        &self,
+        out: &mut [Bf16],
+        q: &[Bf16],
+        block_tables: &[i32],
+        seq_lens: &[i32],
+        shape: &DecodeShape,
+        scale: f32,
+        softcap: f32,
+        threads: usize,
+        parallel: &dyn Parallel,
+    ) -> Result<(), KernelError> {
+        paged_decode_attention(
+            out,
+            q,
+            self.k,
+            self.v,
+            block_tables,
+            seq_lens,
+            shape,
+            scale,
+            softcap,
+            threads,
+            parallel,
+        )
+    }
+}
+
+impl LayerKv for Int8LayerCache<'_> {
+    fn holds(&self, slots: usize, kv_heads: usize, head_dim: usize) -> bool {
+        self.k.len() == self.v.len() && self.k.len() == slots * kv_heads * int8_row_len(head_dim)
+    }
+
+    fn rope_store(
+        &mut self,
+        q_out: &mut [Bf16],
+        qkv: &[Bf16],
+        cos: &[Bf16],
+        sin: &[Bf16],
+        slots: &[i64],
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        rotary_dim: usize,
+    ) -> Result<(), KernelError> {
+        rope_store_kv_int8(
+            q_out, self.k, self.v, qkv, cos, sin, slots, heads, kv_heads, head_dim, rotary_dim,
+        )
+    }
+
+    fn attend(
+        &self,
+        out: &mut [Bf16],
+        q: &[Bf16],
+        block_tables: &[i32],
+        seq_lens: &[i32],
+        shape: &DecodeShape,
+        scale: f32,
+        softcap: f32,
+        threads: usize,
+        parallel: &dyn Parallel,
+    ) -> Result<(), KernelError> {
+        paged_decode_attention_int8(
+            out,
+            q,
+            self.k,
+            self.v,
+            block_tables,
+            seq_lens,
+            shape,
+            scale,
+            softcap,
+            threads,
+            parallel,
+        )
+    }
+}
+
 /// Rotary tables of each row's position, `[rows, dim]` (torch's `rope_cos_sin`).
 #[derive(Clone, Copy)]
 pub struct RopeTable<'a> {
@@ -203,7 +348,7 @@ fn invalid(what: String) -> KernelError {
 fn check(
     h: &[Bf16],
     layers: &[DecoderLayer<'_>],
-    caches: &[LayerCache<'_>],
+    caches: &[impl LayerKv],
     inputs: &DecodeInputs<'_>,
 ) -> Result<usize, KernelError> {
     let s = inputs.shape;
@@ -319,8 +464,7 @@ fn check(
             && [l.qkv, l.o, l.gate_up, l.down]
                 .iter()
                 .all(|p| rows <= p.max_rows())
-            && c.k.len() == c.v.len()
-            && c.k.len() == group.num_blocks * s.block_size * kv_row;
+            && c.holds(group.num_blocks * s.block_size, s.num_kv_heads, hd);
         if !fits {
             return Err(invalid(format!("layer {i}'s sizes do not fit the step")));
         }
@@ -368,7 +512,7 @@ fn finish_delta(
 pub fn decode_layers(
     h: &mut [Bf16],
     layers: &[DecoderLayer<'_>],
-    caches: &mut [LayerCache<'_>],
+    caches: &mut [impl LayerKv],
     inputs: &DecodeInputs<'_>,
     threads: usize,
     parallel: &dyn Parallel,
@@ -433,10 +577,8 @@ pub fn decode_layers(
                 (t.cos, t.sin)
             }
         };
-        rope_store_kv(
+        cache.rope_store(
             &mut q,
-            cache.k,
-            cache.v,
             &qkv,
             cos,
             sin,
@@ -452,11 +594,9 @@ pub fn decode_layers(
             num_blocks: group.num_blocks,
             ..s
         };
-        paged_decode_attention(
+        cache.attend(
             &mut attn,
             &q,
-            cache.k,
-            cache.v,
             group.block_tables,
             group.seq_lens,
             &layer_shape,

@@ -7,6 +7,7 @@ mod element;
 mod elementwise;
 mod gemv;
 mod kquant;
+mod kv_int8;
 mod prefetch;
 mod quant;
 mod team;
@@ -17,11 +18,15 @@ pub use attention::{
 };
 pub use decoder::{
     decode_layers, exp, gelu_tanh_mul, silu_mul, tanh, Activation, CacheGroup, DecodeInputs,
-    DecoderLayer, LayerCache, Matrix, Projection, RopeTable,
+    DecoderLayer, Int8LayerCache, LayerCache, LayerKv, Matrix, Projection, RopeTable,
 };
 pub use element::{Bf16, Element, F16};
 pub use elementwise::{add_rms_norm, rope_store_kv};
 pub use gemv::gemv_bf16;
 pub use kquant::{parse_layout, BlockFormat, Blocks, Segment, MAX_SEGMENTS};
+pub use kv_int8::{
+    dequantize_int8_row, int8_row_len, int8_row_scale, paged_decode_attention_int8,
+    quantize_int8_row, rope_store_kv_int8, store_kv_int8, INT8_SCALE_BYTES,
+};
 pub use quant::{dequantize_bf16, gemv_quant, q4_nibble, QMatrix, MAX_ROWS, Q4, Q8, QBLOCK};
 pub use team::run_in_team;

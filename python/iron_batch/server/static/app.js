@@ -124,6 +124,14 @@ function fmtBytes(n) {
   return n.toFixed(i ? 1 : 0) + " " + units[i];
 }
 
+// The pool's bytes and what K/V are stored as, e.g. " (512.0 MiB, int8 K/V)".
+function kvStored(kv) {
+  const parts = [];
+  if (kv.bytes) parts.push(fmtBytes(kv.bytes));
+  if (kv.dtype) parts.push(kv.dtype + " K/V");
+  return parts.length ? " (" + parts.join(", ") + ")" : "";
+}
+
 function renderInfo(info) {
   const device = [info.dtype, info.device].filter(Boolean).join(" on ");
   $("model-name").textContent = info.model + " · " + info.backend + (device ? " · " + device : "");
@@ -137,7 +145,7 @@ function renderInfo(info) {
     ["tokenizer", info.tokenizer ? (info.chat_template ? "yes, with chat template" : "yes, no chat template") : "none (token ids only)"],
     ["vocabulary", fmt(info.vocab_size, 0)],
     ["context", info.max_model_len ? fmt(info.max_model_len, 0) + " tokens" : "unbounded"],
-    ["KV pool", kv.blocks + " blocks × " + kv.block_size + " tokens = " + fmt(kv.tokens, 0) + " tokens" + (kv.bytes ? " (" + fmtBytes(kv.bytes) + ")" : "")],
+    ["KV pool", kv.blocks + " blocks × " + kv.block_size + " tokens = " + fmt(kv.tokens, 0) + " tokens" + kvStored(kv)],
     ["prefix caching", s.prefix_caching ? "on" : "off"],
     ["step budget", fmt(s.max_batch_tokens, 0) + " tokens, " + s.max_running_seqs + " sequences"],
     ["per sequence", fmt(l.max_seq_tokens, 0) + " tokens" + (l.max_prompt_tokens ? ", prompt ≤ " + l.max_prompt_tokens : "") + (l.max_new_tokens ? ", new ≤ " + l.max_new_tokens : "")],
