@@ -16,10 +16,14 @@ from iron_batch.models.gemma4 import Gemma4ForCausalLM
 from iron_batch.models.granite import GraniteForCausalLM
 from iron_batch.models.llama import LlamaForCausalLM
 from iron_batch.models.mistral import MistralForCausalLM
+from iron_batch.models.mixtral import MixtralForCausalLM
 from iron_batch.models.olmo2 import Olmo2ForCausalLM
+from iron_batch.models.olmoe import OlmoeForCausalLM
 from iron_batch.models.phi3 import Phi3ForCausalLM
 from iron_batch.models.qwen2 import Qwen2ForCausalLM
+from iron_batch.models.qwen2_moe import Qwen2MoeForCausalLM
 from iron_batch.models.qwen3 import Qwen3ForCausalLM
+from iron_batch.models.qwen3_moe import Qwen3MoeForCausalLM
 from iron_batch.models.smollm3 import SmolLM3ForCausalLM
 
 FAMILIES: tuple[type[DecoderModel], ...] = (
@@ -35,6 +39,10 @@ FAMILIES: tuple[type[DecoderModel], ...] = (
     Olmo2ForCausalLM,
     GraniteForCausalLM,
     SmolLM3ForCausalLM,
+    Qwen3MoeForCausalLM,
+    Qwen2MoeForCausalLM,
+    MixtralForCausalLM,
+    OlmoeForCausalLM,
 )
 
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
