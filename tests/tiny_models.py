@@ -134,7 +134,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # A gated shared expert beside 8 routed ones, top 2 not renormalised, q/k/v bias.
     "qwen2_moe": ("Qwen2MoeConfig", dict(
         num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,
+        moe_intermediate_size=32, shared_expert_intermediate_size=64, norm_topk_prob=False,
         tie_word_embeddings=False,
     )),
     # 4 experts, top 2, a sliding window shorter than the longer test sequences.

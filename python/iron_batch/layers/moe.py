@@ -29,7 +29,6 @@ from iron_batch.layers.mlp import GatedMLP
 from iron_batch.layers.quant import QuantWeight
 from iron_batch.platform.openmp import entry_points
 
-_ROUTE = getattr(_core, "_moe_route", None)
 _EXPERTS = getattr(_core, "_moe_experts", None)
 
 #: Most rows the selected-experts decode kernel takes; above it, tokens are grouped by
@@ -168,7 +167,8 @@ class MoE:
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for each row ``t``."""
         rows = x.shape[0]
-        if self.decode_kernel and 0 < rows <= DECODE_MAX_ROWS and x.is_contiguous():
+        if (self.decode_kernel and 0 < rows <= DECODE_MAX_ROWS and x.dtype == torch.bfloat16
+                and x.is_contiguous()):
             return self._decode(x, weights, ids)
         return self._grouped(x, weights, ids)
 
@@ -216,9 +216,7 @@ class MoE:
 
 
 def _kind(w: torch.Tensor | QuantWeight) -> str:
-    if isinstance(w, QuantWeight):
-        return w.kind
-    return "bf16" if w.dtype == torch.bfloat16 else "f32"
+    return w.kind if isinstance(w, QuantWeight) else "bf16"
 
 
 def _addresses(w: torch.Tensor | QuantWeight) -> tuple[int, int, int]:
@@ -228,13 +226,9 @@ def _addresses(w: torch.Tensor | QuantWeight) -> tuple[int, int, int]:
 
 
 def _decodable(gate_up: StackedLinear, down: StackedLinear) -> bool:
-    """Whether the decode kernel reads these weights: CPU, contiguous, one of its kinds,
-    dense ones in the activations' dtype (bf16 or float32)."""
-    for w in (gate_up.weight, down.weight):
-        if isinstance(w, QuantWeight):
-            continue
-        if w.device.type != "cpu" or not w.is_contiguous():
-            return False
-        if w.dtype not in (torch.bfloat16, torch.float32):
-            return False
-    return True
+    """Whether the decode kernel reads these weights (for bf16 activations): quantized, or
+    dense bf16, contiguous, on the CPU."""
+    return all(
+        isinstance(w, QuantWeight)
+        or (w.device.type == "cpu" and w.is_contiguous() and w.dtype == torch.bfloat16)
+        for w in (gate_up.weight, down.weight))

@@ -6,6 +6,7 @@ mod decoder;
 mod element;
 mod elementwise;
 mod gemv;
+mod moe;
 mod prefetch;
 mod quant;
 mod team;
@@ -21,5 +22,6 @@ pub use decoder::{
 pub use element::{Bf16, Element, F16};
 pub use elementwise::{add_rms_norm, rope_store_kv};
 pub use gemv::gemv_bf16;
+pub use moe::{moe_experts, Experts, MoeShape, MOE_MAX_ROWS};
 pub use quant::{dequantize_bf16, gemv_quant, q4_nibble, QMatrix, MAX_ROWS, Q4, Q8, QBLOCK};
 pub use team::run_in_team;
