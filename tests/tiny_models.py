@@ -208,7 +208,7 @@ def _random_model(name: str, cls_name: str, fields: dict[str, Any]) -> Any:
 def variant_checkpoint(name: str, changes: tuple[tuple[str, Any], ...]) -> Path:
     """Checkpoint ``name`` with some config fields changed (a value of None drops the
     field: the config class's default applies), written like :func:`checkpoint`."""
-    cls_name, extra = FAMILIES[name]
+    cls_name, extra = FAMILIES[name] if name in FAMILIES else VARIANTS[name]
     fields = {**_COMMON, **extra}
     for key, value in changes:
         if value is None:

@@ -15,7 +15,7 @@ same experts, and the layer's partial outputs join in the all-reduce a dense MLP
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from iron_batch.layers.linear import Linear
 from iron_batch.layers.mlp import GatedMLP
@@ -24,6 +24,9 @@ from iron_batch.layers.weights import LoadContext, Part
 from iron_batch.models.config import ModelConfig
 from iron_batch.models.decoder import DecoderModel
 from iron_batch.models.partition import ShardPlan, TensorParallelError
+
+if TYPE_CHECKING:
+    from iron_batch.loader.gguf import GGUFMetadata
 
 #: What a Qwen-style checkpoint calls a sparse layer's tensors (``{i}``: layer, ``{e}``:
 #: expert).
@@ -37,6 +40,50 @@ MOE_NAMES = {
     "shared_down": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
     "shared_expert_gate": "model.layers.{i}.mlp.shared_expert_gate.weight",
 }
+
+
+def gguf_moe_names(names: dict[str, str]) -> dict[str, str]:
+    """llama.cpp's names of a sparse layer's tensors -> the HF names of ``names`` (a
+    family's ``moe_names``). The experts are stacked, one ``[experts, rows, cols]`` tensor
+    per projection; each maps to the per-expert name with ``{e}`` left in it, and the GGUF
+    source reads expert ``e``'s slice of it (``loader/gguf.py``)."""
+    return {
+        "blk.{i}.ffn_gate_inp.weight": names["router"],
+        "blk.{i}.ffn_gate_exps.weight": names["expert_gate"],
+        "blk.{i}.ffn_up_exps.weight": names["expert_up"],
+        "blk.{i}.ffn_down_exps.weight": names["expert_down"],
+        "blk.{i}.ffn_gate_shexp.weight": names["shared_gate_proj"],
+        "blk.{i}.ffn_up_shexp.weight": names["shared_up"],
+        "blk.{i}.ffn_down_shexp.weight": names["shared_down"],
+        "blk.{i}.ffn_gate_inp_shexp.weight": names["shared_expert_gate"],
+    }
+
+
+def gguf_expert_config(cfg: dict[str, Any], meta: GGUFMetadata, *, renormalize: bool,
+                       expert_size: int) -> dict[str, Any]:
+    """``cfg`` with the expert keys llama.cpp's converter writes (``expert_count``,
+    ``expert_used_count``, ``expert_feed_forward_length``, ``expert_shared_...``), as the
+    Qwen-style HF keys. ``renormalize``: whether llama.cpp's graph for the architecture
+    renormalises the chosen weights (its ``expert_weights_norm`` key, where written, says
+    so instead); ``expert_size``: an expert's rows where ``expert_feed_forward_length`` is
+    not written (llama.cpp's default for the architecture). Gating other than softmax and
+    a weight scale are refused by name."""
+    experts = int(meta.require("expert_count"))
+    used = int(meta.require("expert_used_count"))
+    gating = meta.get("expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise meta.refuse("expert_gating_func", gating, "1 (softmax)")
+    scale = meta.get("expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):
+        raise meta.refuse("expert_weights_scale", scale, "1.0")
+    inter = meta.get("expert_feed_forward_length") or expert_size
+    out = {**cfg, "num_experts": experts, "num_experts_per_tok": used,
+           "moe_intermediate_size": int(inter),
+           "norm_topk_prob": bool(meta.get("expert_weights_norm", renormalize))}
+    shared = meta.get("expert_shared_feed_forward_length")
+    if shared:
+        out["shared_expert_intermediate_size"] = int(shared)
+    return out
 
 
 @dataclass
@@ -107,7 +154,8 @@ class MoEDecoderModel(DecoderModel):
                 Linear.load(ctx, [Part(n["shared_down"], cols=srows)]),
                 c.hidden_act)
             if c.shared_expert_gated:
-                shared_gate = ctx.need(Part(n["shared_expert_gate"]))
+                # [1, hidden] (GGUF files hold it as a vector).
+                shared_gate = ctx.need(Part(n["shared_expert_gate"])).reshape(1, -1)
         return MoE(router, gate_up, down, c.hidden_act, shared=shared,
                    shared_gate=shared_gate)
 

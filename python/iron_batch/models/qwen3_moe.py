@@ -4,9 +4,20 @@ expert; ``mlp_only_layers`` and ``decoder_sparse_step`` may keep some layers den
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from iron_batch.models.moe_decoder import MoEConfig, MoEDecoderModel, sparse_layers
+from iron_batch.models.decoder import GGUF_NAMES
+from iron_batch.models.moe_decoder import (
+    MOE_NAMES,
+    MoEConfig,
+    MoEDecoderModel,
+    gguf_expert_config,
+    gguf_moe_names,
+    sparse_layers,
+)
+
+if TYPE_CHECKING:
+    from iron_batch.loader.gguf import GGUFMetadata
 
 
 def moe_settings(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -25,6 +36,8 @@ def moe_settings(cfg: dict[str, Any]) -> dict[str, Any]:
 class Qwen3MoeForCausalLM(MoEDecoderModel):
     model_types = ("qwen3_moe",)
     architectures = ("Qwen3MoeForCausalLM",)
+    gguf_architecture = "qwen3moe"
+    gguf_names = {**GGUF_NAMES, **gguf_moe_names(MOE_NAMES)}
 
     @classmethod
     def config_from_hf(cls, cfg: dict[str, Any]) -> MoEConfig:
@@ -32,3 +45,11 @@ class Qwen3MoeForCausalLM(MoEDecoderModel):
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         return MoEConfig.from_hf(cfg, tie_default=False, qkv_bias=bias, o_bias=bias,
                                  qk_norm="head", sliding_window=window, **moe_settings(cfg))
+
+    @classmethod
+    def hf_config_from_gguf(cls, cfg: dict[str, Any], meta: GGUFMetadata) -> dict[str, Any]:
+        # llama.cpp's qwen3moe graph renormalises the chosen weights (every Qwen3-MoE
+        # checkpoint sets norm_topk_prob) and makes every layer sparse.
+        return gguf_expert_config(cfg, meta, renormalize=True,
+                                  expert_size=cfg["intermediate_size"] // int(
+                                      meta.require("expert_used_count")))
