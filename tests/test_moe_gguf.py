@@ -1,7 +1,8 @@
-"""GGUF files of Qwen3-MoE, OLMoE and Qwen2-MoE, written as llama.cpp's converter writes them
-(the experts stacked, one ``[experts, rows, cols]`` tensor per projection and layer; the
-expert keys), load into the model the safetensors checkpoint makes: the same greedy tokens;
-with ``--quantization gguf`` the Q8_0 experts stay in their blocks."""
+"""GGUF files of Qwen3-MoE, OLMoE, Qwen2-MoE and Mixtral (a ``llama`` file with experts),
+written as llama.cpp's converter writes them (the experts stacked, one ``[experts, rows,
+cols]`` tensor per projection and layer; the expert keys), load into the model the
+safetensors checkpoint makes: the same greedy tokens; with ``--quantization gguf`` the Q8_0
+experts stay in their blocks."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("qwen3moe", {"mlp_only_layers": None}),
     "olmoe": ("olmoe", {}),
     "qwen2_moe": ("qwen2moe", {}),
+    # A llama file with experts; no key carries a sliding window.
+    "mixtral": ("llama", {"sliding_window": None}),
 }
 
 _LAYER = {
@@ -35,14 +38,22 @@ _LAYER = {
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
-_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+            "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+_LAYER["block_sparse_moe.gate"] = "ffn_gate_inp"
+
+
+def _interleave(w: np.ndarray, heads: int) -> np.ndarray:
+    """The converter's Llama q/k row order: each head's half-split rows as rope pairs."""
+    return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
 
 
 def _checkpoint(name: str) -> Path:
     return variant_checkpoint(name, tuple(sorted(FAMILIES[name][1].items())))
 
 
-def _tensors(folder: Path, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
+def _tensors(arch: str, folder: Path, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
     state = load_file(str(folder / "model.safetensors"))
     top = {"model.embed_tokens.weight": "token_embd.weight",
            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
@@ -55,10 +66,13 @@ def _tensors(folder: Path, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
             continue
         parts = hf.split(".")
         layer, stem, suffix = parts[2], ".".join(parts[3:-1]), parts[-1]
-        if stem.startswith("mlp.experts."):
-            e, proj = int(parts[5]), parts[6]
+        if stem.startswith(("mlp.experts.", "block_sparse_moe.experts.")):
+            e, proj = int(parts[-3]), parts[-2]
             stacks.setdefault(f"blk.{layer}.{_EXPERTS[proj]}.{suffix}", {})[e] = w
             continue
+        if arch == "llama" and stem in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = cfg["num_attention_heads" if "q_proj" in stem else "num_key_value_heads"]
+            w = _interleave(w, heads)
         if stem == "mlp.shared_expert_gate":
             w = w.reshape(-1)  # the converter writes the gate as a vector
         out[f"blk.{layer}.{_LAYER[stem]}.{suffix}"] = w
@@ -71,7 +85,7 @@ def write_gguf(name: str, out: Path, expert_type: str = "F32") -> Path:
     arch = FAMILIES[name][0]
     folder = _checkpoint(name)
     cfg = json.loads((folder / "config.json").read_text())
-    tensors = _tensors(folder, cfg)
+    tensors = _tensors(arch, folder, cfg)
     heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta", 1e4)}
     kv: dict[str, Any] = {
@@ -86,6 +100,9 @@ def write_gguf(name: str, out: Path, expert_type: str = "F32") -> Path:
         "expert_count": cfg.get("num_experts") or cfg["num_local_experts"],
         "expert_used_count": cfg["num_experts_per_tok"],
     }
+    if arch == "llama":  # LlamaModel adds these
+        kv["vocab_size"] = cfg["vocab_size"]
+        kv["rope.dimension_count"] = cfg.get("head_dim") or cfg["hidden_size"] // heads
     if cfg.get("head_dim") is not None:
         kv["attention.key_length"] = kv["attention.value_length"] = cfg["head_dim"]
     if cfg.get("moe_intermediate_size"):

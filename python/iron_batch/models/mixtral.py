@@ -5,9 +5,19 @@ and ``w2`` (down) under ``block_sparse_moe``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from iron_batch.models.moe_decoder import MOE_NAMES, MoEConfig, MoEDecoderModel
+from iron_batch.models.decoder import GGUF_NAMES
+from iron_batch.models.moe_decoder import (
+    MOE_NAMES,
+    MoEConfig,
+    MoEDecoderModel,
+    gguf_expert_config,
+    gguf_moe_names,
+)
+
+if TYPE_CHECKING:
+    from iron_batch.loader.gguf import GGUFMetadata
 
 _MOE_NAMES = {
     **MOE_NAMES,
@@ -22,6 +32,11 @@ class MixtralForCausalLM(MoEDecoderModel):
     model_types = ("mixtral",)
     architectures = ("MixtralForCausalLM",)
     moe_names = _MOE_NAMES
+    # llama.cpp writes Mixtral as a ``llama`` file with experts (q/k rows permuted).
+    gguf_architecture = "llama"
+    gguf_shares_architecture = True
+    gguf_permutes_qk = True
+    gguf_names = {**GGUF_NAMES, **gguf_moe_names(_MOE_NAMES)}
 
     @classmethod
     def config_from_hf(cls, cfg: dict[str, Any]) -> MoEConfig:
@@ -31,3 +46,14 @@ class MixtralForCausalLM(MoEDecoderModel):
             top_k=int(cfg["num_experts_per_tok"]),
             expert_intermediate_size=int(cfg["intermediate_size"]),
             norm_topk_prob=True, routing_weights_in_float=True)
+
+    @classmethod
+    def hf_config_from_gguf(cls, cfg: dict[str, Any], meta: GGUFMetadata) -> dict[str, Any]:
+        # llama.cpp's llama graph with experts: softmax, the chosen weights renormalised;
+        # its experts have feed_forward_length rows. No key carries a sliding window.
+        if "rope_freqs.weight" in meta.tensors:
+            raise ValueError("unsupported GGUF tensor rope_freqs.weight (per-frequency rope "
+                             "factors) in a llama file with experts")
+        out = gguf_expert_config(cfg, meta, renormalize=True,
+                                 expert_size=cfg["intermediate_size"])
+        return {**out, "num_local_experts": out["num_experts"]}

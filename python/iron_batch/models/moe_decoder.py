@@ -125,6 +125,9 @@ def _even_range(total: int, rank: int, world: int) -> range:
 
 class MoEDecoderModel(DecoderModel):
     moe_names: ClassVar[dict[str, str]] = MOE_NAMES
+    #: The family's GGUF files carry another family's ``general.architecture`` and are
+    #: told apart by their ``expert_count`` (``models/registry.py``).
+    gguf_shares_architecture: ClassVar[bool] = False
     # The one-call decode stack has no sparse layer yet: decode steps run layer by layer.
     one_call_decode = False
 

@@ -47,7 +47,14 @@ FAMILIES: tuple[type[DecoderModel], ...] = (
 
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 _BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
-_BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}
+#: A family whose GGUF files carry another family's architecture name and differ by their
+#: experts (Mixtral's are ``llama`` files with ``expert_count``) says so by
+#: ``gguf_shares_architecture``.
+_BY_GGUF = {f.gguf_architecture: f for f in FAMILIES
+            if f.gguf_architecture and not getattr(f, "gguf_shares_architecture", False)}
+_BY_GGUF_WITH_EXPERTS = {f.gguf_architecture: f for f in FAMILIES
+                         if f.gguf_architecture and getattr(f, "gguf_shares_architecture",
+                                                            False)}
 
 #: HF ``model_type`` values served, and llama.cpp architectures read from GGUF files.
 SUPPORTED_MODEL_TYPES = tuple(_BY_MODEL_TYPE)
@@ -74,8 +81,10 @@ def family(cfg: dict[str, Any]) -> type[DecoderModel]:
     return found
 
 
-def gguf_family(arch: str) -> type[DecoderModel]:
-    found = _BY_GGUF.get(arch)
+def gguf_family(arch: str, experts: int = 0) -> type[DecoderModel]:
+    """The class for a GGUF file's ``general.architecture`` (``experts``: its
+    ``expert_count``, which tells Mixtral's ``llama`` files from Llama's)."""
+    found = (_BY_GGUF_WITH_EXPERTS.get(arch) if experts else None) or _BY_GGUF.get(arch)
     if found is None:
         raise UnsupportedModel(
             f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_GGUF_ARCHS)})"
