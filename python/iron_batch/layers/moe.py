@@ -27,6 +27,7 @@ from iron_batch.layers.activation import GATED_ACTIVATIONS
 from iron_batch.layers.linear import Linear
 from iron_batch.layers.mlp import GatedMLP
 from iron_batch.layers.quant import QuantWeight
+from iron_batch.platform.cpu import CpuKernels
 from iron_batch.platform.openmp import entry_points
 
 _EXPERTS = getattr(_core, "_moe_experts", None)
@@ -42,6 +43,7 @@ class StackedLinear(Linear):
 
     experts: int
     rows: int
+    kernels: CpuKernels
 
     def prepack(self) -> None:
         """Nothing: experts run one at a time (see :meth:`expert`)."""
@@ -56,20 +58,18 @@ class StackedLinear(Linear):
                 min=None if w.min is None else w.min[lo:hi])
         else:
             part = w[lo:hi]
-        lin = Linear.__new__(Linear)
-        lin.weight, lin.bias, lin.packed = part, None, None
-        lin.gemv, lin.gemv_rows = self.gemv, self.gemv_rows
-        return lin
+        return Linear(part, kernels=self.kernels)
 
 
-def stacked(linear: Linear, experts: int) -> StackedLinear:
-    """``linear`` (every expert's rows, in expert order) as a :class:`StackedLinear`."""
-    out = StackedLinear.__new__(StackedLinear)
-    out.__dict__.update(linear.__dict__)
+def stacked(linear: Linear, experts: int, kernels: CpuKernels) -> StackedLinear:
+    """``linear`` (every expert's rows, in expert order, no bias) as a
+    :class:`StackedLinear` whose experts run on ``kernels``."""
     n = linear.shape[0]
-    if n % experts:
-        raise ValueError(f"{n} stacked rows do not split into {experts} experts")
-    out.experts, out.rows = experts, n // experts
+    if n % experts or linear.bias is not None:
+        raise ValueError(f"{n} stacked rows (bias: {linear.bias is not None}) are not "
+                         f"{experts} experts' bias-free rows")
+    out = StackedLinear(linear.weight, kernels=kernels)
+    out.experts, out.rows, out.kernels = experts, n // experts, kernels
     return out
 
 

@@ -144,8 +144,8 @@ class MoEDecoderModel(DecoderModel):
             gate_up_parts += [Part(n["expert_gate"].format(e=e), rows=rows),
                               Part(n["expert_up"].format(e=e), rows=rows)]
             down_parts.append(Part(n["expert_down"].format(e=e), cols=rows))
-        gate_up = stacked(Linear.load(ctx, gate_up_parts), c.num_experts)
-        down = stacked(Linear.load(ctx, down_parts), c.num_experts)
+        gate_up = stacked(Linear.load(ctx, gate_up_parts), c.num_experts, ctx.kernels)
+        down = stacked(Linear.load(ctx, down_parts), c.num_experts, ctx.kernels)
         router = Router(ctx.need(Part(n["router"])), c.top_k, renormalize=c.norm_topk_prob,
                         weights_in_float=c.routing_weights_in_float)
         shared = shared_gate = None
