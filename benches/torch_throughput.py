@@ -64,6 +64,13 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         original_max_position_embeddings=4096,
         rope_scaling={"rope_type": "longrope", "partial_rotary_factor": 0.75,
                       "short_factor": [1.0] * 48, "long_factor": [2.0] * 48})),
+    # A small Qwen3-MoE (32 experts of 384 rows, top 4 renormalised, in 8 layers): a
+    # mixture of experts transformers runs in bf16 here.
+    "qwen3-moe-small": ("Qwen3MoeConfig", dict(
+        hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+        head_dim=64, intermediate_size=2048, moe_intermediate_size=384, num_experts=32,
+        num_experts_per_tok=4, norm_topk_prob=True, vocab_size=32000,
+        tie_word_embeddings=False)),
 }
 
 

@@ -123,7 +123,32 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 #: Further checkpoints that only their own tests use (the shared family tests run over
 #: ``FAMILIES`` alone): name -> the same (config class name, fields).
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {}
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Mixture-of-experts families (tests/test_moe.py). Qwen3-MoE: 8 experts, top 2
+    # renormalised, the second layer dense.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[1], tie_word_embeddings=False,
+    )),
+    # A gated shared expert beside 8 routed ones, top 2 not renormalised, q/k/v bias.
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=64, norm_topk_prob=False,
+        tie_word_embeddings=False,
+    )),
+    # 4 experts, top 2, a sliding window shorter than the longer test sequences.
+    "mixtral": ("MixtralConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, intermediate_size=64, sliding_window=24,
+        tie_word_embeddings=False,
+    )),
+    # Top 3 of 8, q/k norms over the whole projections.
+    "olmoe": ("OlmoeConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=3,
+        intermediate_size=32, norm_topk_prob=False, tie_word_embeddings=False,
+    )),
+}
 
 _ROOT = Path(tempfile.mkdtemp(prefix="iron_batch_tiny_"))
 atexit.register(shutil.rmtree, _ROOT, True)
@@ -183,7 +208,7 @@ def _random_model(name: str, cls_name: str, fields: dict[str, Any]) -> Any:
 def variant_checkpoint(name: str, changes: tuple[tuple[str, Any], ...]) -> Path:
     """Checkpoint ``name`` with some config fields changed (a value of None drops the
     field: the config class's default applies), written like :func:`checkpoint`."""
-    cls_name, extra = FAMILIES[name]
+    cls_name, extra = FAMILIES[name] if name in FAMILIES else VARIANTS[name]
     fields = {**_COMMON, **extra}
     for key, value in changes:
         if value is None:

@@ -443,6 +443,34 @@ def _gemv_quant(
     """``out = x @ W.T (+ bias)`` for bf16 rows against a quantized matrix (``kind`` "q4" or
     "q8") over raw CPU tensor addresses; call it through ``iron_batch.models.quant``."""
 
+def _moe_experts(
+    out: int,
+    x: int,
+    ids: int,
+    weights: int,
+    gate_up_kind: str,
+    gu_quants: int,
+    gu_scale: int,
+    gu_min: int,
+    down_kind: str,
+    dn_quants: int,
+    dn_scale: int,
+    dn_min: int,
+    *,
+    rows: int,
+    top_k: int,
+    experts: int,
+    hidden: int,
+    inter: int,
+    activation: str,
+    bf16: bool,
+    threads: int,
+    openmp: tuple[int, int, int] | None = None,
+) -> None:
+    """A decode step's selected experts (1-8 bf16 rows; stacked expert weights, "bf16",
+    "q4" or "q8") over raw CPU tensor addresses; call it through
+    ``iron_batch.layers.moe.MoE``."""
+
 def _dequantize_bf16(
     out: int,
     kind: str,

@@ -34,6 +34,10 @@ class GatedMLP:
         self.activation: Callable[[torch.Tensor], torch.Tensor] = GATED_ACTIVATIONS[activation]
         self.max_rows = max_rows
 
+    def linears(self) -> list[Linear]:
+        """Its projections (what a step streams from memory)."""
+        return [self.gate_up, self.down]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = self.max_rows
         if rows is None or x.shape[0] <= rows:

@@ -134,5 +134,6 @@ def _gguf_config(reader: Any) -> tuple[dict[str, Any], type[DecoderModel]]:
     from iron_batch.loader.gguf import hf_config_from_gguf, read_fields
 
     fields = read_fields(reader)
-    family = registry.gguf_family(fields.get("general.architecture", ""))
+    arch = fields.get("general.architecture", "")
+    family = registry.gguf_family(arch, int(fields.get(f"{arch}.expert_count") or 0))
     return hf_config_from_gguf(fields, {t.name: t for t in reader.tensors}, family), family

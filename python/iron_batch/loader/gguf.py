@@ -21,6 +21,8 @@ from iron_batch.layers.quant import QuantWeight
 from iron_batch.layers.weights import Part
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+#: One expert of a stacked expert tensor, in an HF name.
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 def read_fields(reader: Any) -> dict[str, Any]:
@@ -187,14 +189,34 @@ class GGUFSource:
             return self._kv_heads
         return None
 
+    def _find(self, name: str) -> tuple[Any, Any, list[int]] | None:
+        """(tensor, its data, its shape in HF order) for an HF name; one expert's slice of
+        llama.cpp's stacked ``[experts, rows, cols]`` tensor for a per-expert name
+        (``...experts.E...``: the family maps the stacked tensor to ``experts.{e}``)."""
+        t = self._by_hf_name.get(name)
+        if t is not None:
+            return t, t.data, [int(d) for d in reversed(t.shape)]
+        m = _EXPERT.search(name)
+        if m is None:
+            return None
+        t = self._by_hf_name.get(name[: m.start()] + ".experts.{e}." + name[m.end() :])
+        if t is None or len(t.shape) != 3:
+            return None
+        e = int(m.group(1))
+        shape = [int(d) for d in reversed(t.shape)]
+        if e >= shape[0]:
+            return None
+        return t, t.data[e], shape[1:]
+
     def tensor(self, part: Part) -> torch.Tensor | None:
         from gguf.quants import dequantize
 
-        t = self._by_hf_name.get(part.name)
-        if t is None:
+        found = self._find(part.name)
+        if found is None:
             return None
-        arr = dequantize(t.data, t.tensor_type)
-        arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        t, data, shape = found
+        arr = dequantize(data, t.tensor_type)
+        arr = np.asarray(arr, dtype=np.float32).reshape(shape)
         heads = self._heads_of(part.name)
         if heads is not None:
             arr = unpermute_rope_rows(arr, heads)
@@ -208,12 +230,12 @@ class GGUFSource:
         return torch.from_numpy(arr)
 
     def quantized(self, part: Part) -> QuantWeight | None:
-        t = self._by_hf_name.get(part.name)
-        if t is None or len(t.shape) != 2:
+        found = self._find(part.name)
+        if found is None or len(found[2]) != 2:
             return None
-        k, n = (int(d) for d in t.shape)
+        t, raw, (n, k) = found
         type_name = t.tensor_type.name
-        data = np.asarray(t.data).view(np.uint8).reshape(n, -1)
+        data = np.asarray(raw).view(np.uint8).reshape(n, -1)
         heads = self._heads_of(part.name)
         if heads is not None:
             data = unpermute_rope_rows(data, heads)
@@ -252,5 +274,5 @@ def _hf_name(gguf_name: str, names: dict[str, str]) -> str | None:
     if m:
         template = names.get("blk.{i}." + m.group(2))
         if template is not None:
-            return template.format(i=m.group(1))
+            return template.format(i=m.group(1), e="{e}")
     return None

@@ -23,6 +23,7 @@ from iron_batch.layers import cpu_kernels, decoder_stack, quant
 from iron_batch.layers.embedding import Embedding, LMHead, VocabParallel
 from iron_batch.layers.linear import Linear
 from iron_batch.layers.mlp import GatedMLP
+from iron_batch.layers.moe import MoE
 from iron_batch.layers.norm import HeadNorm, ProjectionNorm, RMSNorm
 from iron_batch.layers.rotary import RotaryEmbedding
 from iron_batch.layers.weights import LoadContext, Part, WeightSource
@@ -77,7 +78,8 @@ class DecoderLayer:
     k_norm: QKNorm | None
     o: Linear
     post_norm: RMSNorm | None
-    mlp: GatedMLP
+    #: The dense gated MLP, or a mixture of experts (``layers/moe.py``).
+    mlp: GatedMLP | MoE
     #: Keys further back than this are not attended by the layer (None: every position).
     sliding_window: int | None = None
     attn_out_norm: RMSNorm | None = None
@@ -234,6 +236,11 @@ class DecoderModel:
 
     # ---------------------------------------------------------------- loading
 
+    def _sparse_mlp(self, ctx: LoadContext, i: int, plan: ShardPlan | None) -> MoE | None:
+        """Layer ``i``'s mixture of experts, or None where it has the dense gated MLP (every
+        layer of a dense family; the MoE families override this: ``models/moe_decoder.py``)."""
+        return None
+
     def _load(self, ctx: LoadContext, plan: ShardPlan | None) -> None:
         c = self.config
         names = self.hf_names
@@ -313,19 +320,10 @@ class DecoderModel:
             r = rows if rows is not None else slice(0, total)
             return slice(offset + r.start, offset + r.stop)
 
-        self.layers: list[DecoderLayer] = []
-        for i in range(c.num_layers):
-            n = {k: v.format(i=i) for k, v in names.items()}
-            qkv_bias = None
-            if c.qkv_bias:
-                qkv_bias = [col(n["q"] + ".bias", q_rows), col(n["k"] + ".bias", kv_rows),
-                            col(n["v"] + ".bias", kv_rows)]
+        def dense_mlp(n: dict[str, str]) -> GatedMLP:
             gate_up_bias = None
             if c.mlp_bias:
                 gate_up_bias = [col(n["gate"] + ".bias", inter), col(n["up"] + ".bias", inter)]
-            o = Linear.load(ctx, [row(n["o"] + ".weight", q_rows)])
-            if c.o_bias:
-                o.bias = row_bias(n["o"] + ".bias")
             down = Linear.load(ctx, [row(n["down"] + ".weight", inter)])
             if c.mlp_bias:
                 down.bias = row_bias(n["down"] + ".bias")
@@ -338,6 +336,21 @@ class DecoderModel:
                 gate_up_parts = [col(n["gate"] + ".weight", inter),
                                  col(n["up"] + ".weight", inter)]
             gate_up = Linear.load(ctx, gate_up_parts, biases=gate_up_bias)
+            return GatedMLP(gate_up, down, c.hidden_act, max_rows=mlp_rows)
+
+        self.layers: list[DecoderLayer] = []
+        for i in range(c.num_layers):
+            n = {k: v.format(i=i) for k, v in names.items()}
+            qkv_bias = None
+            if c.qkv_bias:
+                qkv_bias = [col(n["q"] + ".bias", q_rows), col(n["k"] + ".bias", kv_rows),
+                            col(n["v"] + ".bias", kv_rows)]
+            o = Linear.load(ctx, [row(n["o"] + ".weight", q_rows)])
+            if c.o_bias:
+                o.bias = row_bias(n["o"] + ".bias")
+            mlp = self._sparse_mlp(ctx, i, plan)
+            if mlp is None:
+                mlp = dense_mlp(n)
             if "qkv" in n:  # one checkpoint tensor, q rows then k then v (Phi-3)
                 w = n["qkv"] + ".weight"
                 qkv_parts = [col(w, fused_rows(q_rows, 0, q_total)),
@@ -356,7 +369,7 @@ class DecoderModel:
                 if c.qk_norm else None,
                 o=o,
                 post_norm=norms.get("post_norm"),
-                mlp=GatedMLP(gate_up, down, c.hidden_act, max_rows=mlp_rows),
+                mlp=mlp,
                 sliding_window=window,
                 attn_out_norm=norms.get("attn_out_norm"),
                 mlp_out_norm=norms.get("mlp_out_norm"),
@@ -391,7 +404,7 @@ class DecoderModel:
     def _linears(self, head: bool = False) -> list[Linear]:
         """Every projection (and the LM head): what a decode step streams from memory."""
         out = [lin for layer in self.layers
-               for lin in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
+               for lin in (layer.qkv, layer.o, *layer.mlp.linears())]
         return out + [self.lm_head.linear] if head else out
 
     def _weights_to_huge_pages(self) -> None:

@@ -16,10 +16,14 @@ from iron_batch.models.gemma4 import Gemma4ForCausalLM
 from iron_batch.models.granite import GraniteForCausalLM
 from iron_batch.models.llama import LlamaForCausalLM
 from iron_batch.models.mistral import MistralForCausalLM
+from iron_batch.models.mixtral import MixtralForCausalLM
 from iron_batch.models.olmo2 import Olmo2ForCausalLM
+from iron_batch.models.olmoe import OlmoeForCausalLM
 from iron_batch.models.phi3 import Phi3ForCausalLM
 from iron_batch.models.qwen2 import Qwen2ForCausalLM
+from iron_batch.models.qwen2_moe import Qwen2MoeForCausalLM
 from iron_batch.models.qwen3 import Qwen3ForCausalLM
+from iron_batch.models.qwen3_moe import Qwen3MoeForCausalLM
 from iron_batch.models.smollm3 import SmolLM3ForCausalLM
 
 FAMILIES: tuple[type[DecoderModel], ...] = (
@@ -35,11 +39,22 @@ FAMILIES: tuple[type[DecoderModel], ...] = (
     Olmo2ForCausalLM,
     GraniteForCausalLM,
     SmolLM3ForCausalLM,
+    Qwen3MoeForCausalLM,
+    Qwen2MoeForCausalLM,
+    MixtralForCausalLM,
+    OlmoeForCausalLM,
 )
 
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 _BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
-_BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}
+#: A family whose GGUF files carry another family's architecture name and differ by their
+#: experts (Mixtral's are ``llama`` files with ``expert_count``) says so by
+#: ``gguf_shares_architecture``.
+_BY_GGUF = {f.gguf_architecture: f for f in FAMILIES
+            if f.gguf_architecture and not getattr(f, "gguf_shares_architecture", False)}
+_BY_GGUF_WITH_EXPERTS = {f.gguf_architecture: f for f in FAMILIES
+                         if f.gguf_architecture and getattr(f, "gguf_shares_architecture",
+                                                            False)}
 
 #: HF ``model_type`` values served, and llama.cpp architectures read from GGUF files.
 SUPPORTED_MODEL_TYPES = tuple(_BY_MODEL_TYPE)
@@ -66,8 +81,10 @@ def family(cfg: dict[str, Any]) -> type[DecoderModel]:
     return found
 
 
-def gguf_family(arch: str) -> type[DecoderModel]:
-    found = _BY_GGUF.get(arch)
+def gguf_family(arch: str, experts: int = 0) -> type[DecoderModel]:
+    """The class for a GGUF file's ``general.architecture`` (``experts``: its
+    ``expert_count``, which tells Mixtral's ``llama`` files from Llama's)."""
+    found = (_BY_GGUF_WITH_EXPERTS.get(arch) if experts else None) or _BY_GGUF.get(arch)
     if found is None:
         raise UnsupportedModel(
             f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_GGUF_ARCHS)})"

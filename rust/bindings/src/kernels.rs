@@ -7,9 +7,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use iron_batch_kernels::{
-    add_rms_norm, dequantize_bf16, gemv_bf16, gemv_quant, paged_decode_attention, parse_layout,
-    q4_nibble, rope_store_kv, Activation, Bf16, Blocks, DecodeShape, Element, KernelError,
-    Parallel, QMatrix, ScopedThreads, Segment, F16, Q4, Q8, QBLOCK,
+    add_rms_norm, dequantize_bf16, gemv_bf16, gemv_quant, moe_experts, paged_decode_attention,
+    parse_layout, q4_nibble, rope_store_kv, Activation, Bf16, Blocks, DecodeShape, Element,
+    Experts, KernelError, MoeShape, Parallel, QMatrix, ScopedThreads, Segment, F16, Q4, Q8, QBLOCK,
 };
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -470,6 +470,90 @@ pub fn _gemv_quant(
             )
         };
         gemv_quant(out, x, weight, bias, rows, n, k, threads, parallel)
+    })
+}
+
+/// One stacked expert projection at these addresses: `kind` "bf16" (`quants` is the
+/// weight) or a quantized layout (see `qmatrix`).
+///
+/// SAFETY: as for `qmatrix`.
+unsafe fn experts_at<'a>(
+    kind: &str,
+    (quants, scale, min): (usize, usize, usize),
+    n: usize,
+    k: usize,
+) -> Result<Experts<'a>, KernelError> {
+    if kind == "bf16" {
+        return Ok(Experts::Bf16(slice::<Bf16>(quants, n * k)));
+    }
+    Ok(Experts::Quant(qmatrix(kind, quants, scale, min, n, k)?))
+}
+
+/// The selected experts of a decode step's bf16 rows (see `iron_batch.layers.moe`): `ids`
+/// i32 and `weights` f32 `[rows, top_k]`; `gate_up` `[experts * 2 * inter, hidden]` and
+/// `down` `[experts * hidden, inter]`, each bf16 or quantized.
+#[pyfunction]
+#[pyo3(signature = (out, x, ids, weights, gate_up_kind, gu_quants, gu_scale, gu_min,
+                    down_kind, dn_quants, dn_scale, dn_min, *, rows, top_k, experts, hidden,
+                    inter, activation, bf16, threads, openmp=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn _moe_experts(
+    py: Python<'_>,
+    out: usize,
+    x: usize,
+    ids: usize,
+    weights: usize,
+    gate_up_kind: &str,
+    gu_quants: usize,
+    gu_scale: usize,
+    gu_min: usize,
+    down_kind: &str,
+    dn_quants: usize,
+    dn_scale: usize,
+    dn_min: usize,
+    rows: usize,
+    top_k: usize,
+    experts: usize,
+    hidden: usize,
+    inter: usize,
+    activation: &str,
+    bf16: bool,
+    threads: usize,
+    openmp: Option<(usize, usize, usize)>,
+) -> PyResult<()> {
+    if !bf16 {
+        return Err(PyValueError::new_err("moe_experts: bf16 activations only"));
+    }
+    let act = Activation::from_name(activation)
+        .ok_or_else(|| PyValueError::new_err(format!("no gated activation {activation:?}")))?;
+    let (gk, dk) = (gate_up_kind.to_owned(), down_kind.to_owned());
+    let shape = MoeShape {
+        rows,
+        top_k,
+        experts,
+        hidden,
+        inter,
+    };
+    run_kernel(py, openmp, move |parallel| {
+        // SAFETY: see `slice` and `qmatrix`; the caller sized every buffer by `shape`.
+        let (gate_up, down, out, x, ids, weights) = unsafe {
+            (
+                experts_at(
+                    &gk,
+                    (gu_quants, gu_scale, gu_min),
+                    experts * 2 * inter,
+                    hidden,
+                )?,
+                experts_at(&dk, (dn_quants, dn_scale, dn_min), experts * hidden, inter)?,
+                slice_mut::<Bf16>(out, rows * hidden),
+                slice::<Bf16>(x, rows * hidden),
+                slice::<i32>(ids, rows * top_k),
+                slice::<f32>(weights, rows * top_k),
+            )
+        };
+        moe_experts(
+            out, x, ids, weights, gate_up, down, act, shape, threads, parallel,
+        )
     })
 }
 

@@ -8,6 +8,7 @@ mod elementwise;
 mod gemv;
 mod kquant;
 mod kv_int8;
+mod moe;
 mod prefetch;
 mod quant;
 mod team;
@@ -28,5 +29,6 @@ pub use kv_int8::{
     dequantize_int8_row, int8_row_len, int8_row_scale, paged_decode_attention_int8,
     quantize_int8_row, rope_store_kv_int8, store_kv_int8, INT8_SCALE_BYTES,
 };
+pub use moe::{moe_experts, Experts, MoeShape, MOE_MAX_ROWS};
 pub use quant::{dequantize_bf16, gemv_quant, q4_nibble, QMatrix, MAX_ROWS, Q4, Q8, QBLOCK};
 pub use team::run_in_team;

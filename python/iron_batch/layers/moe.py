@@ -1,0 +1,234 @@
+"""A mixture-of-experts MLP: a router that picks ``top_k`` of ``num_experts`` gated MLPs
+per token and weights their outputs, and optionally a shared expert every token runs
+(Qwen2-MoE's, scaled by a sigmoid gate).
+
+The experts' weights are stacked, one matrix per projection for the whole layer
+(:class:`StackedLinear`: expert ``e``'s gate/up rows are rows ``e * 2I .. (e + 1) * 2I``,
+its down rows ``e * H .. (e + 1) * H``), dense or quantized like any projection, so that
+the decode kernel (``rust/kernels/src/moe.rs``) reads only the rows of the experts a step
+selected. Steps of more rows group the tokens by expert: one GEMM per expert that some row
+chose, on the gathered rows, scattered back weighted.
+
+Routing follows transformers' modeling files: softmax over the router logits in float32,
+``torch.topk`` over the probabilities (its order and its tie-breaking), renormalised over
+the chosen ``k`` where the family says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from iron_batch import _core
+from iron_batch.layers.activation import GATED_ACTIVATIONS
+from iron_batch.layers.linear import Linear
+from iron_batch.layers.mlp import GatedMLP
+from iron_batch.layers.quant import QuantWeight
+from iron_batch.platform.cpu import CpuKernels
+from iron_batch.platform.openmp import entry_points
+
+_EXPERTS = getattr(_core, "_moe_experts", None)
+
+#: Most rows the selected-experts decode kernel takes; above it, tokens are grouped by
+#: expert and each expert's rows run as one GEMM.
+DECODE_MAX_ROWS = 8
+
+
+class StackedLinear(Linear):
+    """One projection of every expert, stacked by rows: ``experts`` blocks of ``rows``
+    rows each. Its whole matrix is never multiplied (so it is never prepacked)."""
+
+    experts: int
+    rows: int
+    kernels: CpuKernels
+
+    def prepack(self) -> None:
+        """Nothing: experts run one at a time (see :meth:`expert`)."""
+
+    def expert(self, e: int) -> Linear:
+        """Expert ``e``'s rows as a projection of their own (views, nothing copied)."""
+        n, w = self.rows, self.weight
+        lo, hi = e * n, (e + 1) * n
+        if isinstance(w, QuantWeight):
+            part: torch.Tensor | QuantWeight = replace(
+                w, n=n, quants=w.quants[lo:hi], scale=w.scale[lo:hi],
+                min=None if w.min is None else w.min[lo:hi])
+        else:
+            part = w[lo:hi]
+        return Linear(part, kernels=self.kernels)
+
+
+def stacked(linear: Linear, experts: int, kernels: CpuKernels) -> StackedLinear:
+    """``linear`` (every expert's rows, in expert order, no bias) as a
+    :class:`StackedLinear` whose experts run on ``kernels``."""
+    n = linear.shape[0]
+    if n % experts or linear.bias is not None:
+        raise ValueError(f"{n} stacked rows (bias: {linear.bias is not None}) are not "
+                         f"{experts} experts' bias-free rows")
+    out = StackedLinear(linear.weight, kernels=kernels)
+    out.experts, out.rows, out.kernels = experts, n // experts, kernels
+    return out
+
+
+class Router:
+    """Router logits ``x @ W.T (+ b)``, softmax in float32, the top ``k`` experts of each
+    row and their weights (renormalised over the ``k`` when ``renormalize``)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        top_k: int,
+        *,
+        renormalize: bool,
+        bias: torch.Tensor | None = None,
+        weights_in_float: bool = False,
+    ) -> None:
+        """``weights_in_float``: the routing weights stay float32 (Mixtral's); else they
+        are rounded to the compute dtype (the Qwen MoEs' and OLMoE's)."""
+        if not 0 < top_k <= weight.shape[0]:
+            raise ValueError(f"top_k {top_k} of {weight.shape[0]} experts")
+        self.weight = weight
+        self.bias = bias
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weights_in_float = weights_in_float
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.weight.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights ``[rows, k]``, expert ids ``[rows, k]`` int64), best first."""
+        logits = F.linear(x, self.weight, self.bias)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        if not self.weights_in_float:
+            top = top.to(logits.dtype)
+        return top, ids
+
+
+class MoE:
+    """The sparse MLP of one layer (see the module's docstring)."""
+
+    def __init__(
+        self,
+        router: Router,
+        gate_up: StackedLinear,
+        down: StackedLinear,
+        activation: str,
+        *,
+        shared: GatedMLP | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ) -> None:
+        """``gate_up``: each expert's gate rows then its up rows ``[E * 2I, H]``;
+        ``down``: ``[E * H, I]``; ``shared_gate`` ``[1, H]``: the shared expert's output
+        is scaled by ``sigmoid(x @ shared_gate.T)`` (None: added as it is)."""
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"unsupported MLP activation {activation!r} (supported: "
+                             f"{', '.join(GATED_ACTIVATIONS)})")
+        experts = router.num_experts
+        if gate_up.experts != experts or down.experts != experts:
+            raise ValueError("router and expert weights disagree on the number of experts")
+        self.router = router
+        self.gate_up = gate_up
+        self.down = down
+        self.activation_name = activation
+        self.activation: Callable[[torch.Tensor], torch.Tensor] = GATED_ACTIVATIONS[activation]
+        self.shared = shared
+        self.shared_gate = shared_gate
+        #: Whether decode steps run the Rust kernel over the selected experts' rows.
+        self.decode_kernel = _EXPERTS is not None and _decodable(gate_up, down)
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
+
+    def linears(self) -> list[Linear]:
+        """The projections a step may stream (the experts' stacked ones, the shared
+        expert's)."""
+        out: list[Linear] = [self.gate_up, self.down]
+        return out + (self.shared.linears() if self.shared is not None else [])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router(x)
+        out = self.experts(x, weights, ids)
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            out = out + shared
+        return out
+
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for each row ``t``."""
+        rows = x.shape[0]
+        if (self.decode_kernel and 0 < rows <= DECODE_MAX_ROWS and x.dtype == torch.bfloat16
+                and x.is_contiguous()):
+            return self._decode(x, weights, ids)
+        return self._grouped(x, weights, ids)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows gathered by expert (stable: in row order within each), one GEMM per chosen
+        expert, the outputs weighted and summed back into their rows."""
+        rows, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token = order // k
+        gathered = x[token]
+        outs = torch.empty(rows * k, x.shape[1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            seg = gathered[start : start + count]
+            h = self.down.expert(e)(self.activation(self.gate_up.expert(e)(seg)))
+            outs[start : start + count] = h
+            start += count
+        w = weights.reshape(-1)[order, None]
+        scaled = outs * w
+        out = torch.zeros(rows, x.shape[1], dtype=x.dtype, device=x.device)
+        return out.index_add_(0, token, scaled.to(x.dtype))
+
+    def _decode(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The Rust kernel: each selected expert's rows read once for every row that chose
+        it, nothing of the other experts."""
+        rows, k = ids.shape
+        out = torch.empty_like(x)
+        gate_up, down = self.gate_up, self.down
+        ids32 = ids.to(torch.int32).contiguous()
+        w32 = weights.float().contiguous()
+        _EXPERTS(
+            out.data_ptr(), x.data_ptr(), ids32.data_ptr(), w32.data_ptr(),
+            _kind(gate_up.weight), *_addresses(gate_up.weight),
+            _kind(down.weight), *_addresses(down.weight),
+            rows=rows, top_k=k, experts=self.num_experts, hidden=x.shape[1],
+            inter=down.shape[1], activation=self.activation_name,
+            bf16=x.dtype == torch.bfloat16, threads=torch.get_num_threads(),
+            openmp=entry_points(),
+        )
+        return out
+
+
+def _kind(w: torch.Tensor | QuantWeight) -> str:
+    return w.kind if isinstance(w, QuantWeight) else "bf16"
+
+
+def _addresses(w: torch.Tensor | QuantWeight) -> tuple[int, int, int]:
+    if isinstance(w, QuantWeight):
+        return w.addresses
+    return (w.data_ptr(), 0, 0)
+
+
+def _decodable(gate_up: StackedLinear, down: StackedLinear) -> bool:
+    """Whether the decode kernel reads these weights (for bf16 activations): quantized, or
+    dense bf16, contiguous, on the CPU."""
+    return all(
+        isinstance(w, QuantWeight)
+        or (w.device.type == "cpu" and w.is_contiguous() and w.dtype == torch.bfloat16)
+        for w in (gate_up.weight, down.weight))

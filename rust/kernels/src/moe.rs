@@ -1,0 +1,415 @@
+//! A mixture-of-experts MLP for a decode step's few rows: only the experts the router
+//! selected are read, each once for all the rows that chose it.
+//!
+//! The experts' weights are stacked, one matrix per projection for the whole layer:
+//! expert `e`'s gate rows then up rows are rows `e * 2I .. (e + 1) * 2I` of `gate_up`
+//! (`[E * 2I, H]`), its down rows `e * H .. (e + 1) * H` of `down` (`[E * H, I]`). Either
+//! is bf16 or quantized ([`QMatrix`]); a quantized expert's rows are its own blocks, so a
+//! step reads the selected experts' bytes and no others. Each selected expert runs the
+//! GEMVs of the dense layers ([`gemv_bf16`], [`gemv_quant`]) on its gathered rows, its
+//! gated activation rounded as torch rounds it, and its output joins each row's f32 sum
+//! scaled by that row's routing weight; the sums are rounded to bf16 once.
+
+use crate::attention::{KernelError, Parallel};
+use crate::decoder::Activation;
+use crate::element::{Bf16, Element};
+use crate::gemv::gemv_bf16;
+use crate::quant::{gemv_quant, QMatrix, Q4, Q8, QBLOCK};
+use crate::team::run_in_team;
+
+/// Most rows one call takes (a decode step's; larger steps group tokens by expert and run
+/// one GEMM per expert).
+pub const MOE_MAX_ROWS: usize = 8;
+
+/// One stacked projection of every expert.
+#[derive(Clone, Copy)]
+pub enum Experts<'a> {
+    Bf16(&'a [Bf16]),
+    Quant(QMatrix<'a>),
+}
+
+impl<'a> Experts<'a> {
+    /// Expert `e`'s `n` x `k` rows.
+    fn expert(&self, e: usize, n: usize, k: usize) -> Experts<'a> {
+        let (lo, hi) = (e * n, (e + 1) * n);
+        let blocks = k / QBLOCK;
+        match *self {
+            Experts::Bf16(w) => Experts::Bf16(&w[lo * k..hi * k]),
+            Experts::Quant(QMatrix::Q4(m)) => Experts::Quant(QMatrix::Q4(Q4 {
+                packed: &m.packed[lo * k / 2..hi * k / 2],
+                scale: &m.scale[lo * blocks..hi * blocks],
+                min: &m.min[lo * blocks..hi * blocks],
+            })),
+            Experts::Quant(QMatrix::Q8(m)) => Experts::Quant(QMatrix::Q8(Q8 {
+                quants: &m.quants[lo * k..hi * k],
+                scale: &m.scale[lo * blocks..hi * blocks],
+            })),
+        }
+    }
+
+    fn holds(&self, n: usize, k: usize) -> bool {
+        match self {
+            Experts::Bf16(w) => w.len() == n * k,
+            Experts::Quant(QMatrix::Q4(m)) => {
+                k.is_multiple_of(2 * QBLOCK) && m.packed.len() == n * k / 2
+            }
+            Experts::Quant(QMatrix::Q8(m)) => k.is_multiple_of(QBLOCK) && m.quants.len() == n * k,
+        }
+    }
+
+    /// `out = x W^T` for `rows` rows (bf16 in and out, f32 sums).
+    #[allow(clippy::too_many_arguments)]
+    fn gemv(
+        &self,
+        out: &mut [Bf16],
+        x: &[Bf16],
+        rows: usize,
+        n: usize,
+        k: usize,
+        threads: usize,
+        parallel: &dyn Parallel,
+    ) -> Result<(), KernelError> {
+        match self {
+            Experts::Quant(m) => gemv_quant(out, x, *m, None, rows, n, k, threads, parallel),
+            Experts::Bf16(w) => {
+                // The bf16 GEMV serves two rows a pass.
+                let mut first = 0;
+                while first < rows {
+                    let take = (rows - first).min(2);
+                    gemv_bf16(
+                        &mut out[first * n..(first + take) * n],
+                        &x[first * k..(first + take) * k],
+                        w,
+                        None,
+                        take,
+                        n,
+                        k,
+                        threads,
+                        parallel,
+                    )?;
+                    first += take;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The shape of one call: `rows` activation rows of `hidden`, each routed to `top_k` of
+/// `experts` experts of `inter` intermediate rows.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeShape {
+    pub rows: usize,
+    pub top_k: usize,
+    pub experts: usize,
+    pub hidden: usize,
+    pub inter: usize,
+}
+
+/// `out[r] = sum_j weights[r][j] * expert_{ids[r][j]}(x[r])` where
+/// `expert_e(x) = down_e(act(gate_e x) * up_e x)`.
+///
+/// `x` and `out` are `[rows, hidden]` bf16, `ids` `[rows, top_k]` expert indices,
+/// `weights` `[rows, top_k]` f32. Experts run in index order, each on its rows in row
+/// order, on a team of `threads` threads from `parallel`.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts(
+    out: &mut [Bf16],
+    x: &[Bf16],
+    ids: &[i32],
+    weights: &[f32],
+    gate_up: Experts<'_>,
+    down: Experts<'_>,
+    activation: Activation,
+    shape: MoeShape,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
+    let MoeShape {
+        rows,
+        top_k,
+        experts,
+        hidden,
+        inter,
+    } = shape;
+    let sizes_ok = (1..=MOE_MAX_ROWS).contains(&rows)
+        && top_k > 0
+        && hidden > 0
+        && inter > 0
+        && x.len() == rows * hidden
+        && out.len() == rows * hidden
+        && ids.len() == rows * top_k
+        && weights.len() == rows * top_k
+        && gate_up.holds(experts * 2 * inter, hidden)
+        && down.holds(experts * hidden, inter);
+    if !sizes_ok {
+        return Err(KernelError(format!(
+            "moe_experts: buffers do not fit {shape:?} (at most {MOE_MAX_ROWS} rows)"
+        )));
+    }
+    if let Some(bad) = ids.iter().find(|&&e| e < 0 || e as usize >= experts) {
+        return Err(KernelError(format!(
+            "moe_experts: expert {bad} of {experts}"
+        )));
+    }
+    // Each expert's (row, weight) pairs, in row order.
+    let mut chosen: Vec<Vec<(usize, f32)>> = vec![Vec::new(); experts];
+    for r in 0..rows {
+        for j in 0..top_k {
+            chosen[ids[r * top_k + j] as usize].push((r, weights[r * top_k + j]));
+        }
+    }
+    let mut sums = vec![0f32; rows * hidden];
+    run_in_team(threads, parallel, |team| {
+        let mut xs = vec![Bf16::from_f32(0.0); MOE_MAX_ROWS * hidden];
+        let mut gu = vec![Bf16::from_f32(0.0); MOE_MAX_ROWS * 2 * inter];
+        let mut act = vec![Bf16::from_f32(0.0); MOE_MAX_ROWS * inter];
+        let mut h = vec![Bf16::from_f32(0.0); MOE_MAX_ROWS * hidden];
+        for (e, picks) in chosen.iter().enumerate() {
+            let m = picks.len();
+            if m == 0 {
+                continue;
+            }
+            for (i, &(r, _)) in picks.iter().enumerate() {
+                xs[i * hidden..(i + 1) * hidden].copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
+            }
+            let gu_e = gate_up.expert(e, 2 * inter, hidden);
+            gu_e.gemv(
+                &mut gu[..m * 2 * inter],
+                &xs[..m * hidden],
+                m,
+                2 * inter,
+                hidden,
+                threads,
+                team,
+            )?;
+            activation.apply(&mut act[..m * inter], &gu[..m * 2 * inter], inter);
+            let down_e = down.expert(e, hidden, inter);
+            down_e.gemv(
+                &mut h[..m * hidden],
+                &act[..m * inter],
+                m,
+                hidden,
+                inter,
+                threads,
+                team,
+            )?;
+            for (i, &(r, w)) in picks.iter().enumerate() {
+                let acc = &mut sums[r * hidden..(r + 1) * hidden];
+                for (s, v) in acc.iter_mut().zip(&h[i * hidden..(i + 1) * hidden]) {
+                    *s += w * v.to_f32();
+                }
+            }
+        }
+        Ok(())
+    })?;
+    for (o, s) in out.iter_mut().zip(&sums) {
+        *o = Bf16::from_f32(*s);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::ScopedThreads;
+    use crate::element::F16;
+
+    fn rng(seed: u64) -> impl FnMut() -> f32 {
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        move || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+    }
+
+    fn bf16s(v: &[f32]) -> Vec<Bf16> {
+        v.iter().map(|&x| Bf16::from_f32(x)).collect()
+    }
+
+    fn silu(x: f64) -> f64 {
+        x / (1.0 + (-x).exp())
+    }
+
+    /// The float64 reference: every weight as the kernels read it (`w(e, row, j)`).
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        x: &[f32],
+        ids: &[i32],
+        weights: &[f32],
+        gu: impl Fn(usize, usize) -> f64,
+        dn: impl Fn(usize, usize) -> f64,
+        s: MoeShape,
+    ) -> Vec<f64> {
+        let (h, i_) = (s.hidden, s.inter);
+        let mut out = vec![0f64; s.rows * h];
+        for r in 0..s.rows {
+            for j in 0..s.top_k {
+                let e = ids[r * s.top_k + j] as usize;
+                let w = f64::from(weights[r * s.top_k + j]);
+                let mut act = vec![0f64; i_];
+                for (c, a) in act.iter_mut().enumerate() {
+                    let dot = |row: usize| -> f64 {
+                        (0..h)
+                            .map(|k| f64::from(x[r * h + k]) * gu(e * 2 * i_ + row, k))
+                            .sum()
+                    };
+                    *a = silu(dot(c)) * dot(i_ + c);
+                }
+                for o in 0..h {
+                    let d: f64 = (0..i_).map(|c| act[c] * dn(e * h + o, c)).sum();
+                    out[r * h + o] += w * d;
+                }
+            }
+        }
+        out
+    }
+
+    fn shape(rows: usize) -> MoeShape {
+        MoeShape {
+            rows,
+            top_k: 2,
+            experts: 6,
+            hidden: 64,
+            inter: 96,
+        }
+    }
+
+    fn inputs(s: MoeShape, seed: u64) -> (Vec<f32>, Vec<i32>, Vec<f32>) {
+        let mut r = rng(seed);
+        let x: Vec<f32> = (0..s.rows * s.hidden)
+            .map(|_| Bf16::from_f32(r()).to_f32())
+            .collect();
+        // Expert 5 chosen by no row; expert 0 by every row.
+        let ids: Vec<i32> = (0..s.rows).flat_map(|i| [0, 1 + (i % 4) as i32]).collect();
+        let weights: Vec<f32> = (0..s.rows * s.top_k).map(|_| 0.5 + r().abs()).collect();
+        (x, ids, weights)
+    }
+
+    fn close(got: &[Bf16], want: &[f64], tol: f64) {
+        for (g, w) in got.iter().zip(want) {
+            let g = f64::from(g.to_f32());
+            assert!((g - w).abs() <= tol * (1.0 + w.abs()), "{g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn bf16_experts_match_the_float64_reference() {
+        for rows in [1, 2, 3, 8] {
+            let s = shape(rows);
+            let mut r = rng(7);
+            let gu: Vec<f32> = (0..s.experts * 2 * s.inter * s.hidden)
+                .map(|_| Bf16::from_f32(r() * 0.3).to_f32())
+                .collect();
+            let dn: Vec<f32> = (0..s.experts * s.hidden * s.inter)
+                .map(|_| Bf16::from_f32(r() * 0.3).to_f32())
+                .collect();
+            let (x, ids, w) = inputs(s, rows as u64);
+            let (gu16, dn16) = (bf16s(&gu), bf16s(&dn));
+            let mut out = vec![Bf16::from_f32(0.0); rows * s.hidden];
+            for threads in [1, 3] {
+                moe_experts(
+                    &mut out,
+                    &bf16s(&x),
+                    &ids,
+                    &w,
+                    Experts::Bf16(&gu16),
+                    Experts::Bf16(&dn16),
+                    Activation::SiluMul,
+                    s,
+                    threads,
+                    &ScopedThreads,
+                )
+                .unwrap();
+                let want = reference(
+                    &x,
+                    &ids,
+                    &w,
+                    |row, k| f64::from(gu[row * s.hidden + k]),
+                    |row, c| f64::from(dn[row * s.inter + c]),
+                    s,
+                );
+                // bf16 rounding of the gate/up outputs and of the activation.
+                close(&out, &want, 0.03);
+            }
+        }
+    }
+
+    #[test]
+    fn q8_experts_read_their_own_blocks() {
+        let s = shape(3);
+        let mut r = rng(11);
+        let q8 = |n: usize, k: usize, r: &mut dyn FnMut() -> f32| {
+            let quants: Vec<i8> = (0..n * k).map(|_| (r() * 127.0) as i8).collect();
+            let scale: Vec<F16> = (0..n * k / QBLOCK)
+                .map(|_| F16::from_f32(0.002 + 0.002 * r().abs()))
+                .collect();
+            (quants, scale)
+        };
+        let (gq, gs) = q8(s.experts * 2 * s.inter, s.hidden, &mut r);
+        let (dq, ds) = q8(s.experts * s.hidden, s.inter, &mut r);
+        let gm = QMatrix::Q8(Q8 {
+            quants: &gq,
+            scale: &gs,
+        });
+        let dm = QMatrix::Q8(Q8 {
+            quants: &dq,
+            scale: &ds,
+        });
+        let (x, ids, w) = inputs(s, 5);
+        let mut out = vec![Bf16::from_f32(0.0); s.rows * s.hidden];
+        moe_experts(
+            &mut out,
+            &bf16s(&x),
+            &ids,
+            &w,
+            Experts::Quant(gm),
+            Experts::Quant(dm),
+            Activation::SiluMul,
+            s,
+            2,
+            &ScopedThreads,
+        )
+        .unwrap();
+        let want = reference(
+            &x,
+            &ids,
+            &w,
+            |row, k| f64::from(gm.weight(row, k, s.hidden)),
+            |row, c| f64::from(dm.weight(row, c, s.inter)),
+            s,
+        );
+        close(&out, &want, 0.03);
+    }
+
+    #[test]
+    fn bad_expert_ids_and_shapes_are_errors() {
+        let s = shape(1);
+        let gu = vec![Bf16::from_f32(0.0); s.experts * 2 * s.inter * s.hidden];
+        let dn = vec![Bf16::from_f32(0.0); s.experts * s.hidden * s.inter];
+        let x = vec![Bf16::from_f32(0.0); s.hidden];
+        let mut out = x.clone();
+        let run = |ids: &[i32], out: &mut [Bf16], sh: MoeShape| {
+            moe_experts(
+                out,
+                &x,
+                ids,
+                &[0.5, 0.5],
+                Experts::Bf16(&gu),
+                Experts::Bf16(&dn),
+                Activation::SiluMul,
+                sh,
+                1,
+                &ScopedThreads,
+            )
+        };
+        assert!(run(&[0, 6], &mut out, s).is_err());
+        assert!(run(&[0, -1], &mut out, s).is_err());
+        assert!(run(&[0, 1], &mut out, MoeShape { rows: 9, ..s }).is_err());
+        assert!(run(&[0, 1], &mut out, s).is_ok());
+    }
+}

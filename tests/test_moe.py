@@ -1,0 +1,176 @@
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): float32 greedy tokens
+equal transformers' through the scheduler (chunked prefill, prefix hits, preemption, wide
+decode batches); the sparse layer equals transformers' block when every expert and when
+few are chosen; tied router scores pick transformers' experts; bf16 and quantized experts
+(the decode kernel over the selected experts' rows) stay close to the float32 block."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from iron_batch.backends.torch_backend import TorchBackend
+from iron_batch.layers.moe import DECODE_MAX_ROWS, MoE
+from iron_batch.models.registry import SUPPORTED_MODEL_TYPES
+from tiny_models import (
+    backend,
+    checkpoint,
+    hf_greedy,
+    random_prompts,
+    reference_model,
+    run_scheduler,
+    write_byte_tokenizer,
+)
+
+MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+
+
+def _expected(name: str, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
+    return [hf_greedy(name, p, n) for p, n in zip(prompts, max_new, strict=True)]
+
+
+def test_the_moe_families_are_registered() -> None:
+    for name in MOE_FAMILIES:
+        assert name in SUPPORTED_MODEL_TYPES
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_chunked_prefill_and_prefix_hits_match_transformers(name: str) -> None:
+    prefix = random_prompts(30, [37])[0]
+    prompts = [prefix + s for s in random_prompts(31, [3, 5, 1, 9])] + random_prompts(
+        32, [45, 7])
+    be = backend(name)
+    first, _ = run_scheduler(be, prompts[:1], 10)
+    chunks: list[int] = []
+    outs, stats = run_scheduler(be, prompts, 10, max_batch_tokens=7, max_running_seqs=3,
+                                on_step=lambda b: chunks.append(b.num_tokens))
+    assert stats["prefix_cache_hit_tokens"] > 0
+    assert max(chunks) <= 7
+    assert outs[0] == first[0]
+    assert outs == _expected(name, prompts, [10] * len(prompts))
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_preemption_keeps_output_exact(name: str) -> None:
+    prompts = random_prompts(40, [9, 14, 6, 11, 17, 8, 12, 5])
+    max_new = [22] * len(prompts)
+    outs, stats = run_scheduler(backend(name), prompts, max_new, total_kv_blocks=18,
+                                max_running_seqs=8)
+    assert stats["preemptions"] > 0
+    assert outs == _expected(name, prompts, max_new)
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_sixteen_concurrent_requests(name: str) -> None:
+    lengths = [1, 2, 3, 5, 8, 11, 16, 17, 23, 31, 4, 9, 40, 6, 27, 12]
+    max_new = [12, 3, 20, 7, 16, 1, 9, 14, 5, 18, 11, 2, 8, 13, 6, 10]
+    prompts = random_prompts(20, lengths)
+    widths: list[int] = []
+    outs, _ = run_scheduler(backend(name), prompts, max_new,
+                            on_step=lambda b: widths.append(len(b.sample_indices)))
+    assert outs == _expected(name, prompts, max_new)
+    assert max(widths) > DECODE_MAX_ROWS
+
+
+def _sparse(be: TorchBackend) -> tuple[int, MoE]:
+    i, layer = next((i, la) for i, la in enumerate(be.model.layers) if isinstance(la.mlp, MoE))
+    assert isinstance(layer.mlp, MoE)
+    return i, layer.mlp
+
+
+def _reference_block(name: str, i: int, x: torch.Tensor) -> torch.Tensor:
+    block = reference_model(name).model.layers[i].mlp
+    with torch.no_grad():
+        return block(x.float()[None])[0]
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_layer_equals_transformers_when_every_and_when_few_experts_are_chosen(
+    name: str,
+) -> None:
+    i, moe = _sparse(backend(name))
+    torch.manual_seed(3)
+    wide = torch.randn(64, moe.router.weight.shape[1])
+    _, ids = moe.router(wide)
+    assert set(ids.flatten().tolist()) == set(range(moe.num_experts))  # every expert
+    torch.testing.assert_close(moe(wide), _reference_block(name, i, wide), rtol=1e-5,
+                               atol=1e-5)
+    one = wide[:1]
+    _, ids = moe.router(one)
+    assert len(set(ids.flatten().tolist())) < moe.num_experts  # some expert unchosen
+    torch.testing.assert_close(moe(one), _reference_block(name, i, one), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_shared_expert_and_dense_layers_are_where_the_config_puts_them() -> None:
+    qwen3 = backend("qwen3_moe").model.layers
+    assert [isinstance(la.mlp, MoE) for la in qwen3] == [True, False]  # mlp_only_layers
+    qwen2 = backend("qwen2_moe").model.layers
+    assert all(isinstance(la.mlp, MoE) and la.mlp.shared is not None
+               and la.mlp.shared_gate is not None for la in qwen2)
+    mixtral = backend("mixtral")
+    assert [la.sliding_window for la in mixtral.model.layers] == [24, 24]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "olmoe"])
+def test_tied_router_scores_pick_the_experts_transformers_picks(
+    name: str, tmp_path: Path
+) -> None:
+    """Every router row of the first layer equal: each token's scores all tie, and which
+    experts serve it is torch.topk's choice among equals (not the lowest indices)."""
+    model = copy.deepcopy(reference_model(name))
+    with torch.no_grad():
+        router = model.model.layers[0].mlp.gate.weight
+        router.copy_(router[0].expand_as(router))
+    model.save_pretrained(tmp_path)
+    write_byte_tokenizer(tmp_path)
+    be = TorchBackend.from_model(str(tmp_path), device="cpu", dtype="float32",
+                                 total_kv_blocks=64, kv_block_size=4)
+    prompts = random_prompts(60, [13, 4])
+    outs, _ = run_scheduler(be, prompts, 12)
+    want = []
+    for p in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
+                                 dtype=torch.long), max_new_tokens=12, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)
+        want.append(out[0, len(p):].tolist())
+    assert outs == want
+    # The ties are real, and resolved in torch.topk's order, not by lowest index.
+    weights, ids = _sparse(be)[1].router(torch.randn(4, model.config.hidden_size))
+    assert torch.all(weights == weights[0, 0])
+    assert any(sorted(row) != list(range(ids.shape[1])) for row in ids.tolist())
+
+
+@pytest.mark.parametrize(("name", "quantization", "tolerance"), [
+    ("qwen3_moe", None, 0.02),
+    ("mixtral", None, 0.02),
+    ("qwen2_moe", "int8", 0.03),
+    # 4 bits in groups of 32 of normal weights: ~8% error per projection, two in a row.
+    ("mixtral", "int4", 0.2),
+])
+def test_bf16_and_quantized_experts_stay_close_to_float32(
+    name: str, quantization: str | None, tolerance: float
+) -> None:
+    """The decode kernel (1-8 rows, the selected experts' rows only) and the grouped GEMM
+    path (more rows) against transformers' float32 block, and against each other: a row's
+    output does not depend on how many rows share its step."""
+    be = TorchBackend.from_model(str(checkpoint(name)), device="cpu", dtype="bfloat16",
+                                 total_kv_blocks=16, kv_block_size=4,
+                                 quantization=quantization)
+    i, moe = _sparse(be)
+    assert moe.decode_kernel
+    torch.manual_seed(5)
+    x = torch.randn(24, moe.router.weight.shape[1]).bfloat16()
+    want = _reference_block(name, i, x)
+    weights, ids = moe.router(x)
+    grouped = moe.experts(x, weights, ids).float()  # 24 rows: grouped by expert
+    for rows in (1, 2, 5, DECODE_MAX_ROWS):
+        got = moe.experts(x[:rows].contiguous(), weights[:rows], ids[:rows]).float()
+        torch.testing.assert_close(got, grouped[:rows], rtol=0.02, atol=0.02)
+    if moe.shared is not None:
+        grouped = moe(x).float()
+    err = (grouped - want).norm() / want.norm()
+    assert err < tolerance
