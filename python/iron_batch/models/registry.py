@@ -20,6 +20,7 @@ from iron_batch.models.olmo2 import Olmo2ForCausalLM
 from iron_batch.models.phi3 import Phi3ForCausalLM
 from iron_batch.models.qwen2 import Qwen2ForCausalLM
 from iron_batch.models.qwen3 import Qwen3ForCausalLM
+from iron_batch.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextOfMultimodal
 from iron_batch.models.smollm3 import SmolLM3ForCausalLM
 
 FAMILIES: tuple[type[DecoderModel], ...] = (
@@ -35,6 +36,8 @@ FAMILIES: tuple[type[DecoderModel], ...] = (
     Olmo2ForCausalLM,
     GraniteForCausalLM,
     SmolLM3ForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextOfMultimodal,
 )
 
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
