@@ -117,7 +117,8 @@ def conv_step(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor
     [B, C, K - 1] (the previous inputs, float32), weight [C, K]. Returns (silu of the
     outputs [B, C] in x's dtype, the new window)."""
     full = torch.cat([window.to(x.dtype), x[:, :, None]], dim=-1)  # [B, C, K]
-    out = (full * weight).sum(-1)
+    # Products summed in float32 and rounded once, as a convolution kernel does.
+    out = (full.float() * weight.float()).sum(-1).to(x.dtype)
     return F.silu(out), full[:, :, 1:].float()
 
 
