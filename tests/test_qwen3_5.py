@@ -173,6 +173,27 @@ def test_overlapped_steps_and_tiny_pools_stay_exact() -> None:
     # (run_scheduler checks that every block and state slot is free at the end.)
 
 
+def test_the_rust_kernels_serve_by_default_and_the_torch_route_matches_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    name = "untied"
+    from iron_batch.models.qwen3_5 import LinearLayer
+
+    prompts = random_prompts(21, [90, 4, 33])
+    want = [hf_greedy(name, p, 12) for p in prompts]
+    by_kernel = backend(name)
+    mixers = [layer.mixer for layer in by_kernel.model.layers if isinstance(layer, LinearLayer)]
+    assert mixers and all(m.kernels for m in mixers)
+    monkeypatch.setenv("IRON_BATCH_CPU_ATTENTION", "torch")
+    by_torch = backend(name)
+    assert not any(layer.mixer.kernels for layer in by_torch.model.layers
+                   if isinstance(layer, LinearLayer))
+    for be in (by_kernel, by_torch):
+        outs, s = run_with_config(be, scheduler_config(be, max_batch_tokens=24), prompts, 12)
+        assert outs == want
+        _all_free(s)
+
+
 def test_a_batch_without_state_slots_is_refused() -> None:
     from iron_batch import Scheduler, SchedulerConfig
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from iron_batch.layers import delta_kernels
 from iron_batch.layers.linear import Linear
 
 #: Tokens per block of the chunked form.
@@ -150,7 +151,11 @@ class GatedDeltaNet:
         key_dim: int,
         value_dim: int,
         eps: float,
+        kernels: bool = False,
     ) -> None:
+        """``kernels``: run the convolution and the delta rule by the Rust CPU kernels
+        (``layers/delta_kernels.py``) instead of torch ops."""
+        self.kernels = kernels and delta_kernels.available()
         self.in_proj = in_proj
         self.conv_weight = conv_weight  # [C, K], compute dtype
         #: -exp(A_log), float32 (from the dtype-rounded parameter, as the reference).
@@ -181,12 +186,21 @@ class GatedDeltaNet:
         mixed, z = proj[:, :c], proj[:, c : c + hv * dv]
         b, a = proj[:, c + hv * dv : c + hv * dv + hv], proj[:, c + hv * dv + hv :]
         conv = torch.empty_like(mixed)
+        kernels = self.kernels
         if len(rows.decode_rows):
             r, slots = rows.decode_rows, rows.decode_slots
-            out, window = conv_step(mixed[r], conv_state[slots], self.conv_weight)
-            conv[r] = out
-            conv_state[slots] = window
+            if kernels:
+                conv[r] = delta_kernels.causal_conv(mixed[r].contiguous(), conv_state,
+                                                    self.conv_weight, slots)
+            else:
+                out, window = conv_step(mixed[r], conv_state[slots], self.conv_weight)
+                conv[r] = out
+                conv_state[slots] = window
         for start, end, slot in rows.chunks:
+            if kernels:
+                conv[start:end] = delta_kernels.causal_conv(
+                    mixed[start:end].contiguous(), conv_state[slot], self.conv_weight, None)
+                continue
             out, window = conv_chunk(mixed[start:end], conv_state[slot], self.conv_weight)
             conv[start:end] = out
             conv_state[slot] = window
@@ -202,13 +216,24 @@ class GatedDeltaNet:
         beta = b.sigmoid().float()
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
         core = torch.empty(n, hv, dv, dtype=torch.float32, device=x.device)
+        if kernels:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            g, beta = g.contiguous(), beta.contiguous()
         if len(rows.decode_rows):
             r, slots = rows.decode_rows, rows.decode_slots
-            o, s = delta_rule_step(q[r], k[r], v[r], g[r], beta[r], state[slots])
-            core[r] = o
-            state[slots] = s
+            if kernels:
+                core[r] = delta_kernels.delta_rule_decode(q[r], k[r], v[r], g[r], beta[r],
+                                                          state, slots)
+            else:
+                o, s = delta_rule_step(q[r], k[r], v[r], g[r], beta[r], state[slots])
+                core[r] = o
+                state[slots] = s
         for start, end, slot in rows.chunks:
             span = slice(start, end)
+            if kernels:
+                core[span] = delta_kernels.delta_rule_chunk(q[span], k[span], v[span],
+                                                            g[span], beta[span], state[slot])
+                continue
             o, s = delta_rule_chunked(q[span], k[span], v[span], g[span], beta[span],
                                       state[slot])
             core[span] = o

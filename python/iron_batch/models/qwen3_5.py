@@ -220,6 +220,7 @@ class Qwen3_5ForCausalLM(DecoderModel):
                     key_heads=c.linear_key_heads, value_heads=c.linear_value_heads,
                     key_dim=c.linear_key_dim, value_dim=c.linear_value_dim,
                     eps=c.rms_norm_eps,
+                    kernels=ctx.device.type == "cpu" and ctx.kernels.attention,
                 )
                 if mixer.kernel != c.linear_conv_kernel:
                     raise ValueError(f"layer {i}: conv1d kernel {mixer.kernel}, config says "
