@@ -194,6 +194,20 @@ def test_the_rust_kernels_serve_by_default_and_the_torch_route_matches_too(
         _all_free(s)
 
 
+def test_the_offline_engine_serves_it_and_frees_every_slot() -> None:
+    from iron_batch import LLM, SamplingParams
+
+    name = "untied"
+    llm = LLM(model=str(checkpoint(name)), device="cpu", dtype="float32", total_kv_blocks=64,
+              kv_block_size=BS, max_batch_tokens=16)
+    prompts = random_prompts(22, [12, 40, 3, 25])
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(name, p, 10) for p in prompts]
+    groups = llm.engine.scheduler.group_stats()
+    assert [g["kind"] for g in groups] == ["full", "state"]
+    _all_free(llm.engine.scheduler)
+
+
 def test_a_batch_without_state_slots_is_refused() -> None:
     from iron_batch import Scheduler, SchedulerConfig
 
