@@ -142,7 +142,7 @@ class GatedDeltaNet:
         *,
         in_proj: Linear,
         conv_weight: torch.Tensor,
-        a_log: torch.Tensor,
+        neg_a: torch.Tensor,
         dt_bias: torch.Tensor,
         norm_weight: torch.Tensor,
         out_proj: Linear,
@@ -158,8 +158,8 @@ class GatedDeltaNet:
         self.kernels = kernels and delta_kernels.available()
         self.in_proj = in_proj
         self.conv_weight = conv_weight  # [C, K], compute dtype
-        #: -exp(A_log), float32 (from the dtype-rounded parameter, as the reference).
-        self.neg_a = -a_log.float().exp()
+        #: The decay rate -exp(A_log) per value head, float32.
+        self.neg_a = neg_a.float()
         self.dt_bias = dt_bias.float()
         self.norm_weight = norm_weight
         self.out_proj = out_proj

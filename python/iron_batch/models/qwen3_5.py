@@ -16,8 +16,8 @@ where; see ``rust/core/src/scheduler.rs``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,10 +29,14 @@ from iron_batch.layers.linear import Linear
 from iron_batch.layers.mlp import GatedMLP
 from iron_batch.layers.rotary import apply_rope
 from iron_batch.layers.weights import LoadContext, Part, WeightSource
+from iron_batch.models import qwen3_5_gguf
 from iron_batch.models.config import ModelConfig
 from iron_batch.models.decoder import DecoderModel, Shard
 from iron_batch.models.partition import ShardPlan
 from iron_batch.platform import heap
+
+if TYPE_CHECKING:
+    from iron_batch.loader.gguf import GGUFMetadata
 
 _UNSPLITTABLE = ("tensor parallelism does not split Qwen3.5's linear-attention layers and "
                  "their state slots yet")
@@ -136,7 +140,13 @@ class Qwen3_5ForCausalLM(DecoderModel):
     model_types = ("qwen3_5_text",)
     architectures = ("Qwen3_5ForCausalLM",)
     hf_names = _NAMES
+    gguf_architecture = "qwen35"
+    gguf_names = qwen3_5_gguf.GGUF_NAMES
     one_call_decode = False
+
+    @classmethod
+    def hf_config_from_gguf(cls, cfg: dict[str, Any], meta: GGUFMetadata) -> dict[str, Any]:
+        return qwen3_5_gguf.hf_config(cfg, meta)
 
     @classmethod
     def config_from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -190,9 +200,22 @@ class Qwen3_5ForCausalLM(DecoderModel):
         self.cache_groups: list[tuple[str, int | None]] = [("full", None), ("state", None)]
         if all(c.linear_layers):
             raise ValueError("a Qwen3.5 checkpoint needs at least one full-attention layer")
+        # llama.cpp's converter stored the norms with their 1 added, -exp(A_log) for A_log,
+        # and the value heads of the linear layers tiled (undone by the wrapper).
+        gguf = bool(getattr(ctx.source, "is_gguf", False))
+        if gguf:
+            ctx = replace(ctx, source=qwen3_5_gguf.TiledValueHeads(
+                ctx.source, key_heads=c.linear_key_heads, value_heads=c.linear_value_heads,
+                key_dim=c.linear_key_dim, value_dim=c.linear_value_dim))
 
         def norm(name: str) -> CenteredNorm:
-            return CenteredNorm(ctx.need_float(Part(name)).to(ctx.device), c.rms_norm_eps)
+            stored = ctx.need_float(Part(name)).to(ctx.device)
+            return CenteredNorm(stored - 1.0 if gguf else stored, c.rms_norm_eps)
+
+        def decay_rate(name: str) -> torch.Tensor:
+            # -exp(A_log) of the parameter in the compute dtype, as the reference takes it.
+            stored = ctx.need(Part(name)).float()
+            return stored if gguf else -stored.exp()
 
         def lin(*parts: str) -> Linear:
             return Linear.load(ctx, [Part(p) for p in parts])
@@ -213,7 +236,7 @@ class Qwen3_5ForCausalLM(DecoderModel):
                 mixer = GatedDeltaNet(
                     in_proj=lin(n["lin_qkv"], n["lin_z"], n["lin_b"], n["lin_a"]),
                     conv_weight=conv.reshape(conv.shape[0], -1).contiguous(),
-                    a_log=ctx.need(Part(n["lin_a_log"])),
+                    neg_a=decay_rate(n["lin_a_log"]),
                     dt_bias=ctx.need(Part(n["lin_dt_bias"])),
                     norm_weight=ctx.need(Part(n["lin_norm"])),
                     out_proj=lin(n["lin_out"]),
@@ -418,6 +441,7 @@ class Qwen3_5TextOfMultimodal(Qwen3_5ForCausalLM):
     model_types = ("qwen3_5",)
     architectures = ("Qwen3_5ForConditionalGeneration",)
     hf_names = _MULTIMODAL_NAMES
+    gguf_architecture = None
 
     @classmethod
     def config_from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
