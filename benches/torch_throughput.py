@@ -56,6 +56,14 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         hidden_size=1152, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
         head_dim=256, intermediate_size=6912, vocab_size=262144, sliding_window=512,
         query_pre_attn_scalar=256, tie_word_embeddings=True)),
+    # A Qwen3.5 of about 0.8B: 24 layers (18 Gated DeltaNet, 6 gated full attention),
+    # hidden 1024, 16 key and 16 value heads of 128 in the linear layers, 8 query / 2 K/V
+    # heads of 256 in the attention ones, tied 248k vocabulary.
+    "qwen3.5-0.8b": ("Qwen3_5TextConfig", dict(
+        hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=256, intermediate_size=3584, vocab_size=248320, linear_num_key_heads=16,
+        linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        tie_word_embeddings=True)),
     # Phi-4-mini's published layer (partial rotary 0.75, LongRoPE, tied 200k vocabulary)
     # with 8 of its 32 layers, so that the three copies this script loads fit 24 GiB.
     "phi-4-mini-8l": ("Phi3Config", dict(
@@ -476,6 +484,11 @@ def _weights(net: Any) -> list[torch.Tensor]:
     out = [net.embed.table, net.norm.weight, net.lm_head.linear.weight]
     for layer in net.layers:
         out += [layer.input_norm.weight, layer.post_norm.weight]
+        mixer = getattr(layer, "mixer", None)
+        if mixer is not None:  # a linear-attention layer (Qwen3.5): its projections
+            for lin in (*mixer.linears(), layer.mlp.gate_up, layer.mlp.down):
+                out += lin.tensors()
+            continue
         out += [norm.weight for norm in (layer.q_norm, layer.k_norm) if norm is not None]
         for lin in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down):
             out += [lin.weight] + ([lin.bias] if lin.bias is not None else [])

@@ -102,6 +102,20 @@ def group_model_inputs(batch: Any, group_blocks: list[int]) -> dict[str, np.ndar
     return {"group_slot_mapping": batch.group_slot_mapping, "group_block_tables": joined}
 
 
+#: The recurrent-state fields the forward of a model with a state group takes.
+STATE_MODEL_INPUTS = ("state_slots", "state_fresh", "state_restore", "state_save")
+
+
+def state_model_inputs(batch: Any) -> dict[str, np.ndarray]:
+    """The forward's inputs for a model with a recurrent-state group: per sequence, its
+    slot, whether the step starts it fresh, the checkpoint slot to restore into it before
+    the step and the one to save it into after (-1: none)."""
+    if len(batch.seq_lens) and len(batch.state_slots) != len(batch.seq_lens):
+        raise ValueError("the model keeps recurrent state: schedule it with the backend's "
+                         "cache_groups (a state group gives each sequence a slot)")
+    return {name: getattr(batch, name) for name in STATE_MODEL_INPUTS}
+
+
 def batch_arrays(batch: Any) -> list[np.ndarray]:
     """The batch's arrays in :data:`BATCH_FIELDS` order."""
     return [getattr(batch, name) for name in BATCH_FIELD_NAMES]

@@ -11,7 +11,12 @@ import torch
 
 from iron_batch._core import CacheGroup, SchedulerConfig, split_pool
 from iron_batch.backends.base import BackendBase, BackendInfo, StepOutput
-from iron_batch.batch import absolute_block_tables, group_model_inputs, model_inputs
+from iron_batch.batch import (
+    absolute_block_tables,
+    group_model_inputs,
+    model_inputs,
+    state_model_inputs,
+)
 from iron_batch.loader import ModelSource, load_model, read_gguf_fields, resolve
 from iron_batch.models.decoder import DecoderModel
 from iron_batch.pooling import PromptPooler
@@ -112,11 +117,15 @@ class TorchBackend(BackendBase):
         #: ``num_kv_blocks``): a sliding group releases the blocks before its window.
         self.cache_groups: list[CacheGroup] = []
         if groups != [("full", None)]:
-            unit = [b * kv_block_size for b in model.kv_bytes_per_token()]
+            unit = [model.state_slot_bytes() if kind == "state" else b * kv_block_size
+                    for (kind, _), b in zip(groups, model.kv_bytes_per_token(), strict=True)]
             self.cache_groups = [CacheGroup(kind, size, window=window, unit_bytes=u)
                                  for (kind, window), size, u in zip(groups, per_group, unit,
                                                                     strict=True)]
-        self._group_blocks = per_group
+        # The attention groups' pools (a state group's slots are the model's to check).
+        self._group_blocks = [n for (kind, _), n in zip(groups, per_group, strict=True)
+                              if kind != "state"]
+        self._has_state = any(kind == "state" for kind, _ in groups)
         self.vocab_size = model.config.vocab_size
         eos = list(model.config.eos_token_ids)
         for i in tokenizer.eos_token_ids if tokenizer else []:
@@ -158,6 +167,10 @@ class TorchBackend(BackendBase):
         blocks: int | list[int]
         if total_kv_blocks is not None:
             blocks = total_kv_blocks
+            if any(kind == "state" for kind, _ in net.cache_groups):
+                blocks = [state_slots_for(net, total_kv_blocks, kv_cache_memory_gb)
+                          if kind == "state" else total_kv_blocks
+                          for kind, _ in net.cache_groups]
         elif len(net.cache_groups) > 1:
             blocks = group_blocks_for_memory(net, kv_block_size, kv_cache_memory_gb)
         else:
@@ -213,6 +226,8 @@ class TorchBackend(BackendBase):
             inputs["block_tables"] = absolute_block_tables(batch.block_tables, offsets[0])
         if len(self._group_blocks) > 1:
             inputs.update(group_model_inputs(batch, self._group_blocks))
+        if self._has_state:
+            inputs.update(state_model_inputs(batch))
         holes = getattr(batch, "pending_token_indices", None)
         if holes is not None and len(holes):
             # Placeholders are filled before the forward (and before a tensor-parallel
@@ -308,6 +323,14 @@ def kv_blocks_for_memory(net: DecoderModel, block_size: int, memory_gb: float | 
     return blocks
 
 
+def state_slots_for(net: DecoderModel, total_kv_blocks: int, memory_gb: float | None) -> int:
+    """State slots beside ``total_kv_blocks`` KV blocks: as many (two per running sequence
+    at most), within half the memory budget."""
+    budget = (memory_gb if memory_gb is not None else _DEFAULT_CPU_KV_GB) * 2**30
+    fit = int(budget // 2 // max(1, net.state_slot_bytes()))
+    return max(2, min(total_kv_blocks, 2 * _CORE_DEFAULTS.max_running_seqs, fit))
+
+
 def group_blocks_for_memory(
     net: DecoderModel, block_size: int, memory_gb: float | None
 ) -> list[int]:
@@ -317,11 +340,16 @@ def group_blocks_for_memory(
     is shared by the few sequences in prefill, not held by every one."""
     budget = kv_blocks_for_memory(net, block_size, memory_gb) * net.kv_bytes_per_block(
         block_size)
-    specs = [(kind, window, per_token) for (kind, window), per_token
+    specs = [(kind, window, net.state_slot_bytes() if kind == "state" else per_token)
+             for (kind, window), per_token
              in zip(net.cache_groups, net.kv_bytes_per_token(), strict=True)]
     context = min(net.config.max_position_embeddings, _SPLIT_CONTEXT)
-    groups = split_pool(budget, specs, block_size, _CORE_DEFAULTS.max_running_seqs, context,
-                        block_size)
+    running = _CORE_DEFAULTS.max_running_seqs
+    if any(kind == "state" for kind, _ in net.cache_groups):
+        # Two state slots per running sequence (its own and a checkpoint): at most half
+        # the budget, so that the attention groups keep the rest.
+        running = max(1, min(running, int(budget // (4 * max(1, net.state_slot_bytes())))))
+    groups = split_pool(budget, specs, block_size, running, context, block_size)
     return [g.size for g in groups]
 
 

@@ -460,6 +460,10 @@ class DecoderModel:
         return [per_layer * sum(1 for layer in self.layers if layer.cache_group == g)
                 for g in range(len(self.cache_groups))]
 
+    def state_slot_bytes(self) -> int:
+        """Bytes of one sequence's recurrent state (models with a "state" cache group)."""
+        return 0
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one block in every layer (every group's block of that index)."""
         return sum(self.kv_bytes_per_token()) * block_size

@@ -24,6 +24,7 @@ from iron_batch.models.qwen2 import Qwen2ForCausalLM
 from iron_batch.models.qwen2_moe import Qwen2MoeForCausalLM
 from iron_batch.models.qwen3 import Qwen3ForCausalLM
 from iron_batch.models.qwen3_moe import Qwen3MoeForCausalLM
+from iron_batch.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextOfMultimodal
 from iron_batch.models.smollm3 import SmolLM3ForCausalLM
 
 FAMILIES: tuple[type[DecoderModel], ...] = (
@@ -43,6 +44,8 @@ FAMILIES: tuple[type[DecoderModel], ...] = (
     Qwen2MoeForCausalLM,
     MixtralForCausalLM,
     OlmoeForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextOfMultimodal,
 )
 
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -4,6 +4,7 @@ mod allocator;
 mod batch;
 mod convert;
 mod decoder;
+mod delta_rule;
 mod errors;
 mod events;
 mod kernels;
@@ -40,6 +41,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<allocator::BlockAllocator>()?;
     m.add_class::<decoder::DecoderStack>()?;
     m.add_function(wrap_pyfunction!(kernels::_paged_decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(delta_rule::_delta_rule_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(delta_rule::_delta_rule_chunk, m)?)?;
+    m.add_function(wrap_pyfunction!(delta_rule::_causal_conv, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_rope_store_kv, m)?)?;
     m.add_function(wrap_pyfunction!(kv_int8::_paged_decode_attention_int8, m)?)?;

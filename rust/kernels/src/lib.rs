@@ -3,6 +3,7 @@
 
 mod attention;
 mod decoder;
+mod delta_rule;
 mod element;
 mod elementwise;
 mod gemv;
@@ -20,6 +21,10 @@ pub use attention::{
 pub use decoder::{
     decode_layers, exp, gelu_tanh_mul, silu_mul, tanh, Activation, CacheGroup, DecodeInputs,
     DecoderLayer, Int8LayerCache, LayerCache, LayerKv, Matrix, Projection, RopeTable,
+};
+pub use delta_rule::{
+    causal_conv_chunk, causal_conv_decode, delta_rule_chunk, delta_rule_decode, DeltaShape,
+    DELTA_CHUNK,
 };
 pub use element::{Bf16, Element, F16};
 pub use elementwise::{add_rms_norm, rope_store_kv};

@@ -12,6 +12,8 @@
 
   - Hermes-style ``<tool_call>{json}</tool_call>`` blocks: Qwen2/Qwen3, SmolLM3, and the
     instructions given to templates without tool support (such as SmolLM2's, Gemma's);
+  - ``<tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>``:
+    Qwen3.5's XML form (``xml_tool_calls.py``);
   - ``<|tool_call|>[{json}, ...]<|/tool_call|>``: Phi-4-mini;
   - ``<|tool_call|>[...]`` and ``<tool_call>[...]`` with no closing tag: Granite 3.x, as
     its system prompt asks (a tag's body may be one call or a JSON list of them);
@@ -43,6 +45,7 @@ from typing import Any
 
 from iron_batch.server.errors import ApiError
 from iron_batch.server.openai.structured import require_support
+from iron_batch.server.openai.xml_tool_calls import xml_calls
 from iron_batch.structured import GrammarError, json_schema_grammar
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -92,7 +95,7 @@ class ToolPlan:
         if self.mode == "required":
             calls = _json_calls(text, self.names)
             return (text, []) if calls is None else (None, calls)
-        return parse_auto(text, self.names)
+        return parse_auto(text, self.names, {t.name: t.parameters for t in self.tools})
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The assistant message and finish reason of a non-streamed choice."""
@@ -156,12 +159,18 @@ def _json_calls(text: str, names: set[str]) -> list[dict[str, Any]] | None:
     return calls  # type: ignore[return-value]
 
 
-def parse_auto(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, calls) of a model's free output; unparseable text stays content."""
+def parse_auto(
+    text: str, names: set[str], schemas: dict[str, dict[str, Any]] | None = None
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, calls) of a model's free output; unparseable text stays content.
+    ``schemas``: each tool's parameters schema (typed values of Qwen3.5's XML calls)."""
     if any(tag in text for tag in _OPENERS):
         calls = []
         for body in _BLOCK.findall(text):
             found = _json_calls(body, names)
+            if found is None:
+                xml = xml_calls(body, names, schemas or {})
+                found = None if xml is None else [_call(n, a) for n, a in xml]
             if found is None:
                 return text, []
             calls.extend(found)

@@ -1,0 +1,455 @@
+"""Qwen3.5 (dense): a hybrid of Gated DeltaNet linear-attention layers
+(``layers/gated_delta.py``) and gated full-attention layers, by default three of the
+former to each of the latter.
+
+The full-attention layers: the q projection is twice as wide, each head's q followed by a
+gate that multiplies the attention output by its sigmoid; per-head RMSNorms on q and k;
+rotary over the leading quarter of each head. Every RMSNorm outside the linear-attention
+mixer is zero-centred (the weight is stored as ``w - 1``) and multiplies in float32.
+
+Cache groups: the full-attention layers' K/V in paged blocks (group "full"), the linear
+layers' convolution windows and delta-rule matrices in one state slot per sequence (group
+"state"). Each step's batch says, per sequence, whether its state starts fresh, is restored
+from a checkpoint slot before the step, or is saved into one after it (the core decides
+where; see ``rust/core/src/scheduler.rs``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from iron_batch.attention import paged
+from iron_batch.layers.embedding import Embedding, LMHead
+from iron_batch.layers.gated_delta import GatedDeltaNet, StepRows
+from iron_batch.layers.linear import Linear
+from iron_batch.layers.mlp import GatedMLP
+from iron_batch.layers.rotary import apply_rope
+from iron_batch.layers.weights import LoadContext, Part, WeightSource
+from iron_batch.models import qwen3_5_gguf
+from iron_batch.models.config import ModelConfig
+from iron_batch.models.decoder import DecoderModel, Shard
+from iron_batch.models.partition import ShardPlan
+from iron_batch.platform import heap
+
+if TYPE_CHECKING:
+    from iron_batch.loader.gguf import GGUFMetadata
+
+_UNSPLITTABLE = ("tensor parallelism does not split Qwen3.5's linear-attention layers and "
+                 "their state slots yet")
+
+_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "input_norm": "model.layers.{i}.input_layernorm.weight",
+    "post_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "q": "model.layers.{i}.self_attn.q_proj",
+    "k": "model.layers.{i}.self_attn.k_proj",
+    "v": "model.layers.{i}.self_attn.v_proj",
+    "o": "model.layers.{i}.self_attn.o_proj",
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+    "lin_qkv": "model.layers.{i}.linear_attn.in_proj_qkv.weight",
+    "lin_z": "model.layers.{i}.linear_attn.in_proj_z.weight",
+    "lin_b": "model.layers.{i}.linear_attn.in_proj_b.weight",
+    "lin_a": "model.layers.{i}.linear_attn.in_proj_a.weight",
+    "lin_conv": "model.layers.{i}.linear_attn.conv1d.weight",
+    "lin_a_log": "model.layers.{i}.linear_attn.A_log",
+    "lin_dt_bias": "model.layers.{i}.linear_attn.dt_bias",
+    "lin_norm": "model.layers.{i}.linear_attn.norm.weight",
+    "lin_out": "model.layers.{i}.linear_attn.out_proj.weight",
+    "gate": "model.layers.{i}.mlp.gate_proj.weight",
+    "up": "model.layers.{i}.mlp.up_proj.weight",
+    "down": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+@dataclass
+class Qwen3_5Config(ModelConfig):
+    #: Per layer: a linear-attention (Gated DeltaNet) layer, else full attention.
+    linear_layers: list[bool] = field(default_factory=list)
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 4
+
+
+class CenteredNorm:
+    """RMSNorm by ``1 + w`` (w stored zero-centred), the product taken in float32 and
+    rounded once, over the last dimension of any shape."""
+
+    def __init__(self, stored: torch.Tensor, eps: float) -> None:
+        self.weight = stored.float() + 1.0
+        self.eps = float(eps)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight).to(x.dtype)
+
+
+@dataclass
+class AttentionLayer:
+    """A gated full-attention layer: ``qkv`` holds the doubled q projection (per head: q,
+    then its gate), then k, then v."""
+
+    input_norm: CenteredNorm
+    qkv: Linear
+    q_norm: CenteredNorm
+    k_norm: CenteredNorm
+    o: Linear
+    post_norm: CenteredNorm
+    mlp: GatedMLP
+    scale: float
+    #: Index of the layer's K/V among the full-attention layers.
+    cache: int
+
+
+@dataclass
+class LinearLayer:
+    """A Gated DeltaNet layer and its MLP."""
+
+    input_norm: CenteredNorm
+    mixer: GatedDeltaNet
+    post_norm: CenteredNorm
+    mlp: GatedMLP
+    scale: float
+    #: Index of the layer's state among the linear-attention layers.
+    state: int
+
+
+def _layer_types(cfg: dict[str, Any], n: int) -> list[bool]:
+    types = cfg.get("layer_types")
+    if types is None:
+        every = int(cfg.get("full_attention_interval", 4))
+        return [(i + 1) % every != 0 for i in range(n)]
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
+    bad = sorted({t for t in types if t not in ("linear_attention", "full_attention")})
+    if bad:
+        raise ValueError(f"unsupported layer_types {bad} (linear_attention, full_attention)")
+    return [t == "linear_attention" for t in types]
+
+
+class Qwen3_5ForCausalLM(DecoderModel):
+    model_types = ("qwen3_5_text",)
+    architectures = ("Qwen3_5ForCausalLM",)
+    hf_names = _NAMES
+    gguf_architecture = "qwen35"
+    gguf_names = qwen3_5_gguf.GGUF_NAMES
+    one_call_decode = False
+
+    @classmethod
+    def hf_config_from_gguf(cls, cfg: dict[str, Any], meta: GGUFMetadata) -> dict[str, Any]:
+        return qwen3_5_gguf.hf_config(cfg, meta)
+
+    @classmethod
+    def config_from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        if cfg.get("attention_bias"):
+            raise ValueError("unsupported attention_bias in Qwen3.5 (no checkpoint has it)")
+        params = dict(cfg.get("rope_parameters") or {})
+        # Text tokens have one position on all three M-RoPE axes: the sections do not
+        # change their rotation.
+        for key in ("mrope_section", "mrope_interleaved"):
+            params.pop(key, None)
+        params.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+        n = int(cfg["num_hidden_layers"])
+        base = ModelConfig.from_hf({**cfg, "rope_parameters": params}, tie_default=False,
+                                   qk_norm="head", norm_weight_offset=1.0,
+                                   unsplittable=_UNSPLITTABLE)
+        return Qwen3_5Config(
+            **base.__dict__,
+            linear_layers=_layer_types(cfg, n),
+            linear_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+            linear_value_heads=int(cfg.get("linear_num_value_heads", 32)),
+            linear_key_dim=int(cfg.get("linear_key_head_dim", 128)),
+            linear_value_dim=int(cfg.get("linear_value_head_dim", 128)),
+            linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        )
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        source: WeightSource,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantization: str | None = None,
+        shard: Shard | None = None,
+    ) -> None:
+        if shard is not None:
+            raise ValueError(f"cannot split {config.model_type}: {_UNSPLITTABLE}")
+        if not isinstance(config, Qwen3_5Config):
+            raise TypeError("Qwen3_5ForCausalLM needs the config its config_from_hf reads")
+        self.conv_states: torch.Tensor | None = None
+        self.delta_states: torch.Tensor | None = None
+        super().__init__(config, source, device=device, dtype=dtype,
+                         quantization=quantization, shard=shard)
+
+    # ---------------------------------------------------------------- loading
+
+    def _load(self, ctx: LoadContext, plan: ShardPlan | None) -> None:
+        c = self.config
+        assert isinstance(c, Qwen3_5Config) and plan is None
+        names = self.hf_names
+        self.cache_groups: list[tuple[str, int | None]] = [("full", None), ("state", None)]
+        if all(c.linear_layers):
+            raise ValueError("a Qwen3.5 checkpoint needs at least one full-attention layer")
+        # llama.cpp's converter stored the norms with their 1 added, -exp(A_log) for A_log,
+        # and the value heads of the linear layers tiled (undone by the wrapper).
+        gguf = bool(getattr(ctx.source, "is_gguf", False))
+        if gguf:
+            ctx = replace(ctx, source=qwen3_5_gguf.TiledValueHeads(
+                ctx.source, key_heads=c.linear_key_heads, value_heads=c.linear_value_heads,
+                key_dim=c.linear_key_dim, value_dim=c.linear_value_dim))
+
+        def norm(name: str) -> CenteredNorm:
+            stored = ctx.need_float(Part(name)).to(ctx.device)
+            return CenteredNorm(stored - 1.0 if gguf else stored, c.rms_norm_eps)
+
+        def decay_rate(name: str) -> torch.Tensor:
+            # -exp(A_log) of the parameter in the compute dtype, as the reference takes it.
+            stored = ctx.need(Part(name)).float()
+            return stored if gguf else -stored.exp()
+
+        def lin(*parts: str) -> Linear:
+            return Linear.load(ctx, [Part(p) for p in parts])
+
+        mlp_rows = None
+        if ctx.device.type == "cpu":
+            width = 2 * c.intermediate_size
+            mlp_rows = max(64, heap.HEAP_BLOCK // (width * ctx.dtype.itemsize) // 64 * 64)
+        scale = c.head_dim**-0.5
+        self.layers: list[Any] = []
+        attention = linear = 0
+        for i in range(c.num_layers):
+            n = {k: v.format(i=i) for k, v in names.items()}
+            mlp = GatedMLP(lin(n["gate"], n["up"]), lin(n["down"]), c.hidden_act,
+                           max_rows=mlp_rows)
+            if c.linear_layers[i]:
+                conv = ctx.need(Part(n["lin_conv"]))
+                mixer = GatedDeltaNet(
+                    in_proj=lin(n["lin_qkv"], n["lin_z"], n["lin_b"], n["lin_a"]),
+                    conv_weight=conv.reshape(conv.shape[0], -1).contiguous(),
+                    neg_a=decay_rate(n["lin_a_log"]),
+                    dt_bias=ctx.need(Part(n["lin_dt_bias"])),
+                    norm_weight=ctx.need(Part(n["lin_norm"])),
+                    out_proj=lin(n["lin_out"]),
+                    key_heads=c.linear_key_heads, value_heads=c.linear_value_heads,
+                    key_dim=c.linear_key_dim, value_dim=c.linear_value_dim,
+                    eps=c.rms_norm_eps,
+                    kernels=ctx.device.type == "cpu" and ctx.kernels.attention,
+                )
+                if mixer.kernel != c.linear_conv_kernel:
+                    raise ValueError(f"layer {i}: conv1d kernel {mixer.kernel}, config says "
+                                     f"{c.linear_conv_kernel}")
+                self.layers.append(LinearLayer(norm(n["input_norm"]), mixer,
+                                               norm(n["post_norm"]), mlp, scale, linear))
+                linear += 1
+            else:
+                self.layers.append(AttentionLayer(
+                    input_norm=norm(n["input_norm"]),
+                    qkv=lin(n["q"] + ".weight", n["k"] + ".weight", n["v"] + ".weight"),
+                    q_norm=norm(n["q_norm"]),
+                    k_norm=norm(n["k_norm"]),
+                    o=lin(n["o"] + ".weight"),
+                    post_norm=norm(n["post_norm"]),
+                    mlp=mlp, scale=scale, cache=attention,
+                ))
+                attention += 1
+        self.norm = norm(names["norm"])  # type: ignore[assignment]
+        tied = c.tie_word_embeddings
+        head = Linear.load(ctx, [Part(names["embed"] if tied else names["lm_head"])],
+                           head=True)
+        self.lm_head = LMHead(head, c.vocab_size)
+        if tied and ctx.quantization in (None, "gguf"):
+            table = head.weight
+        elif ctx.quantization == "gguf":
+            table = Linear.load(ctx, [Part(names["embed"])]).weight
+        else:
+            table = ctx.need(Part(names["embed"]))
+        self.embed = Embedding(table)
+
+    def _linears(self, head: bool = False) -> list[Linear]:
+        out: list[Linear] = []
+        for layer in self.layers:
+            if isinstance(layer, LinearLayer):
+                out += layer.mixer.linears()
+            else:
+                out += [layer.qkv, layer.o]
+            out += [layer.mlp.gate_up, layer.mlp.down]
+        return out + [self.lm_head.linear] if head else out
+
+    def _mixers(self) -> list[GatedDeltaNet]:
+        return [layer.mixer for layer in self.layers if isinstance(layer, LinearLayer)]
+
+    # ---------------------------------------------------------------- the caches
+
+    def allocate_kv_cache(self, num_blocks: int | list[int], block_size: int) -> None:
+        """Paged K/V of the full-attention layers (``num_blocks[0]`` blocks) and the
+        linear layers' states (``num_blocks[1]`` slots), zeroed."""
+        c = self.config
+        assert isinstance(c, Qwen3_5Config)
+        per_group = num_blocks if isinstance(num_blocks, list) else [num_blocks] * 2
+        if len(per_group) != 2:
+            raise ValueError(f"{len(per_group)} sizes for Qwen3.5's 2 cache groups")
+        blocks, slots = per_group
+        attention = [layer for layer in self.layers if isinstance(layer, AttentionLayer)]
+        self.kv_caches = [
+            torch.zeros((2, blocks, block_size, self.num_kv_heads, c.head_dim),
+                        dtype=self.dtype, device=self.device) for _ in attention]
+        mixers = self._mixers()
+        m = mixers[0] if mixers else None
+        channels = m.conv_channels if m else 0
+        self.conv_states = torch.zeros(
+            (len(mixers), slots, channels, c.linear_conv_kernel - 1), dtype=torch.float32,
+            device=self.device)
+        self.delta_states = torch.zeros(
+            (len(mixers), slots, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim),
+            dtype=torch.float32, device=self.device)
+        self.block_size = block_size
+        self.num_blocks_per_group = per_group
+
+    def kv_bytes_per_token(self) -> list[int]:
+        """K/V bytes a token takes in the full group; none in the state group."""
+        attention = sum(1 for layer in self.layers if isinstance(layer, AttentionLayer))
+        per_layer = 2 * self.num_kv_heads * self.config.head_dim * self.dtype.itemsize
+        return [attention * per_layer, 0]
+
+    def state_slot_bytes(self) -> int:
+        """Bytes of one sequence's state over every linear layer (float32)."""
+        c = self.config
+        assert isinstance(c, Qwen3_5Config)
+        mixers = self._mixers()
+        if not mixers:
+            return 0
+        per_layer = (mixers[0].conv_channels * (c.linear_conv_kernel - 1)
+                     + c.linear_value_heads * c.linear_key_dim * c.linear_value_dim)
+        return 4 * per_layer * len(mixers)
+
+    def _state_ops(self, state_slots: np.ndarray | None, state_fresh: np.ndarray | None,
+                   state_restore: np.ndarray | None) -> None:
+        """Zero the slots that start fresh, then copy the restored checkpoints in."""
+        conv, delta = self.conv_states, self.delta_states
+        assert conv is not None and delta is not None
+        if state_slots is None or state_fresh is None or state_restore is None:
+            raise ValueError("Qwen3.5 needs the batch's state slots (a scheduler with its "
+                             "state cache group)")
+        slots = np.asarray(state_slots, dtype=np.int64)
+        if slots.size and int(slots.max()) >= conv.shape[1]:
+            raise ValueError(f"batch uses a state slot beyond the {conv.shape[1]} slots")
+        fresh = slots[np.asarray(state_fresh) != 0]
+        if fresh.size:
+            at = torch.from_numpy(fresh).to(self.device)
+            conv[:, at] = 0.0
+            delta[:, at] = 0.0
+        restore = np.asarray(state_restore, dtype=np.int64)
+        has = restore >= 0
+        if has.any():
+            dst = torch.from_numpy(slots[has]).to(self.device)
+            src = torch.from_numpy(restore[has]).to(self.device)
+            conv[:, dst] = conv[:, src]
+            delta[:, dst] = delta[:, src]
+
+    def _state_saves(self, state_slots: np.ndarray, state_save: np.ndarray | None) -> None:
+        conv, delta = self.conv_states, self.delta_states
+        assert conv is not None and delta is not None
+        if state_save is None:
+            return
+        save = np.asarray(state_save, dtype=np.int64)
+        has = save >= 0
+        if has.any():
+            src = torch.from_numpy(np.asarray(state_slots, dtype=np.int64)[has]).to(
+                self.device)
+            dst = torch.from_numpy(save[has]).to(self.device)
+            conv[:, dst] = conv[:, src]
+            delta[:, dst] = delta[:, src]
+
+    # ---------------------------------------------------------------- the forward
+
+    def _hidden_states(  # type: ignore[override]
+        self,
+        *,
+        input_ids: np.ndarray | torch.Tensor,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        num_computed_before: np.ndarray,
+        block_tables: np.ndarray,
+        state_slots: np.ndarray | None = None,
+        state_fresh: np.ndarray | None = None,
+        state_restore: np.ndarray | None = None,
+        state_save: np.ndarray | None = None,
+        group_slot_mapping: np.ndarray | None = None,
+        group_block_tables: np.ndarray | None = None,
+    ) -> torch.Tensor:
+        c = self.config
+        conv, delta = self.conv_states, self.delta_states
+        assert conv is not None and delta is not None
+        self._state_ops(state_slots, state_fresh, state_restore)
+        assert state_slots is not None
+        ids, ropes = self._ids_and_ropes(input_ids, positions)
+        cos, sin = ropes[0]
+        heads, kv_heads, hd = self.num_heads, self.num_kv_heads, c.head_dim
+        attn = self.attention
+        plan = attn.plan(
+            query_start_loc=query_start_loc, seq_lens=seq_lens,
+            num_computed_before=num_computed_before, block_tables=block_tables,
+            slot_mapping=slot_mapping, block_size=self.block_size,
+            group=heads // kv_heads, sliding_window=None)
+        rows = StepRows.of(query_start_loc, state_slots, self.device)
+        h = self._embed(ids)
+        n = h.shape[0]
+        q_size, kv_size = heads * 2 * hd, kv_heads * hd
+        for layer in self.layers:
+            x = layer.input_norm(h)
+            if isinstance(layer, LinearLayer):
+                out = layer.mixer(x, conv[layer.state], delta[layer.state], rows)
+            else:
+                cache = self.kv_caches[layer.cache]
+                proj = layer.qkv(x)
+                qg = proj[:, :q_size].view(n, heads, 2 * hd)
+                gate = qg[:, :, hd:].reshape(n, heads * hd)
+                q = apply_rope(layer.q_norm(qg[:, :, :hd]), cos, sin)
+                k = apply_rope(layer.k_norm(proj[:, q_size : q_size + kv_size].view(
+                    n, kv_heads, hd)), cos, sin)
+                v = proj[:, q_size + kv_size :].reshape(n, kv_heads, hd)
+                paged.write_kv(cache, plan, k, v)
+                o = attn.forward(q, k, v, cache, plan, layer.scale)
+                out = layer.o(o * torch.sigmoid(gate))
+            h = h + out
+            h = h + layer.mlp(layer.post_norm(h))
+        self._state_saves(state_slots, state_save)
+        return h
+
+
+_MULTIMODAL_NAMES = {k: v.replace("model.", "model.language_model.", 1)
+                     for k, v in _NAMES.items()}
+
+
+class Qwen3_5TextOfMultimodal(Qwen3_5ForCausalLM):
+    """The text part of a ``qwen3_5`` (image, video and text) checkpoint: its
+    ``text_config`` and its ``model.language_model.*`` tensors; the vision tower and the
+    multi-token-prediction head are not loaded."""
+
+    model_types = ("qwen3_5",)
+    architectures = ("Qwen3_5ForConditionalGeneration",)
+    hf_names = _MULTIMODAL_NAMES
+    gguf_architecture = None
+
+    @classmethod
+    def config_from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        text = dict(cfg.get("text_config") or {})
+        text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        for key in ("bos_token_id", "eos_token_id"):
+            if key in cfg:
+                text.setdefault(key, cfg[key])
+        config = Qwen3_5ForCausalLM.config_from_hf({**text, "model_type": "qwen3_5_text"})
+        config.model_type = "qwen3_5"
+        return config
