@@ -379,6 +379,7 @@ impl Scheduler {
                 )
             }),
             num_proposed: 0,
+            draft: Vec::new(),
             spec_k: self.cfg.num_speculative_tokens,
         });
         self.by_id.insert(request_id.to_string(), slot);
@@ -582,6 +583,7 @@ impl Scheduler {
             seq.num_inflight = 0;
             seq.num_open_entries = 0;
             seq.num_proposed = 0;
+            seq.draft.clear();
             // A checkpoint an open step was to save is never committed now.
             if let (Some((slot, _, _)), Some(pool)) = (seq.pending_save.take(), self.state.as_mut())
             {
@@ -815,6 +817,7 @@ impl Scheduler {
             });
             batch.push(slot, seq, start, n, steps, bs, ops, &draft);
             Self::note_scheduled(seq, n, steps, step, &batch);
+            seq.draft.clone_from(&draft);
             budget -= n;
             i += 1;
         }
@@ -1066,23 +1069,23 @@ impl Scheduler {
             )));
         }
         let mut at = 0;
-        for (r, (&count, &k)) in counts.iter().zip(&batch.num_proposed).enumerate() {
-            let k = k as usize;
-            let last = batch.sample_indices[r] as usize;
-            let steps = batch.sample_max_steps[r] as usize;
+        for (r, e) in batch.entries.iter().filter(|e| e.steps > 0).enumerate() {
+            let count = counts[r];
+            let k = e.proposed;
             let ok = if k == 0 {
-                count == steps
+                count == e.steps
             } else {
+                // The proposals, unless the request is gone (then its row is ignored).
+                let draft = self.seqs[e.slot]
+                    .as_ref()
+                    .filter(|q| q.uid == e.uid)
+                    .map(|q| &q.draft[..]);
                 (1..=k + 1).contains(&count)
-                    && tokens[at..at + count - 1]
-                        .iter()
-                        .zip(&batch.input_ids[last + 1 - k..])
-                        .all(|(&t, &p)| i64::from(t) == p)
+                    && draft.is_none_or(|d| tokens[at..at + count - 1] == d[..count - 1])
             };
             if !ok {
                 return Err(SchedulerError::BatchMismatch(format!(
-                    "sample row {r} ({} proposed) cannot accept {:?}",
-                    k,
+                    "sample row {r} ({k} proposed) cannot accept {:?}",
                     &tokens[at..at + count]
                 )));
             }
@@ -1184,6 +1187,7 @@ impl Scheduler {
             }
             if entry.proposed > 0 {
                 seq.num_proposed = 0;
+                seq.draft.clear();
                 let accepted = toks.len() - 1;
                 self.stats.spec_rows += 1;
                 self.stats.spec_drafted_tokens += entry.proposed as u64;

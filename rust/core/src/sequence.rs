@@ -105,6 +105,8 @@ pub struct Sequence {
     /// Tokens proposed in its open step (after `tokens`, in the batch's input ids): the
     /// step's commit accepts a prefix of them. While nonzero it is not scheduled again.
     pub num_proposed: usize,
+    /// Those tokens (kept to check what a commit accepts).
+    pub draft: Vec<u32>,
     /// Tokens it proposes next time (adapts to how many were accepted lately).
     pub spec_k: usize,
 }
