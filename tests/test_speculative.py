@@ -4,9 +4,11 @@ really get verified and accepted; every block is free afterwards."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
-
+from conftest import ServerFactory
 from iron_batch import LLM, SamplingParams
+
 from tests import tiny_models
 
 
@@ -114,3 +116,33 @@ def test_smollm2_greedy_is_unchanged_by_speculation(dtype: str) -> None:
     got = spec.generate([prompt], params)[0].token_ids
     assert got == want
     assert spec.engine.stats.scheduler["spec_drafted_tokens"] > 0
+
+
+def test_the_server_speculates_reports_it_and_lets_a_request_opt_out(
+    start_server: ServerFactory,
+) -> None:
+    backend = tiny_models.backend("llama", total_kv_blocks=256, kv_block_size=4)
+    srv = start_server(backend, total_kv_blocks=256, kv_block_size=4, num_speculative_tokens=4)
+    bodies = [{"prompt_token_ids": p, "max_new_tokens": 30, "temperature": 0}
+              for p in _copy_prompts(64)]
+
+    def tokens(extra: dict) -> list[list[int]]:
+        return [[line["token_id"] for line in srv.generate({**b, **extra})[1]
+                 if line.get("token_id") is not None] for b in bodies]
+
+    spec_tokens = tokens({})
+    data = httpx.get(f"{srv.url}/metrics").json()
+    assert data["spec_drafted_tokens"] > 0
+    assert 0 < data["spec_accepted_tokens"] <= data["spec_drafted_tokens"]
+    assert data["spec_acceptance_rate"] == round(
+        data["spec_accepted_tokens"] / data["spec_drafted_tokens"], 4)
+    text = httpx.get(f"{srv.url}/metrics", headers={"Accept": "text/plain"}).text
+    assert f"iron_batch_spec_accepted_tokens_total {data['spec_accepted_tokens']}.0" in text
+    # Opted out: nothing more is proposed, and the tokens are the same.
+    assert tokens({"speculate": False}) == spec_tokens
+    assert httpx.get(f"{srv.url}/metrics").json()["spec_drafted_tokens"] == data[
+        "spec_drafted_tokens"]
+    bad = httpx.post(f"{srv.url}/generate", json={**bodies[0], "speculate": "no"})
+    assert bad.status_code == 400 and "speculate" in bad.text
+    stats = srv.engine.stats.scheduler
+    assert stats["free_blocks"] == stats["total_blocks"]
