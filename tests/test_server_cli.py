@@ -75,6 +75,9 @@ def test_overlap_flags_reach_the_engine() -> None:
         (["--backend", "torch"], "--model"),
         (["--model", "/tmp/x"], "--backend torch"),
         (["--overlap-depth", "9"], "invalid choice"),
+        (["--num-speculative-tokens", "3"], "needs --speculative-method"),
+        (["--speculative-method", "ngram"], "needs the torch backend"),
+        (["--speculative-method", "draft"], "invalid choice"),
     ],
 )
 def test_bad_flags_exit_with_a_clear_message(args: list[str], needle: str) -> None:

@@ -77,6 +77,13 @@ class SchedulerConfig:
     #: With a state group: save a checkpoint every this many blocks, besides the one at the
     #: end of each prompt (0: only those).
     state_checkpoint_interval: int
+    #: Speculative decoding (prompt lookup): the most tokens proposed and verified per
+    #: decoding sequence per step (0: off); proposals stop once a step has
+    #: ``speculative_max_rows`` query rows; n-grams of these lengths are matched.
+    num_speculative_tokens: int
+    speculative_max_rows: int
+    speculative_ngram_min: int
+    speculative_ngram_max: int
     def __init__(
         self,
         total_kv_blocks: int = 4096,
@@ -87,6 +94,11 @@ class SchedulerConfig:
         max_model_len: int | None = None,
         cache_groups: Sequence[CacheGroup] = ...,
         state_checkpoint_interval: int = 0,
+        *,
+        num_speculative_tokens: int = 0,
+        speculative_max_rows: int = 32,
+        speculative_ngram_min: int = 2,
+        speculative_ngram_max: int = 4,
     ) -> None: ...
 
 class Batch:
@@ -129,6 +141,12 @@ class Batch:
     @property
     def sample_max_steps(self) -> npt.NDArray[np.int32]:
         """[num_samples] tokens each sample row may produce: 1, or up to lookahead + 1."""
+    @property
+    def num_proposed(self) -> npt.NDArray[np.int32]:
+        """[num_samples] proposed tokens each sample row verifies (speculative decoding):
+        with ``k`` of them, ``input_ids[s - k + 1 : s + 1]`` (``s = sample_indices[r]``)
+        are the proposals and the logits of rows ``s - k .. s`` verify them; commit takes
+        1 to ``k + 1`` tokens for the row (``num_accepted``)."""
     @property
     def pending_token_indices(self) -> npt.NDArray[np.int64]:
         """[P] placeholders (``schedule(overlap=True)``): rows of ``input_ids`` that hold 0
@@ -219,6 +237,7 @@ class Scheduler:
         priority: int = 0,
         cache_salt: str | None = None,
         skip_prefix_cache: bool = False,
+        speculate: bool = True,
     ) -> int:
         """Queue a request; returns its handle, the small int that names it in
         ``StepEvents.handles``. Raises RequestRejected or DuplicateRequest, changing nothing.
@@ -231,7 +250,8 @@ class Scheduler:
         ``priority``: lower runs first; the waiting queue and the choice of preemption
         victim follow (priority, arrival). ``cache_salt``: requests with different salts
         never share prefix-cache blocks. ``skip_prefix_cache``: compute every prompt token
-        (for prompt logprobs); the blocks are still published for later requests."""
+        (for prompt logprobs); the blocks are still published for later requests.
+        ``speculate=False``: never propose tokens for it (with speculation on)."""
     def schedule(self, lookahead: int = 0, *, overlap: bool = False) -> Batch:
         """Pick the next step's work. An empty batch (num_seqs == 0) means nothing to run.
         With ``lookahead = K - 1`` KV slots are reserved so that each sampled sequence can
@@ -246,14 +266,23 @@ class Scheduler:
         Raises BatchMismatch when lookahead would meet an open step. Without ``overlap``,
         open batches are discarded (they can no longer be committed)."""
     def commit(
-        self, batch: Batch, sampled: Sequence[int] | npt.NDArray[np.integer]
+        self,
+        batch: Batch,
+        sampled: Sequence[int] | npt.NDArray[np.integer],
+        num_accepted: Sequence[int] | npt.NDArray[np.integer] | None = None,
     ) -> StepEvents:
         """Apply the sampled tokens: 1-D, one per sample row; or 2-D ``[num_samples, K]``
         for a lookahead batch (tokens past a stop condition are discarded). Returns the
         step's events as columns, one event per accepted token. Requests with
         ``max_new_tokens == 0`` finish through an event with no token (-1). Rows of requests
         aborted or finished since ``schedule`` are dropped; a request preempted since (by a
-        later ``schedule(overlap=True)``) still gets its token."""
+        later ``schedule(overlap=True)``) still gets its token.
+
+        With ``num_accepted`` (one count per sample row; needed for a batch with
+        proposals): ``sampled`` is every row's accepted tokens in turn, 1 to
+        ``num_proposed[r] + 1`` of them, all but the last equal to the row's proposals. The
+        rest is rolled back (KV slots, blocks taken only for them); only accepted tokens
+        are ever published to the prefix cache."""
     def abort(self, request_id: str) -> bool:
         """Free everything the request holds; False if it is not live (already ended)."""
     def finish(self, request_id: str) -> bool:
@@ -277,7 +306,8 @@ class Scheduler:
         """Counters: total_blocks, free_blocks, used_blocks, cached_blocks, running, waiting,
         preemptions, prefix_cache_queries, prefix_cache_hit_tokens, prefix_cache_query_tokens,
         requests_added, requests_finished, requests_aborted, sliding_blocks_released,
-        state_checkpoints_saved, state_checkpoint_hits. The block counts are the first
+        state_checkpoints_saved, state_checkpoint_hits, spec_rows, spec_drafted_tokens,
+        spec_accepted_tokens. The block counts are the first
         attention group's."""
     def group_stats(self) -> list[dict[str, Any]]:
         """Each cache group's pool in config order: kind, window, total, used, free, cached

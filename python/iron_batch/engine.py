@@ -266,6 +266,10 @@ class Engine:
         self._submit = steps.submit
         self._wait = steps.wait
         self.config = config if config is not None else SchedulerConfig()
+        if self.config.num_speculative_tokens and not getattr(
+                backend, "supports_speculation", False):
+            raise ValueError("speculative decoding is not supported by this backend "
+                             f"({type(backend).__name__})")
         self.scheduler = Scheduler(self.config)
         self.stats = EngineStats()
         self._refresh_stats()
@@ -567,7 +571,7 @@ class Engine:
                     return
                 self._failed_steps = 0
             extras = self._sample_extras(batch, output) if batch.num_samples else None
-            events = scheduler.commit(batch, output.tokens)
+            events = scheduler.commit(batch, output.tokens, output.num_accepted)
             if len(events):
                 self._on_commit(events, out, extras, output.prompt_logprobs, output.embeddings)
 
@@ -759,6 +763,7 @@ class Engine:
                 # A cached block has KV but no logits (nor hidden states): compute the
                 # whole prompt to score it or to mean-pool it.
                 skip_prefix_cache=params.prompt_logprobs is not None or params.embed == "mean",
+                speculate=params.allows_speculation,
             )
         except (IronBatchError, ValueError, TypeError, OverflowError) as exc:
             self.backend.remove_request(request_id)

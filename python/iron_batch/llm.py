@@ -16,7 +16,8 @@ from iron_batch.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from iron_batch.backends.base import Backend
 
-_SCHEDULER_KEYS = ("max_batch_tokens", "max_running_seqs", "enable_prefix_caching")
+_SCHEDULER_KEYS = ("max_batch_tokens", "max_running_seqs", "enable_prefix_caching",
+                  "num_speculative_tokens", "speculative_max_rows")
 
 
 @dataclass

@@ -94,6 +94,8 @@ class SamplingParams:
     #: An embedding request: the prompt's hidden states pooled ("last" or "mean", see
     #: :mod:`iron_batch.pooling`) come with the first token event.
     embed: str | None = None
+    #: False: no speculative decoding for this request (when the engine speculates).
+    speculate: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -117,6 +119,19 @@ class SamplingParams:
             not isinstance(self.cache_salt, str) or not self.cache_salt
         ):
             raise ValueError("cache_salt must be a non-empty string")
+
+    @property
+    def allows_speculation(self) -> bool:
+        """Whether the scheduler may propose tokens for this request: not opted out, and
+        no grammar, logprobs or penalties (see :mod:`iron_batch.speculative`)."""
+        return (
+            self.speculate
+            and self.grammar is None
+            and self.logprobs is None
+            and self.repetition_penalty == 1.0
+            and self.presence_penalty == 0.0
+            and self.frequency_penalty == 0.0
+        )
 
     @property
     def is_greedy(self) -> bool:

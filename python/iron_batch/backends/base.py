@@ -154,6 +154,9 @@ class StepOutput:
     #: Embedding requests' pooled final hidden states (float32, not normalised; see
     #: ``iron_batch.pooling``), once their prompt is computed, by request id.
     embeddings: dict[str, np.ndarray] | None = None
+    #: A step that verified proposals (``batch.num_proposed``): tokens each sample row
+    #: accepted; ``tokens`` then holds every row's accepted tokens in turn (flat).
+    num_accepted: np.ndarray | None = None
 
 
 def fill_placeholders(batch: Any, previous: np.ndarray | None) -> None:

@@ -23,6 +23,7 @@ from iron_batch.pooling import PromptPooler
 from iron_batch.prompt_logprobs import PromptLogprobs, PromptScorer
 from iron_batch.sampling import RequestState, Sampler
 from iron_batch.sampling_params import SamplingParams
+from iron_batch.speculative import verify_rows
 from iron_batch.stream import StepLogprobs
 from iron_batch.structured.masking import GrammarMasker, llguidance_installed
 from iron_batch.tokenizer import Tokenizer
@@ -73,6 +74,8 @@ class TorchStep:
     logprobs: StepLogprobs | None
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
     embeddings: dict[str, np.ndarray] | None = None
+    #: A step that verified proposals: tokens accepted per sample row (``tokens`` flat).
+    num_accepted: np.ndarray | None = None
 
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
@@ -90,6 +93,7 @@ class TorchBackend(BackendBase):
 
     supports_prompt_logprobs = True
     supports_embeddings = True
+    supports_speculation = True
 
     def __init__(
         self,
@@ -241,12 +245,18 @@ class TorchBackend(BackendBase):
             ids[torch.from_numpy(holes).to(dev)] = prev[torch.from_numpy(rows).to(dev)]
             inputs["input_ids"] = ids
         scoring = self.scorer.rows(batch)
-        num_samples = len(batch.sample_indices)
+        sample_rows = np.asarray(batch.sample_indices, dtype=np.int64)
+        proposed = getattr(batch, "num_proposed", None)
+        speculating = proposed is not None and bool(proposed.any())
+        if speculating:
+            # A row with k proposals is verified by the logits of its last k + 1 rows.
+            k = proposed.astype(np.int64)
+            sample_rows = np.repeat(sample_rows - k, k + 1) + _ranks(k + 1)
+            inputs["sample_indices"] = sample_rows
+        num_samples = len(sample_rows)
         if scoring is not None:
             # The scored prompt rows ride along behind the sample rows through the LM head.
-            inputs["sample_indices"] = np.concatenate(
-                [np.asarray(batch.sample_indices, dtype=np.int64), scoring.rows]
-            )
+            inputs["sample_indices"] = np.concatenate([sample_rows, scoring.rows])
         pooling = self.pooler.rows(batch) if self.supports_embeddings else None
         if pooling is not None:
             logits, hidden = self.model.forward_with_hidden(pooling.rows, **inputs)
@@ -261,6 +271,8 @@ class TorchBackend(BackendBase):
         if not states:
             self._device_tokens = None
             return TorchStep(None, None)
+        if speculating:
+            return self._verify(batch, logits, states, rids)
         tokens, logprobs = self.sampler.sample(logits, states)
         self._device_tokens = tokens
         # Requests sampling here have their prompt computed: their scores and pooled hidden
@@ -268,11 +280,50 @@ class TorchBackend(BackendBase):
         return TorchStep(tokens, logprobs, self.scorer.take_finished(rids),
                          self.pooler.take_finished(rids))
 
+    def _verify(
+        self, batch: Batch, logits: torch.Tensor, states: list[RequestState], rids: list[str]
+    ) -> TorchStep:
+        """Sample the rows without proposals as usual and verify the others (see
+        :mod:`iron_batch.speculative`); the tokens come back flat with a count per row."""
+        k = batch.num_proposed.tolist()
+        first = np.cumsum([0, *[1 + x for x in k]])[:-1]
+        plain = [r for r, x in enumerate(k) if x == 0]
+        spec = [r for r, x in enumerate(k) if x > 0]
+        per_row: list[list[int]] = [[] for _ in k]
+        logprobs = None
+        if plain:
+            idx = torch.from_numpy(first[plain]).to(logits.device)
+            toks, plain_logprobs = self.sampler.sample(logits[idx], [states[r] for r in plain])
+            for r, t in zip(plain, toks.tolist(), strict=True):
+                per_row[r] = [t]
+            if plain_logprobs is not None:
+                # Speculating requests never ask for logprobs: their rows get none.
+                logprobs = [(0.0, [])] * len(k)
+                for r, lp in zip(plain, plain_logprobs, strict=True):
+                    logprobs[r] = lp
+        ids = batch.input_ids
+        ends = batch.sample_indices
+        proposals = [ids[int(ends[r]) - k[r] + 1 : int(ends[r]) + 1] for r in spec]
+        rows = np.concatenate([first[r] + np.arange(k[r] + 1) for r in spec])
+        toks, counts = verify_rows(self.sampler, logits[torch.from_numpy(rows)],
+                                   [states[r] for r in spec], proposals)
+        at = 0
+        for r, c in zip(spec, counts, strict=True):
+            per_row[r] = toks[at : at + c]
+            at += c
+        flat = [t for row in per_row for t in row]
+        self._device_tokens = torch.tensor([row[-1] for row in per_row], dtype=torch.int64,
+                                           device=self.model.device)
+        return TorchStep(torch.tensor(flat, dtype=torch.int64), logprobs,
+                         self.scorer.take_finished(rids), self.pooler.take_finished(rids),
+                         np.array([len(row) for row in per_row], dtype=np.int64))
+
     def wait(self, handle: TorchStep) -> StepOutput:
         if handle.tokens is None:
             return StepOutput(_NO_TOKENS)
         tokens = handle.tokens.cpu().numpy().astype(np.int64, copy=False)
-        return StepOutput(tokens, handle.logprobs, handle.prompt_logprobs, handle.embeddings)
+        return StepOutput(tokens, handle.logprobs, handle.prompt_logprobs, handle.embeddings,
+                          handle.num_accepted)
 
     def _logits(self, inputs: dict[str, np.ndarray | torch.Tensor]) -> torch.Tensor:
         """Float32 logits of the rows ``inputs["sample_indices"]`` names, from one forward
@@ -305,6 +356,12 @@ def kv_cache_dtype_name(net: DecoderModel) -> str:
     if net.kv_cache_dtype == "int8":
         return "int8"
     return str(net.dtype).removeprefix("torch.")
+
+
+def _ranks(lengths: np.ndarray) -> np.ndarray:
+    """0, 1, .., n - 1 for each n of ``lengths``, concatenated."""
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(int(lengths.sum())) - starts
 
 
 def kv_blocks_for_memory(net: DecoderModel, block_size: int, memory_gb: float | None) -> int:

@@ -85,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{DEFAULTS.max_batch_tokens})")
     scheduling.add_argument("--max-running-seqs", type=positive_int, default=None,
                    help=f"sequences in one step at most (default {DEFAULTS.max_running_seqs})")
+    scheduling.add_argument("--speculative-method", choices=("ngram",), default=None,
+                   help="speculative decoding: ngram (prompt lookup: a repeat of the "
+                   "sequence's last tokens in its prompt and output proposes what followed "
+                   "them; the model verifies them in the same step, greedy and seeded output "
+                   "unchanged) (default off)")
+    scheduling.add_argument("--num-speculative-tokens", type=positive_int, default=None,
+                   help="speculative decoding: most tokens proposed per sequence per step "
+                   "(default 4 with --speculative-method)")
     memory.add_argument("--no-prefix-caching", action="store_true",
                    help="disable reuse of cached KV blocks across requests")
     model.add_argument("--backend", choices=(*BACKEND_KINDS, *ALIASES), default="mock",
@@ -214,6 +222,8 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
     )
     from iron_batch.engine import Engine
 
+    if args.num_speculative_tokens is not None and args.speculative_method is None:
+        parser.error("--num-speculative-tokens needs --speculative-method")
     keys = getattr(args, "api_keys", None)
     if keys is None:
         keys = args.api_keys = api_keys(args, parser)
@@ -236,9 +246,14 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
             max_batch_tokens=args.max_batch_tokens,
             max_running_seqs=args.max_running_seqs,
             enable_prefix_caching=not args.no_prefix_caching,
+            num_speculative_tokens=speculative_tokens(args.speculative_method,
+                                                      args.num_speculative_tokens),
         )
     except BackendConfigError as exc:
         parser.error(str(exc))
+    if config.num_speculative_tokens and not getattr(backend, "supports_speculation", False):
+        parser.error(f"--speculative-method needs the torch backend (not --backend "
+                     f"{args.backend})")
     return Engine(
         backend,
         config,
@@ -383,3 +398,14 @@ def _pooling(args: argparse.Namespace) -> Any:
     folder = Path(args.model) if args.model and Path(args.model).is_dir() else None
     mode = None if args.embedding_pooling == "auto" else args.embedding_pooling
     return read_pooling_config(folder, mode)
+
+
+#: Proposed tokens per sequence per step with --speculative-method and no count given.
+DEFAULT_SPECULATIVE_TOKENS = 4
+
+
+def speculative_tokens(method: str | None, count: int | None) -> int:
+    """The scheduler's ``num_speculative_tokens`` from the two flags (0: off)."""
+    if method is None:
+        return 0
+    return count if count is not None else DEFAULT_SPECULATIVE_TOKENS

@@ -236,6 +236,7 @@ def read_sampling(
     params.skip_special_tokens = read_bool(
         body, "skip_special_tokens", params.skip_special_tokens, null_ok=null_ok
     )
+    params.speculate = read_bool(body, "speculate", params.speculate, null_ok=null_ok)
     return params
 
 
@@ -258,6 +259,8 @@ def sampling_schema(*, nullable: bool) -> dict[str, Any]:
     props["stop_token_ids"] = {"type": "array", "items": {"type": "integer", "minimum": 0}}
     props["ignore_eos"] = {"type": "boolean"}
     props["skip_special_tokens"] = {"type": "boolean"}
+    props["speculate"] = {"type": "boolean", "description": "false: no speculative decoding "
+                          "for this request (when the server speculates)."}
     if nullable:
         props = {k: nullable_schema(v) for k, v in props.items()}
     return props

@@ -44,6 +44,7 @@ ALLOWED_FIELDS = frozenset(
         "stop_token_ids",
         "ignore_eos",
         "skip_special_tokens",
+        "speculate",
     )
 )
 

@@ -35,6 +35,8 @@ def metrics_json(stats: EngineStats) -> dict[str, Any]:
     elapsed = stats.elapsed_secs
     query_tokens = sched.get("prefix_cache_query_tokens", 0)
     hits = sched.get("prefix_cache_hit_tokens", 0)
+    drafted = sched.get("spec_drafted_tokens", 0)
+    accepted = sched.get("spec_accepted_tokens", 0)
     out = {
         "elapsed_secs": round(elapsed, 3),
         "tokens_generated": stats.tokens_generated,
@@ -52,6 +54,11 @@ def metrics_json(stats: EngineStats) -> dict[str, Any]:
         "waiting": sched.get("waiting", 0),
         "preemptions": sched.get("preemptions", 0),
         "prefix_cache_hit_rate": round(hits / query_tokens, 4) if query_tokens else 0.0,
+        # Speculative decoding (prompt lookup): tokens proposed and verified, and those the
+        # model accepted.
+        "spec_drafted_tokens": drafted,
+        "spec_accepted_tokens": accepted,
+        "spec_acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
     }
     if stats.cache_groups:
         # With cache groups, each group's pool (blocks, or state slots), in config order.
@@ -91,6 +98,16 @@ class _EngineCollector:
         )
         yield CounterMetricFamily(
             "iron_batch_preemptions", "Sequences preempted.", value=data["preemptions"]
+        )
+        yield CounterMetricFamily(
+            "iron_batch_spec_drafted_tokens",
+            "Speculative decoding: tokens proposed (method ngram) and verified.",
+            value=data["spec_drafted_tokens"],
+        )
+        yield CounterMetricFamily(
+            "iron_batch_spec_accepted_tokens",
+            "Speculative decoding: proposed tokens the model accepted (method ngram).",
+            value=data["spec_accepted_tokens"],
         )
         gauges = {
             "elapsed_seconds": ("Seconds since the server started.", data["elapsed_secs"]),

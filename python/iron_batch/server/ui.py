@@ -268,6 +268,8 @@ class MetricsHistory:
             "prefix_cache_hit_rate": hit_rate,
             "preemptions": preemptions,
             "preemptions_per_sec": preempt_s,
+            "spec_drafted_tokens": sched.get("spec_drafted_tokens", 0),
+            "spec_accepted_tokens": sched.get("spec_accepted_tokens", 0),
             "ttft_p50_ms": ttft_p50,
             "ttft_p99_ms": ttft_p99,
             "itl_p50_ms": itl_p50,

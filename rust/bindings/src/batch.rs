@@ -22,6 +22,7 @@ pub struct Batch {
     sample_indices: Py<PyArray1<i64>>,
     sample_seq_indices: Py<PyArray1<i64>>,
     sample_max_steps: Py<PyArray1<i32>>,
+    num_proposed: Py<PyArray1<i32>>,
     pending_token_indices: Py<PyArray1<i64>>,
     pending_sample_rows: Py<PyArray1<i64>>,
     // The cache-group arrays are made on first access (copied from `core`): a model
@@ -72,6 +73,7 @@ impl Batch {
             sample_max_steps: std::mem::take(&mut b.sample_max_steps)
                 .into_pyarray(py)
                 .unbind(),
+            num_proposed: PyArray1::from_slice(py, &b.num_proposed).unbind(),
             pending_token_indices: std::mem::take(&mut b.pending_token_indices)
                 .into_pyarray(py)
                 .unbind(),
@@ -154,6 +156,11 @@ impl Batch {
     #[getter]
     fn sample_max_steps(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
         self.sample_max_steps.clone_ref(py)
+    }
+    /// Per sample row: proposed tokens the step verifies (0 without speculation).
+    #[getter]
+    fn num_proposed(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.num_proposed.clone_ref(py)
     }
     #[getter]
     fn pending_token_indices(&self, py: Python<'_>) -> Py<PyArray1<i64>> {

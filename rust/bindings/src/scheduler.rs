@@ -155,6 +155,10 @@ pub struct SchedulerConfig {
     pub max_model_len: Option<usize>,
     pub cache_groups: Vec<CacheGroup>,
     pub state_checkpoint_interval: usize,
+    pub num_speculative_tokens: usize,
+    pub speculative_max_rows: usize,
+    pub speculative_ngram_min: usize,
+    pub speculative_ngram_max: usize,
 }
 
 #[pymethods]
@@ -163,7 +167,9 @@ impl SchedulerConfig {
     #[pyo3(signature = (total_kv_blocks = 4096, kv_block_size = 16, max_batch_tokens = 8192,
                         max_running_seqs = 256, enable_prefix_caching = true,
                         max_model_len = None, cache_groups = Vec::new(),
-                        state_checkpoint_interval = 0))]
+                        state_checkpoint_interval = 0, *, num_speculative_tokens = 0,
+                        speculative_max_rows = 32, speculative_ngram_min = 2,
+                        speculative_ngram_max = 4))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         total_kv_blocks: usize,
@@ -174,6 +180,10 @@ impl SchedulerConfig {
         max_model_len: Option<usize>,
         cache_groups: Vec<CacheGroup>,
         state_checkpoint_interval: usize,
+        num_speculative_tokens: usize,
+        speculative_max_rows: usize,
+        speculative_ngram_min: usize,
+        speculative_ngram_max: usize,
     ) -> Self {
         SchedulerConfig {
             total_kv_blocks,
@@ -184,6 +194,10 @@ impl SchedulerConfig {
             max_model_len,
             cache_groups,
             state_checkpoint_interval,
+            num_speculative_tokens,
+            speculative_max_rows,
+            speculative_ngram_min,
+            speculative_ngram_max,
         }
     }
 
@@ -231,6 +245,10 @@ impl SchedulerConfig {
                 .map(CacheGroup::to_core)
                 .collect::<PyResult<_>>()?,
             state_checkpoint_interval: self.state_checkpoint_interval,
+            num_speculative_tokens: self.num_speculative_tokens,
+            speculative_max_rows: self.speculative_max_rows,
+            speculative_ngram_min: self.speculative_ngram_min,
+            speculative_ngram_max: self.speculative_ngram_max,
         })
     }
 }
@@ -288,7 +306,8 @@ impl Scheduler {
     }
 
     #[pyo3(signature = (request_id, prompt_token_ids, max_new_tokens, stop_token_ids = None,
-                        *, priority = 0, cache_salt = None, skip_prefix_cache = false))]
+                        *, priority = 0, cache_salt = None, skip_prefix_cache = false,
+                        speculate = true))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &self,
@@ -299,6 +318,7 @@ impl Scheduler {
         priority: i64,
         cache_salt: Option<&str>,
         skip_prefix_cache: bool,
+        speculate: bool,
     ) -> PyResult<usize> {
         let prompt = token_ids(prompt_token_ids, "prompt_token_ids")?;
         let stops = match stop_token_ids {
@@ -324,6 +344,7 @@ impl Scheduler {
                     priority,
                     cache_salt: cache_salt.map(|c| c.as_bytes().to_vec()),
                     skip_prefix_cache,
+                    no_speculation: !speculate,
                 },
             )
             .map_err(sched_err)?;
@@ -360,12 +381,16 @@ impl Scheduler {
     }
 
     /// Apply one sampled token per sample row; returns the step's events as columns
-    /// (`StepEvents`: handles, token ids, finish-reason codes).
+    /// (`StepEvents`: handles, token ids, finish-reason codes). With `num_accepted` (one
+    /// count per sample row), `sampled` is the accepted tokens of every row in turn (see
+    /// the core's `commit_accepted`).
+    #[pyo3(signature = (batch, sampled, num_accepted = None))]
     fn commit(
         &self,
         py: Python<'_>,
         batch: &Batch,
         sampled: &Bound<'_, PyAny>,
+        num_accepted: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<StepEvents> {
         if batch.owner != self.owner {
             return Err(new_err(
@@ -373,12 +398,19 @@ impl Scheduler {
                 "the batch was scheduled by another Scheduler".to_string(),
             ));
         }
-        let (sampled, steps) = crate::convert::token_matrix(sampled, "sampled")?;
         let inner = &mut *self.lock();
-        let events = inner
-            .core
-            .commit_steps(&batch.core, &sampled, steps)
-            .map_err(sched_err)?;
+        let events = if let Some(counts) = num_accepted {
+            let counts: Vec<usize> = token_ids(counts, "num_accepted")?
+                .into_iter()
+                .map(|c| c as usize)
+                .collect();
+            let tokens = token_ids(sampled, "sampled")?;
+            inner.core.commit_accepted(&batch.core, &tokens, &counts)
+        } else {
+            let (sampled, steps) = crate::convert::token_matrix(sampled, "sampled")?;
+            inner.core.commit_steps(&batch.core, &sampled, steps)
+        }
+        .map_err(sched_err)?;
         let ids = events
             .iter()
             .map(|e| lookup_id(py, inner, e.slot))
@@ -470,6 +502,9 @@ impl Scheduler {
         d.set_item("sliding_blocks_released", s.sliding_blocks_released)?;
         d.set_item("state_checkpoints_saved", s.state_checkpoints_saved)?;
         d.set_item("state_checkpoint_hits", s.state_checkpoint_hits)?;
+        d.set_item("spec_rows", s.spec_rows)?;
+        d.set_item("spec_drafted_tokens", s.spec_drafted_tokens)?;
+        d.set_item("spec_accepted_tokens", s.spec_accepted_tokens)?;
         Ok(d)
     }
 

@@ -11,6 +11,8 @@ pub struct BatchEntry {
     pub num_tokens: usize,
     /// Tokens to sample for this sequence (0: mid-prefill; above 1: lookahead steps).
     pub steps: usize,
+    /// Proposed tokens among its `num_tokens` (its last ones): the step verifies them.
+    pub proposed: usize,
 }
 
 /// What a step does with one sequence's recurrent state (with a state group).
@@ -63,6 +65,11 @@ pub struct Batch {
     pub sample_seq_indices: Vec<i64>,
     /// Per sample row: how many tokens may be sampled (1 unless scheduled with lookahead).
     pub sample_max_steps: Vec<i32>,
+    /// Per sample row: tokens proposed for verification (speculative decoding). A row with
+    /// `k` proposals ends its sequence's query rows: `input_ids[s - k + 1..=s]` (with
+    /// `s = sample_indices[row]`) are the proposals, and the logits of rows `s - k..=s`
+    /// verify them and give one more token; `commit_accepted` takes 1 to `k + 1` tokens.
+    pub num_proposed: Vec<i32>,
     /// Placeholders (overlapped scheduling): `input_ids[pending_token_indices[i]]` is not
     /// known yet (it holds 0); it is the token the previous step samples in its sample row
     /// `pending_sample_rows[i]`. The backend fills it in from that step's output, on its side.
@@ -102,6 +109,7 @@ impl Batch {
             sample_indices: Vec::with_capacity(capacity_seqs),
             sample_seq_indices: Vec::with_capacity(capacity_seqs),
             sample_max_steps: Vec::with_capacity(capacity_seqs),
+            num_proposed: Vec::with_capacity(capacity_seqs),
             pending_token_indices: Vec::new(),
             pending_sample_rows: Vec::new(),
             entries: Vec::with_capacity(capacity_seqs),
@@ -151,7 +159,8 @@ impl Batch {
 
     /// Add `n` tokens of `seq` starting at position `start` (its first token whose KV is
     /// neither computed nor in flight). A position past the committed tokens is a
-    /// placeholder for the token sampled in the previous step's row `seq.last_sample_row`.
+    /// placeholder for the token sampled in the previous step's row `seq.last_sample_row`,
+    /// unless `draft` (proposed tokens, the last ones of the `n`) covers it.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn push(
         &mut self,
@@ -162,6 +171,7 @@ impl Batch {
         steps: usize,
         block_size: usize,
         state: Option<StateOps>,
+        draft: &[u32],
     ) {
         let end = start + n;
         let known = seq.tokens.len();
@@ -169,6 +179,8 @@ impl Batch {
         for p in start..end {
             if p < known {
                 self.input_ids.push(i64::from(seq.tokens[p]));
+            } else if p - known < draft.len() {
+                self.input_ids.push(i64::from(draft[p - known]));
             } else {
                 self.pending_token_indices.push(self.input_ids.len() as i64);
                 self.pending_sample_rows.push(seq.last_sample_row as i64);
@@ -185,11 +197,12 @@ impl Batch {
                 dst.push(block * block_size as i64 + (p % block_size) as i64);
             }
         }
-        debug_assert_eq!(steps > 0, end == seq.scheduled_len());
+        debug_assert_eq!(steps > 0, end == seq.scheduled_len() + draft.len());
         if steps > 0 {
             self.sample_indices.push(self.input_ids.len() as i64 - 1);
             self.sample_seq_indices.push(self.entries.len() as i64);
             self.sample_max_steps.push(steps as i32);
+            self.num_proposed.push(draft.len() as i32);
         }
         self.query_start_loc.push(self.input_ids.len() as i32);
         self.seq_lens.push(end as i32);
@@ -213,6 +226,7 @@ impl Batch {
             uid: seq.uid,
             num_tokens: n,
             steps,
+            proposed: draft.len(),
         });
     }
 

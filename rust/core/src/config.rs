@@ -82,6 +82,16 @@ pub struct SchedulerConfig {
     /// With a state group: besides the end of each prompt, save a state checkpoint every
     /// this many blocks (0: only at the end of prompts).
     pub state_checkpoint_interval: usize,
+    /// Speculative decoding: the most tokens proposed (prompt lookup) and verified per
+    /// decoding sequence per step (0: off). Each sequence adapts its own count below this.
+    pub num_speculative_tokens: usize,
+    /// Proposals are added to a step only while its query rows (one per running sequence
+    /// plus the proposals so far) stay within this: past it the step is bound by compute,
+    /// not by the weights read once per step, and an extra row costs about a token's time.
+    pub speculative_max_rows: usize,
+    /// The n-gram lengths prompt lookup matches, longest first.
+    pub speculative_ngram_min: usize,
+    pub speculative_ngram_max: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -95,6 +105,10 @@ impl Default for SchedulerConfig {
             max_model_len: None,
             cache_groups: Vec::new(),
             state_checkpoint_interval: 0,
+            num_speculative_tokens: 0,
+            speculative_max_rows: 32,
+            speculative_ngram_min: 2,
+            speculative_ngram_max: 4,
         }
     }
 }
@@ -128,6 +142,26 @@ impl SchedulerConfig {
         }
         if self.max_model_len == Some(0) {
             return Err("max_model_len must be at least 1".into());
+        }
+        if self.num_speculative_tokens > 0 {
+            if self.num_speculative_tokens > 64 {
+                return Err("num_speculative_tokens must be at most 64".into());
+            }
+            if self.speculative_ngram_min == 0
+                || self.speculative_ngram_min > self.speculative_ngram_max
+            {
+                return Err(
+                    "speculative n-gram lengths need 1 <= speculative_ngram_min <= \
+                     speculative_ngram_max"
+                        .into(),
+                );
+            }
+            if self.cache_groups.iter().any(|g| !g.is_attention()) {
+                return Err("speculative decoding is not supported for models with a \
+                            recurrent-state cache group (its state cannot be rolled back \
+                            past rejected tokens)"
+                    .into());
+            }
         }
         let mut states = 0;
         for (g, group) in self.cache_groups.iter().enumerate() {

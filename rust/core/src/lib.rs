@@ -8,6 +8,7 @@ pub mod config;
 pub mod error;
 pub mod events;
 mod free_list;
+pub mod proposer;
 pub mod scheduler;
 pub mod sequence;
 
@@ -17,5 +18,6 @@ pub use block_hash::{hash_block, hash_salt, BlockHash, BlockHasher};
 pub use config::{split_pool, CacheGroup, CacheKind, GroupSpec, SchedulerConfig};
 pub use error::{AllocError, SchedulerError};
 pub use events::{StepEvent, StepEvents};
+pub use proposer::{NgramProposer, Proposer};
 pub use scheduler::{GroupUsage, Scheduler, SchedulerStats};
 pub use sequence::{FinishReason, GroupTable, GroupTables, RequestOptions, SeqState, Sequence};

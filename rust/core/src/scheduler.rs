@@ -15,7 +15,16 @@ use crate::block_hash::{hash_block, hash_salt, BlockHash, BlockHasher};
 use crate::config::{CacheGroup, CacheKind, SchedulerConfig};
 use crate::error::{AllocError, SchedulerError};
 pub use crate::events::StepEvent;
+use crate::proposer::{NgramProposer, Proposer};
 use crate::sequence::{FinishReason, GroupTables, RequestOptions, SeqState, Sequence};
+
+/// How a commit's tokens are laid out: `[rows, steps]` (lookahead), or a variable count
+/// per row (speculation).
+#[derive(Debug, Clone, Copy)]
+enum Layout<'a> {
+    Steps(usize),
+    Accepted(&'a [usize]),
+}
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SchedulerStats {
@@ -33,6 +42,11 @@ pub struct SchedulerStats {
     /// State checkpoints saved, and admissions that resumed from one.
     pub state_checkpoints_saved: u64,
     pub state_checkpoint_hits: u64,
+    /// Speculative decoding: verified rows that carried proposals, the tokens proposed in
+    /// them, and those the target model accepted.
+    pub spec_rows: u64,
+    pub spec_drafted_tokens: u64,
+    pub spec_accepted_tokens: u64,
 }
 
 /// One cache group's pool as `/metrics` shows it.
@@ -64,6 +78,8 @@ pub struct Scheduler {
     /// `j` is cached.
     match_hashes: Vec<BlockHash>,
     match_hits: Vec<Vec<Option<BlockId>>>,
+    /// Proposals of the sequence being scheduled (scratch).
+    draft: Vec<u32>,
     seqs: Vec<Option<Sequence>>,
     ids: Vec<String>,
     free_slots: Vec<usize>,
@@ -122,6 +138,7 @@ impl Scheduler {
             need: vec![0; groups.len()],
             match_hashes: Vec::new(),
             match_hits: vec![Vec::new(); groups.len()],
+            draft: Vec::new(),
             groups,
             allocs,
             state,
@@ -355,6 +372,15 @@ impl Scheduler {
             state_slot: None,
             restore_from: None,
             pending_save: None,
+            proposer: (self.cfg.num_speculative_tokens > 0 && !opts.no_speculation).then(|| {
+                NgramProposer::new(
+                    self.cfg.speculative_ngram_min,
+                    self.cfg.speculative_ngram_max,
+                )
+            }),
+            num_proposed: 0,
+            draft: Vec::new(),
+            spec_k: self.cfg.num_speculative_tokens,
         });
         self.by_id.insert(request_id.to_string(), slot);
         self.enqueue_waiting(slot);
@@ -495,10 +521,36 @@ impl Scheduler {
     fn note_scheduled(seq: &mut Sequence, n: usize, steps: usize, step: u64, batch: &Batch) {
         seq.num_inflight += n;
         seq.num_open_entries += 1;
+        seq.num_proposed = batch.entries.last().map_or(0, |e| e.proposed);
         if steps > 0 {
             seq.num_pending += 1;
             seq.last_sample_step = step;
             seq.last_sample_row = batch.sample_indices.len() - 1;
+        }
+    }
+
+    /// Proposals for a sequence that decodes one token from `start` (its last token's
+    /// position) and nothing in flight: up to its adaptive count, the tokens it may still
+    /// generate after the one the step samples anyway, the step's token budget left and
+    /// the query rows left for proposals.
+    fn propose(
+        seq: &mut Sequence,
+        start: usize,
+        n: usize,
+        budget_left: usize,
+        rows_left: usize,
+        draft: &mut Vec<u32>,
+    ) {
+        if n != 1 || start + 1 != seq.tokens.len() || seq.num_pending > 0 || seq.num_inflight > 0 {
+            return;
+        }
+        let left = seq.max_new_tokens - seq.num_output();
+        let Some(proposer) = seq.proposer.as_mut() else {
+            return;
+        };
+        let k = seq.spec_k.min(left - 1).min(budget_left).min(rows_left);
+        if k > 0 {
+            proposer.propose(&seq.tokens, k, draft);
         }
     }
 
@@ -530,6 +582,8 @@ impl Scheduler {
             seq.num_pending = 0;
             seq.num_inflight = 0;
             seq.num_open_entries = 0;
+            seq.num_proposed = 0;
+            seq.draft.clear();
             // A checkpoint an open step was to save is never committed now.
             if let (Some((slot, _, _)), Some(pool)) = (seq.pending_save.take(), self.state.as_mut())
             {
@@ -646,6 +700,15 @@ impl Scheduler {
         let mut budget = self.cfg.max_batch_tokens;
         let mut preempted = false;
         let mut need = std::mem::take(&mut self.need);
+        let mut draft = std::mem::take(&mut self.draft);
+        // Query rows proposals may still take this step (speculation off: none).
+        let mut spec_rows = if self.cfg.num_speculative_tokens > 0 && lookahead == 0 {
+            self.cfg
+                .speculative_max_rows
+                .saturating_sub(self.running.len())
+        } else {
+            0
+        };
 
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
@@ -659,6 +722,12 @@ impl Scheduler {
                     bs,
                     &mut self.stats,
                 );
+            }
+            if seq.num_proposed > 0 {
+                // Its open step verifies proposals: how many tokens it gets is known only
+                // at that commit, so no placeholder can follow it.
+                i += 1;
+                continue;
             }
             if seq.num_pending > 0
                 && (seq.last_sample_step + 1 != step
@@ -676,8 +745,27 @@ impl Scheduler {
             if let Some((at, _)) = save {
                 n = at - start;
             }
-            let seq = self.seqs[slot].as_ref().expect("running slot is live");
+            let seq = self.seqs[slot].as_mut().expect("running slot is live");
             let steps = Self::sample_steps(seq, start + n, lookahead);
+            draft.clear();
+            if spec_rows > 0 && save.is_none() {
+                Self::propose(seq, start, n, budget - n, spec_rows, &mut draft);
+                if !draft.is_empty()
+                    && !Self::blocks_needed(
+                        &mut need,
+                        &self.allocs,
+                        seq,
+                        start + n + draft.len(),
+                        steps,
+                        bs,
+                    )
+                {
+                    // Speculation never takes a block that would cost a preemption.
+                    draft.clear();
+                }
+                n += draft.len();
+                spec_rows -= draft.len();
+            }
             let mut self_preempted = false;
             let mut wait = false;
             while !Self::blocks_needed(
@@ -727,11 +815,14 @@ impl Scheduler {
                 restore: None,
                 save: save.map(|(_, ck)| ck),
             });
-            batch.push(slot, seq, start, n, steps, bs, ops);
+            batch.push(slot, seq, start, n, steps, bs, ops, &draft);
             Self::note_scheduled(seq, n, steps, step, &batch);
+            seq.draft.clone_from(&draft);
             budget -= n;
             i += 1;
         }
+        draft.clear();
+        self.draft = draft;
 
         // A step that preempted admits nobody: admitting would only start the thrash.
         while !preempted && budget > 0 && self.running.len() < self.cfg.max_running_seqs {
@@ -806,7 +897,7 @@ impl Scheduler {
             self.waiting.pop_front();
             self.insert_running(slot);
             let seq = self.seqs[slot].as_mut().expect("live");
-            batch.push(slot, seq, computed, n, steps, bs, ops);
+            batch.push(slot, seq, computed, n, steps, bs, ops, &[]);
             Self::note_scheduled(seq, n, steps, step, &batch);
             budget -= n;
         }
@@ -934,6 +1025,75 @@ impl Scheduler {
         self.commit_steps(batch, sampled, 1)
     }
 
+    /// An error unless `batch` is the next open step.
+    fn check_next(&self, batch: &Batch) -> Result<(), SchedulerError> {
+        let next = self.open.front().map(|&(step, _)| step);
+        if next != Some(batch.step) {
+            return Err(SchedulerError::BatchMismatch(format!(
+                "batch of step {} is not the next open step ({}){}",
+                batch.step,
+                next.map_or_else(|| "none".to_string(), |n| n.to_string()),
+                if batch.step <= self.last_committed {
+                    " (already committed)"
+                } else {
+                    ""
+                }
+            )));
+        }
+        Ok(())
+    }
+
+    /// Commit a step that verified proposals (`batch.num_proposed`): row `r` accepted
+    /// `counts[r]` tokens, the next ones of `tokens` (rows in order): between 1 and its
+    /// proposals + 1 (exactly 1 for a row without proposals), of which all but the last
+    /// must be its proposals, in order (the target model agreed with them; the last is
+    /// its own). The KV of the rejected proposals is rolled back: their slots count as not
+    /// computed, and blocks taken only for them are freed; only accepted tokens' blocks are
+    /// ever published to the prefix cache. A stop token or the length limit inside the
+    /// accepted run ends the request there. Nothing changes if the arguments are wrong.
+    pub fn commit_accepted(
+        &mut self,
+        batch: &Batch,
+        tokens: &[u32],
+        counts: &[usize],
+    ) -> Result<Vec<StepEvent>, SchedulerError> {
+        self.check_next(batch)?;
+        let rows = batch.num_samples();
+        if counts.len() != rows || counts.iter().sum::<usize>() != tokens.len() {
+            return Err(SchedulerError::BatchMismatch(format!(
+                "expected {rows} accepted counts summing to the {} tokens, got {} counts \
+                 summing to {}",
+                tokens.len(),
+                counts.len(),
+                counts.iter().sum::<usize>()
+            )));
+        }
+        let mut at = 0;
+        for (r, e) in batch.entries.iter().filter(|e| e.steps > 0).enumerate() {
+            let count = counts[r];
+            let k = e.proposed;
+            let ok = if k == 0 {
+                count == e.steps
+            } else {
+                // The proposals, unless the request is gone (then its row is ignored).
+                let draft = self.seqs[e.slot]
+                    .as_ref()
+                    .filter(|q| q.uid == e.uid)
+                    .map(|q| &q.draft[..]);
+                (1..=k + 1).contains(&count)
+                    && draft.is_none_or(|d| tokens[at..at + count - 1] == d[..count - 1])
+            };
+            if !ok {
+                return Err(SchedulerError::BatchMismatch(format!(
+                    "sample row {r} ({k} proposed) cannot accept {:?}",
+                    &tokens[at..at + count]
+                )));
+            }
+            at += count;
+        }
+        self.commit_layout(batch, tokens, Layout::Accepted(counts))
+    }
+
     /// Commit a batch scheduled with lookahead: `sampled` is row-major
     /// `[num_samples, steps]`, row `r` holding the tokens of `steps` consecutive decode
     /// steps, of which the first `batch.sample_max_steps[r]` are real. Tokens after a stop
@@ -950,19 +1110,7 @@ impl Scheduler {
         sampled: &[u32],
         steps: usize,
     ) -> Result<Vec<StepEvent>, SchedulerError> {
-        let next = self.open.front().map(|&(step, _)| step);
-        if next != Some(batch.step) {
-            return Err(SchedulerError::BatchMismatch(format!(
-                "batch of step {} is not the next open step ({}){}",
-                batch.step,
-                next.map_or_else(|| "none".to_string(), |n| n.to_string()),
-                if batch.step <= self.last_committed {
-                    " (already committed)"
-                } else {
-                    ""
-                }
-            )));
-        }
+        self.check_next(batch)?;
         let rows = batch.num_samples();
         if steps == 0 || sampled.len() != rows * steps {
             return Err(SchedulerError::BatchMismatch(format!(
@@ -976,6 +1124,23 @@ impl Scheduler {
                 e.steps, self.ids[e.slot]
             )));
         }
+        if let Some(e) = batch.entries.iter().find(|e| e.proposed > 0) {
+            return Err(SchedulerError::BatchMismatch(format!(
+                "the batch verifies {} proposed tokens for request {:?}: commit it with \
+                 commit_accepted",
+                e.proposed, self.ids[e.slot]
+            )));
+        }
+        self.commit_layout(batch, sampled, Layout::Steps(steps))
+    }
+
+    fn commit_layout(
+        &mut self,
+        batch: &Batch,
+        sampled: &[u32],
+        layout: Layout<'_>,
+    ) -> Result<Vec<StepEvent>, SchedulerError> {
+        let rows = batch.num_samples();
         self.open.pop_front();
         self.last_committed = batch.step;
         let bs = self.cfg.kv_block_size;
@@ -985,10 +1150,16 @@ impl Scheduler {
         events.reserve(rows);
         let mut finished = false;
         let mut row = 0;
+        let mut at = 0;
         for entry in &batch.entries {
             let toks = if entry.steps > 0 {
+                let (from, len) = match layout {
+                    Layout::Steps(steps) => (row * steps, entry.steps),
+                    Layout::Accepted(counts) => (at, counts[row]),
+                };
                 row += 1;
-                &sampled[(row - 1) * steps..(row - 1) * steps + entry.steps]
+                at += len;
+                &sampled[from..from + len]
             } else {
                 &[][..]
             };
@@ -1008,9 +1179,28 @@ impl Scheduler {
             if running {
                 seq.num_computed += entry.num_tokens;
                 seq.num_inflight -= entry.num_tokens;
+                if entry.proposed > 0 {
+                    // The KV of rejected proposals is garbage: those positions count again
+                    // as not computed.
+                    seq.num_computed -= entry.proposed + 1 - toks.len();
+                }
+            }
+            if entry.proposed > 0 {
+                seq.num_proposed = 0;
+                seq.draft.clear();
+                let accepted = toks.len() - 1;
+                self.stats.spec_rows += 1;
+                self.stats.spec_drafted_tokens += entry.proposed as u64;
+                self.stats.spec_accepted_tokens += accepted as u64;
+                let max = self.cfg.num_speculative_tokens;
+                seq.spec_k = if accepted == entry.proposed {
+                    (seq.spec_k * 2).clamp(1, max)
+                } else {
+                    accepted + 1
+                };
             }
             for (j, &tok) in toks.iter().enumerate() {
-                if j > 0 && running {
+                if j > 0 && running && entry.proposed == 0 {
                     seq.num_computed += 1; // the worker computed the previous token's KV
                 }
                 seq.tokens.push(tok);
@@ -1030,6 +1220,10 @@ impl Scheduler {
                     finished = true;
                     break;
                 }
+            }
+            if running && entry.proposed > 0 {
+                // A stop inside the accepted run drops the tokens after it: so does the KV.
+                seq.num_computed = seq.num_computed.min(seq.tokens.len() - 1);
             }
             let full = if running { seq.num_computed / bs } else { 0 };
             while seq.block_hashes.len() < full {
@@ -1053,6 +1247,16 @@ impl Scheduler {
                     }
                 }
                 seq.block_hashes.push(hash);
+            }
+            if running && entry.proposed > 0 {
+                // Blocks taken only for rejected proposals go back (tail first).
+                let keep = seq.num_computed.div_ceil(bs);
+                for (table, alloc) in seq.tables.iter_mut().zip(&mut self.allocs) {
+                    let keep = keep.saturating_sub(table.offset);
+                    while table.blocks.len() > keep {
+                        alloc.release(table.blocks.pop().expect("longer than keep"));
+                    }
+                }
             }
             if let Some(pool) = self.state.as_mut() {
                 // The checkpoint this step restored from has been copied: let it go.
@@ -1214,7 +1418,7 @@ impl Scheduler {
                     seq.request_id
                 ));
             }
-            if seq.num_output() + seq.num_pending > seq.max_new_tokens {
+            if seq.num_output() + seq.num_pending + seq.num_proposed > seq.max_new_tokens {
                 return bad(format!(
                     "request {} is scheduled past max_new_tokens",
                     seq.request_id

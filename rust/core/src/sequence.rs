@@ -2,6 +2,7 @@
 
 use crate::allocator::BlockId;
 use crate::block_hash::BlockHash;
+use crate::proposer::NgramProposer;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeqState {
@@ -99,6 +100,15 @@ pub struct Sequence {
     /// A slot that an open step saves a checkpoint of its state into, the step, and the
     /// position the checkpoint is of (the end of that step's chunk).
     pub pending_save: Option<(BlockId, u64, usize)>,
+    /// Its prompt-lookup index, if it speculates (speculation on, not opted out).
+    pub proposer: Option<NgramProposer>,
+    /// Tokens proposed in its open step (after `tokens`, in the batch's input ids): the
+    /// step's commit accepts a prefix of them. While nonzero it is not scheduled again.
+    pub num_proposed: usize,
+    /// Those tokens (kept to check what a commit accepts).
+    pub draft: Vec<u32>,
+    /// Tokens it proposes next time (adapts to how many were accepted lately).
+    pub spec_k: usize,
 }
 
 /// A sequence's blocks in one attention group. A sliding group releases blocks from the
@@ -130,6 +140,8 @@ pub struct RequestOptions {
     pub cache_salt: Option<Vec<u8>>,
     /// Compute every prompt token (no prefix-cache lookup).
     pub skip_prefix_cache: bool,
+    /// Never speculate for this request (even with speculation on).
+    pub no_speculation: bool,
 }
 
 impl Sequence {

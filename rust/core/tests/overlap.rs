@@ -80,6 +80,7 @@ fn options() -> impl Strategy<Value = RequestOptions> {
             priority,
             cache_salt: salt.map(|k| vec![k]),
             skip_prefix_cache: skip,
+            ..Default::default()
         }
     })
 }

@@ -262,6 +262,7 @@ proptest! {
                         priority,
                         cache_salt: salt.map(|x| vec![x]),
                         skip_prefix_cache: false,
+                        ..Default::default()
                     };
                     if s.add_request_with(&id, &prompt, max_new, &[], &opts).is_ok() {
                         live.push((id, priority));

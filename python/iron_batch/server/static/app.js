@@ -284,6 +284,9 @@ function renderDashboard() {
     + (s.cache_groups || []).map((g, i) => "\ngroup " + i + " (" + g.kind + (g.window ? " " + g.window : "") + "): " + g.used + " used, " + g.cached + " cached of " + g.total).join("");
   $("stat-hit").textContent = s.prefix_cache_hit_rate === null ? "–" : fmt(100 * s.prefix_cache_hit_rate) + "%";
   $("stat-preempt").textContent = fmt(s.preemptions, 0);
+  $("stat-spec").textContent = s.spec_drafted_tokens
+    ? fmt(100 * s.spec_accepted_tokens / s.spec_drafted_tokens) + "%" : "–";
+  $("stat-spec").title = s.spec_accepted_tokens + " of " + s.spec_drafted_tokens + " proposed tokens accepted";
   $("stat-ttft").textContent = fmtMs(s.ttft_p50_ms) + " / " + fmtMs(s.ttft_p99_ms);
   $("stat-itl").textContent = fmtMs(s.itl_p50_ms) + " / " + fmtMs(s.itl_p99_ms);
   $("stat-tokens").textContent = fmt(s.tokens_generated, 0);

