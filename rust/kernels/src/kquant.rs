@@ -172,6 +172,21 @@ impl<'a> Blocks<'a> {
         })
     }
 
+    /// Rows `lo..hi` of a one-format matrix of `k`-weight rows; None where the rows are in
+    /// more than one format (a stacked expert matrix is one tensor, so one format).
+    pub fn row_range(&self, lo: usize, hi: usize, k: usize) -> Option<Blocks<'a>> {
+        if self.count != 1 {
+            return None;
+        }
+        let s = self.segments[0];
+        let bytes = s.format.row_bytes(k);
+        Some(Blocks::new(
+            s.format,
+            hi - lo,
+            &s.data[lo * bytes..hi * bytes],
+        ))
+    }
+
     /// The row ranges, in order.
     pub fn segments(&self) -> &[Segment<'a>] {
         &self.segments[..self.count]

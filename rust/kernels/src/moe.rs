@@ -44,6 +44,10 @@ impl<'a> Experts<'a> {
                 quants: &m.quants[lo * k..hi * k],
                 scale: &m.scale[lo * blocks..hi * blocks],
             })),
+            // `holds` admits one-format block matrices only, so the range exists.
+            Experts::Quant(QMatrix::Blocks(m)) => Experts::Quant(QMatrix::Blocks(
+                m.row_range(lo, hi, k).expect("a one-format block matrix"),
+            )),
         }
     }
 
@@ -54,6 +58,7 @@ impl<'a> Experts<'a> {
                 k.is_multiple_of(2 * QBLOCK) && m.packed.len() == n * k / 2
             }
             Experts::Quant(QMatrix::Q8(m)) => k.is_multiple_of(QBLOCK) && m.quants.len() == n * k,
+            Experts::Quant(QMatrix::Blocks(m)) => m.segments().len() == 1 && m.fits(n, k),
         }
     }
 
