@@ -12,7 +12,7 @@ cache's on the same tokens (every step forced to the bf16 run's greedy token), a
 much of the free greedy run stays the same.
 
     python benches/kv_int8_bench.py                 # smollm2-135m, 4096-token sequences
-    python benches/kv_int8_bench.py --context 1024 --new-tokens 32
+    python benches/kv_int8_bench.py --w-context 1024 --w-memory-gb 0.125 --new-tokens 32
 """
 
 from __future__ import annotations
@@ -181,6 +181,10 @@ def main() -> None:
     p.add_argument("--logit-tokens", type=int, default=64)
     p.add_argument("--json", default=None)
     p.add_argument("--skip-server", action="store_true")
+    p.add_argument("--w-context", type=int, default=None,
+                   help="tokens per sequence of the W runs (default --context)")
+    p.add_argument("--w-memory-gb", type=float, default=None,
+                   help="--kv-cache-memory-gb of the W runs (default: the server's default)")
     args = p.parse_args()
     result: dict[str, Any] = {"model": args.model, "context": args.context}
     if not args.skip_server:
@@ -190,14 +194,23 @@ def main() -> None:
             info["sequences"] = info["blocks"] // per_seq
             print(f"{kv}: {info}", flush=True)
         result["pools"] = pools
+        w_context = args.w_context or args.context
+        w_extra = [] if args.w_memory_gb is None else ["--kv-cache-memory-gb",
+                                                       str(args.w_memory_gb)]
+        if w_context != args.context or w_extra:
+            pools = {kv: pool_info(args.model, kv, w_extra) for kv in ("auto", "int8")}
+            for info in pools.values():
+                info["sequences"] = info["blocks"] // -(-w_context // info["block_size"])
+            result["w_pools"] = pools
+            print(f"W pools: {pools}", flush=True)
         runs = []
         for kv, conc in (("auto", pools["auto"]["sequences"]),
                          ("int8", pools["auto"]["sequences"]),
                          ("int8", pools["int8"]["sequences"])):
-            proc, url = start_server(args.model, kv, [])
+            proc, url = start_server(args.model, kv, w_extra)
             try:
-                r = {"kv": kv, **decode_rate(url, conc, args.context, args.new_tokens,
-                                              args.vocab)}
+                r = {"kv": kv, "context": w_context,
+                     **decode_rate(url, conc, w_context, args.new_tokens, args.vocab)}
             finally:
                 proc.terminate()
                 proc.wait(30)
