@@ -15,7 +15,6 @@ use crate::decoder::Activation;
 use crate::element::{Bf16, Element};
 use crate::gemv::gemv_bf16;
 use crate::quant::{gemv_quant, QMatrix, Q4, Q8, QBLOCK};
-use crate::team::run_in_team;
 
 /// Most rows one call takes (a decode step's; larger steps group tokens by expert and run
 /// one GEMM per expert).
@@ -116,7 +115,9 @@ pub struct MoeShape {
 ///
 /// `x` and `out` are `[rows, hidden]` bf16, `ids` `[rows, top_k]` expert indices,
 /// `weights` `[rows, top_k]` f32. Experts run in index order, each on its rows in row
-/// order, on a team of `threads` threads from `parallel`.
+/// order; each GEMV is split into at most `threads` parts on `parallel` (the caller's
+/// OpenMP team: on a loaded machine it answered each of a step's 2 x k GEMVs at once,
+/// where a team of our own that yields while it waits lost a time slice at some of them).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_experts(
     out: &mut [Bf16],
@@ -165,7 +166,8 @@ pub fn moe_experts(
         }
     }
     let mut sums = vec![0f32; rows * hidden];
-    run_in_team(threads, parallel, |team| {
+    {
+        let team = parallel;
         let mut xs = vec![Bf16::from_f32(0.0); MOE_MAX_ROWS * hidden];
         let mut gu = vec![Bf16::from_f32(0.0); MOE_MAX_ROWS * 2 * inter];
         let mut act = vec![Bf16::from_f32(0.0); MOE_MAX_ROWS * inter];
@@ -206,8 +208,7 @@ pub fn moe_experts(
                 }
             }
         }
-        Ok(())
-    })?;
+    }
     for (o, s) in out.iter_mut().zip(&sums) {
         *o = Bf16::from_f32(*s);
     }
@@ -386,6 +387,60 @@ mod tests {
             &w,
             |row, k| f64::from(gm.weight(row, k, s.hidden)),
             |row, c| f64::from(dm.weight(row, c, s.inter)),
+            s,
+        );
+        close(&out, &want, 0.03);
+    }
+
+    #[test]
+    fn q4_experts_read_their_own_blocks() {
+        let s = MoeShape {
+            inter: 128,
+            ..shape(2)
+        };
+        let mut r = rng(13);
+        let q4 = |n: usize, k: usize, r: &mut dyn FnMut() -> f32| {
+            let packed: Vec<u8> = (0..n * k / 2).map(|_| (r().abs() * 255.0) as u8).collect();
+            let blocks = n * k / QBLOCK;
+            let scale: Vec<F16> = (0..blocks)
+                .map(|_| F16::from_f32(0.002 + 0.002 * r().abs()))
+                .collect();
+            let min: Vec<F16> = (0..blocks).map(|_| F16::from_f32(-0.015)).collect();
+            (packed, scale, min)
+        };
+        let (gp, gs, gm) = q4(s.experts * 2 * s.inter, s.hidden, &mut r);
+        let (dp, ds, dm) = q4(s.experts * s.hidden, s.inter, &mut r);
+        let gu = QMatrix::Q4(Q4 {
+            packed: &gp,
+            scale: &gs,
+            min: &gm,
+        });
+        let dn = QMatrix::Q4(Q4 {
+            packed: &dp,
+            scale: &ds,
+            min: &dm,
+        });
+        let (x, ids, w) = inputs(s, 9);
+        let mut out = vec![Bf16::from_f32(0.0); s.rows * s.hidden];
+        moe_experts(
+            &mut out,
+            &bf16s(&x),
+            &ids,
+            &w,
+            Experts::Quant(gu),
+            Experts::Quant(dn),
+            Activation::SiluMul,
+            s,
+            2,
+            &ScopedThreads,
+        )
+        .unwrap();
+        let want = reference(
+            &x,
+            &ids,
+            &w,
+            |row, k| f64::from(gu.weight(row, k, s.hidden)),
+            |row, c| f64::from(dn.weight(row, c, s.inter)),
             s,
         );
         close(&out, &want, 0.03);
