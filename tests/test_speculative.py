@@ -102,9 +102,10 @@ def test_a_small_pool_preempts_and_still_gives_the_same_tokens() -> None:
     assert stats["preemptions"] > 0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_smollm2_greedy_is_unchanged_by_speculation(dtype: str) -> None:
-    common = dict(model="smollm2-135m", device="cpu", dtype=dtype, total_kv_blocks=128)
+def test_smollm2_float32_greedy_is_unchanged_by_speculation() -> None:
+    # float32 only: in bf16 the multi-row verification steps take other kernel paths than
+    # a one-row decode and the text drifts on longer outputs (README, speculative decoding).
+    common = dict(model="smollm2-135m", device="cpu", dtype="float32", total_kv_blocks=128)
     text = ("def add(a, b):\n    return a + b\n\n"
             "Rewrite the function above with type hints:\n")
     llm = LLM(**common)
