@@ -102,21 +102,22 @@ def test_a_small_pool_preempts_and_still_gives_the_same_tokens() -> None:
     assert stats["preemptions"] > 0
 
 
-def test_smollm2_float32_greedy_is_unchanged_by_speculation() -> None:
-    # float32 only: in bf16 the multi-row verification steps take other kernel paths than
-    # a one-row decode and the text drifts on longer outputs (README, speculative decoding).
-    common = dict(model="smollm2-135m", device="cpu", dtype="float32", total_kv_blocks=128)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smollm2_greedy_is_unchanged_by_speculation(dtype: str) -> None:
+    # In bf16 the verification rows run the one-call decode step and the GEMVs, whose rows
+    # compute what a one-row decode step computes, bit for bit.
+    common = dict(model="smollm2-135m", device="cpu", dtype=dtype, total_kv_blocks=128)
     text = ("def add(a, b):\n    return a + b\n\n"
             "Rewrite the function above with type hints:\n")
     llm = LLM(**common)
     tok = llm.backend.tokenizer
     prompt = tok.encode(text)
-    params = SamplingParams(max_new_tokens=32)
+    params = SamplingParams(max_new_tokens=96)
     want = llm.generate([prompt], params)[0].token_ids
     spec = LLM(**common, num_speculative_tokens=4)
     got = spec.generate([prompt], params)[0].token_ids
     assert got == want
-    assert spec.engine.stats.scheduler["spec_drafted_tokens"] > 0
+    assert spec.engine.stats.scheduler["spec_accepted_tokens"] > 0
 
 
 def test_the_server_speculates_reports_it_and_lets_a_request_opt_out(

@@ -96,7 +96,7 @@ class SchedulerConfig:
         state_checkpoint_interval: int = 0,
         *,
         num_speculative_tokens: int = 0,
-        speculative_max_rows: int = 32,
+        speculative_max_rows: int = 8,
         speculative_ngram_min: int = 2,
         speculative_ngram_max: int = 4,
     ) -> None: ...

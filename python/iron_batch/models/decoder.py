@@ -518,22 +518,32 @@ class DecoderModel:
         groups = self._group_tables(slot_mapping, block_tables, group_slot_mapping,
                                     group_block_tables, len(seq_lens))
         decoder = self.decoder
-        if decoder is not None and 0 < n <= decoder.max_rows and len(query_start_loc) == n + 1:
-            if np.all(np.diff(query_start_loc) == 1):  # every row decodes
-                lens = np.asarray(seq_lens, dtype=np.int32)
-                width = -(-int(lens.max()) // self.block_size)
-                h = self._embed(ids).contiguous()
-                cos, sin = ropes[0]
-                if len(groups) == 1 and len(ropes) == 1:
-                    decoder.decode(h, cos, sin, slot_mapping,
-                                   np.asarray(block_tables)[:, :width], lens, scale=self.scale)
-                else:
-                    decoder.decode(h, cos, sin, slot_mapping,
-                                   np.asarray(block_tables)[:, :width], lens, scale=self.scale,
-                                   ropes=ropes, groups=[
-                                       (slots, np.asarray(tables)[:, :width], lens)
-                                       for slots, tables in groups])
-                return h
+        if decoder is not None and 0 < n <= decoder.max_rows:
+            # Every row as a decode row of its own: row j of a sequence's q rows sees the
+            # sequence's first seq_len - q + j + 1 tokens (its earlier rows' K/V are stored
+            # before any row attends). A decode step, a sequence's last token with its
+            # proposed ones, or a short chunk of a prompt: each row's values are those a
+            # one-row decode step gives for that position.
+            q = np.diff(np.asarray(query_start_loc, dtype=np.int64))
+            lens = (np.repeat(np.asarray(seq_lens, dtype=np.int64) - q, q)
+                    + _ranks(q) + 1).astype(np.int32)
+            width = -(-int(lens.max()) // self.block_size)
+            h = self._embed(ids).contiguous()
+            cos, sin = ropes[0]
+            one_each = bool(np.all(q == 1))
+
+            def per_row(tables: np.ndarray) -> np.ndarray:
+                tables = np.asarray(tables)[:, :width]
+                return tables if one_each else np.repeat(tables, q, axis=0)
+
+            if len(groups) == 1 and len(ropes) == 1:
+                decoder.decode(h, cos, sin, slot_mapping, per_row(block_tables), lens,
+                               scale=self.scale)
+            else:
+                decoder.decode(h, cos, sin, slot_mapping, per_row(block_tables), lens,
+                               scale=self.scale, ropes=ropes,
+                               groups=[(slots, per_row(tables), lens) for slots, tables in groups])
+            return h
         attn = self.attention
         plans = [
             attn.plan(
@@ -640,3 +650,8 @@ class DecoderModel:
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
         return logits
 
+
+def _ranks(lengths: np.ndarray) -> np.ndarray:
+    """0, 1, .., n - 1 for each n of ``lengths``, concatenated."""
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(int(lengths.sum())) - starts

@@ -168,7 +168,7 @@ impl SchedulerConfig {
                         max_running_seqs = 256, enable_prefix_caching = true,
                         max_model_len = None, cache_groups = Vec::new(),
                         state_checkpoint_interval = 0, *, num_speculative_tokens = 0,
-                        speculative_max_rows = 32, speculative_ngram_min = 2,
+                        speculative_max_rows = 8, speculative_ngram_min = 2,
                         speculative_ngram_max = 4))]
     #[allow(clippy::too_many_arguments)]
     fn new(

@@ -88,6 +88,9 @@ pub struct SchedulerConfig {
     /// Proposals are added to a step only while its query rows (one per running sequence
     /// plus the proposals so far) stay within this: past it the step is bound by compute,
     /// not by the weights read once per step, and an extra row costs about a token's time.
+    /// The default, 8, is the most rows the CPU GEMVs read the weights once for, and the
+    /// most a one-call decode step takes: there a verification row computes exactly what a
+    /// one-row decode step computes, so greedy output does not change.
     pub speculative_max_rows: usize,
     /// The n-gram lengths prompt lookup matches, longest first.
     pub speculative_ngram_min: usize,
@@ -106,7 +109,7 @@ impl Default for SchedulerConfig {
             cache_groups: Vec::new(),
             state_checkpoint_interval: 0,
             num_speculative_tokens: 0,
-            speculative_max_rows: 32,
+            speculative_max_rows: 8,
             speculative_ngram_min: 2,
             speculative_ngram_max: 4,
         }

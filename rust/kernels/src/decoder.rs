@@ -15,7 +15,7 @@
 use crate::attention::{paged_decode_attention, DecodeShape, KernelError, Parallel};
 use crate::element::{Bf16, Element};
 use crate::elementwise::{add_rms_norm, rope_store_kv};
-use crate::gemv::gemv_bf16;
+use crate::gemv::{gemv_bf16, GEMV_MAX_ROWS};
 use crate::kv_int8::{int8_row_len, paged_decode_attention_int8, rope_store_kv_int8};
 use crate::quant::{gemv_quant, QMatrix};
 
@@ -36,11 +36,11 @@ pub struct Projection<'a> {
 }
 
 impl Projection<'_> {
-    /// Most activation rows [`Projection::apply`] takes: the bf16 GEMV serves 1-2 rows,
-    /// the quantized one any number.
+    /// Most activation rows [`Projection::apply`] takes: the bf16 GEMV serves up to
+    /// [`GEMV_MAX_ROWS`], the quantized one any number.
     pub fn max_rows(&self) -> usize {
         match self.weight {
-            Matrix::Bf16(_) => 2,
+            Matrix::Bf16(_) => GEMV_MAX_ROWS,
             Matrix::Quant(_) => usize::MAX,
         }
     }

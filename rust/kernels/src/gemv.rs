@@ -1,9 +1,16 @@
-//! `y = W x (+ b)` for one or two activation rows against a bf16 weight matrix.
+//! `y = W x (+ b)` for one to [`GEMV_MAX_ROWS`] activation rows against a bf16 weight
+//! matrix.
 //!
 //! At batch 1 a decoder reads every weight once per token, so the matrix-vector products
 //! run at memory speed or not at all. This kernel streams each weight row once, widening
 //! bf16 to f32 by a shift, with 16-lane f32 accumulators per activation row, and splits the
 //! output rows across the caller's threads. Sums are f32; outputs are rounded to bf16 once.
+//!
+//! A row's result does not depend on how many rows share the call: each activation row has
+//! accumulators of its own, filled in the same order whatever the row count, and the path
+//! (AVX-512, AVX2 + FMA or portable) is chosen by the CPU and `k` alone. A speculative
+//! decoding step's verification rows therefore give exactly the values a one-row decode
+//! step gives (the tests check it bit for bit).
 
 use crate::attention::{KernelError, Parallel};
 use crate::element::{Bf16, Element};
@@ -12,7 +19,12 @@ use crate::prefetch::prefetch_ahead;
 /// Output rows per part below which a call is not split.
 const MIN_ROWS_PER_PART: usize = 256;
 
-/// `out[r][n] = sum_k x[r][k] * weight[n][k] (+ bias[n])` for `r` in `0..rows` (1 or 2).
+/// Most activation rows one call takes (a decode step's, or a sequence's last token and
+/// its proposed ones): the weights are read once for all of them.
+pub const GEMV_MAX_ROWS: usize = 8;
+
+/// `out[r][n] = sum_k x[r][k] * weight[n][k] (+ bias[n])` for `r` in `0..rows` (1 to
+/// [`GEMV_MAX_ROWS`]).
 ///
 /// `x` is `[rows, k]`, `weight` `[n, k]`, `bias` `[n]`, `out` `[rows, n]`.
 #[allow(clippy::too_many_arguments)]
@@ -27,7 +39,7 @@ pub fn gemv_bf16(
     threads: usize,
     parallel: &dyn Parallel,
 ) -> Result<(), KernelError> {
-    let sizes_ok = (1..=2).contains(&rows)
+    let sizes_ok = (1..=GEMV_MAX_ROWS).contains(&rows)
         && k > 0
         && x.len() == rows * k
         && weight.len() == n * k
@@ -42,7 +54,7 @@ pub fn gemv_bf16(
         )));
     }
     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-    let simd = simd_available(k);
+    let simd = simd_path(k);
     let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
     let out_addr = out.as_mut_ptr() as usize;
     let task = |part: usize| {
@@ -70,42 +82,57 @@ pub fn gemv_bf16(
     Ok(())
 }
 
-/// Whether [`dot_row`] may take the AVX-512 path for rows of `k` values (checked once per
-/// call, not per row).
-fn simd_available(k: usize) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        k.is_multiple_of(32)
-            && std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = k;
-        false
-    }
+/// The vector path [`dot_row`] takes for rows of `k` values (chosen once per call, by the
+/// CPU and `k`, never by the row count).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Simd {
+    Avx512,
+    Avx2,
+    Portable,
 }
 
-/// Activation row `r` . the weight row `w`, for `r` in `0..rows` (1 or 2); `simd` from
-/// [`simd_available`].
-fn dot_row(xf: &[f32], w: &[Bf16], rows: usize, k: usize, simd: bool) -> [f32; 2] {
+fn simd_path(k: usize) -> Simd {
     #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: `simd` means AVX-512 F/BW and k a multiple of 32; `w` holds k values and
-        // `xf` `rows` rows of k.
-        return unsafe {
-            if rows == 2 {
-                avx512::dot_row::<2>(xf, w, k)
-            } else {
-                let [d] = avx512::dot_row::<1>(xf, w, k);
-                [d, 0.0]
-            }
-        };
+    {
+        if k.is_multiple_of(32)
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+        {
+            return Simd::Avx512;
+        }
+        if k.is_multiple_of(16)
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            return Simd::Avx2;
+        }
+    }
+    let _ = k;
+    Simd::Portable
+}
+
+/// Activation row `r` . the weight row `w`, for `r` in `0..rows`; `simd` from
+/// [`simd_path`].
+fn dot_row(xf: &[f32], w: &[Bf16], rows: usize, k: usize, simd: Simd) -> [f32; GEMV_MAX_ROWS] {
+    let mut dots = [0f32; GEMV_MAX_ROWS];
+    #[cfg(target_arch = "x86_64")]
+    match simd {
+        Simd::Avx512 => {
+            // SAFETY: AVX-512 F/BW detected and k a multiple of 32; `w` holds k values and
+            // `xf` `rows` rows of k.
+            unsafe { avx512::dot_rows(xf, w, rows, k, &mut dots) };
+            return dots;
+        }
+        Simd::Avx2 => {
+            // SAFETY: AVX2 and FMA detected and k a multiple of 16; shapes as above.
+            unsafe { avx2::dot_rows(xf, w, rows, k, &mut dots) };
+            return dots;
+        }
+        Simd::Portable => {}
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = simd;
     prefetch_ahead(w.as_ptr() as *const u8, std::mem::size_of_val(w));
-    let mut dots = [0f32; 2];
     for (r, dot) in dots.iter_mut().enumerate().take(rows) {
         let x = &xf[r * k..(r + 1) * k];
         let mut lanes = [0f32; 16];
@@ -121,6 +148,79 @@ fn dot_row(xf: &[f32], w: &[Bf16], rows: usize, k: usize, simd: bool) -> [f32; 2
         }
     }
     dots
+}
+
+/// Rows in groups of at most `$group` (a const-generic kernel per group size), each group
+/// reading the same weight row (from L1 after the first).
+macro_rules! dot_in_groups {
+    ($kernel:ident, $group:expr, $xf:expr, $w:expr, $rows:expr, $k:expr, $dots:expr) => {{
+        let mut first = 0;
+        while first < $rows {
+            let take = ($rows - first).min($group);
+            let x = &$xf[first * $k..];
+            let out = &mut $dots[first..first + take];
+            match take {
+                1 => $kernel::<1>(x, $w, $k, out),
+                2 => $kernel::<2>(x, $w, $k, out),
+                3 => $kernel::<3>(x, $w, $k, out),
+                _ => $kernel::<4>(x, $w, $k, out),
+            }
+            first += take;
+        }
+    }};
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use crate::element::Bf16;
+    use crate::prefetch::prefetch_line_ahead;
+
+    /// SAFETY: AVX2 and FMA present; `k % 16 == 0`; `w.len() >= k`, `xf.len() >= rows * k`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_rows(xf: &[f32], w: &[Bf16], rows: usize, k: usize, dots: &mut [f32]) {
+        dot_in_groups!(dot_group, 4, xf, w, rows, k, dots);
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn widen(p: *const u16) -> __m256 {
+        let raw = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(raw)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn sum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
+    }
+
+    /// Two 8-lane accumulators per activation row (the first and second 8 of every 16
+    /// values), summed at the end: the same order for a row whatever `ROWS` is.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot_group<const ROWS: usize>(xf: &[f32], w: &[Bf16], k: usize, dots: &mut [f32]) {
+        let wp = w.as_ptr() as *const u16;
+        let xp = xf.as_ptr();
+        let mut acc = [[_mm256_setzero_ps(); 2]; ROWS];
+        let mut i = 0;
+        while i < k {
+            if i % 32 == 0 {
+                prefetch_line_ahead(wp.add(i) as *const u8);
+            }
+            let (w0, w1) = (widen(wp.add(i)), widen(wp.add(i + 8)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(r * k + i)), w0, a[0]);
+                a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(r * k + i + 8)), w1, a[1]);
+            }
+            i += 16;
+        }
+        for (d, a) in dots.iter_mut().zip(acc) {
+            *d = sum(_mm256_add_ps(a[0], a[1]));
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -143,13 +243,15 @@ mod avx512 {
     }
 
     /// SAFETY: AVX-512 F/BW present; `k % 32 == 0`; `w.len() >= k`,
-    /// `xf.len() >= ROWS * k`.
+    /// `xf.len() >= rows * k`.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn dot_row<const ROWS: usize>(
-        xf: &[f32],
-        w: &[Bf16],
-        k: usize,
-    ) -> [f32; ROWS] {
+    pub(super) unsafe fn dot_rows(xf: &[f32], w: &[Bf16], rows: usize, k: usize, dots: &mut [f32]) {
+        dot_in_groups!(dot_group, 4, xf, w, rows, k, dots);
+    }
+
+    /// Two accumulators per activation row, the same order for a row whatever `ROWS` is.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn dot_group<const ROWS: usize>(xf: &[f32], w: &[Bf16], k: usize, dots: &mut [f32]) {
         let wp = w.as_ptr() as *const u16;
         let xp = xf.as_ptr();
         // Two accumulators per activation row (the first and second 16 of every 32
@@ -168,6 +270,8 @@ mod avx512 {
             }
             i += 32;
         }
-        acc.map(|a| _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1])))
+        for (d, a) in dots.iter_mut().zip(acc) {
+            *d = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
+        }
     }
 }

@@ -13,7 +13,7 @@
 use crate::attention::{KernelError, Parallel};
 use crate::decoder::Activation;
 use crate::element::{Bf16, Element};
-use crate::gemv::gemv_bf16;
+use crate::gemv::{gemv_bf16, GEMV_MAX_ROWS};
 use crate::quant::{gemv_quant, QMatrix, Q4, Q8, QBLOCK};
 
 /// Most rows one call takes (a decode step's; larger steps group tokens by expert and run
@@ -76,10 +76,10 @@ impl<'a> Experts<'a> {
         match self {
             Experts::Quant(m) => gemv_quant(out, x, *m, None, rows, n, k, threads, parallel),
             Experts::Bf16(w) => {
-                // The bf16 GEMV serves two rows a pass.
+                // The bf16 GEMV serves up to GEMV_MAX_ROWS rows a pass.
                 let mut first = 0;
                 while first < rows {
-                    let take = (rows - first).min(2);
+                    let take = (rows - first).min(GEMV_MAX_ROWS);
                     gemv_bf16(
                         &mut out[first * n..(first + take) * n],
                         &x[first * k..(first + take) * k],

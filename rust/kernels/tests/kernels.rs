@@ -493,10 +493,19 @@ fn bad_inputs_are_errors_and_write_nothing() {
 }
 
 #[test]
-fn gemv_matches_a_plain_product_for_one_and_two_rows() {
+fn gemv_matches_a_plain_product_for_one_to_eight_rows() {
     use iron_batch_kernels::gemv_bf16;
     let mut rng = Rng(11);
-    for (rows, n, k) in [(1, 700, 576), (2, 1000, 64), (1, 3, 40), (2, 513, 96)] {
+    for (rows, n, k) in [
+        (1, 700, 576),
+        (2, 1000, 64),
+        (1, 3, 40),
+        (2, 513, 96),
+        (3, 300, 48),
+        (5, 257, 160),
+        (8, 600, 576),
+        (7, 9, 40),
+    ] {
         let x: Vec<Bf16> = (0..rows * k).map(|_| Bf16::from_f32(rng.unit())).collect();
         let w: Vec<Bf16> = (0..n * k).map(|_| Bf16::from_f32(rng.unit())).collect();
         let b: Vec<Bf16> = (0..n).map(|_| Bf16::from_f32(rng.unit())).collect();
@@ -530,17 +539,46 @@ fn gemv_matches_a_plain_product_for_one_and_two_rows() {
             }
         }
     }
-    let mut out = vec![Bf16::default(); 3];
+    let mut out = vec![Bf16::default(); 9];
     let bad = gemv_bf16(
         &mut out,
+        &[Bf16::default(); 27],
         &[Bf16::default(); 3],
-        &[Bf16::default(); 9],
         None,
-        3,
+        9,
         1,
         3,
         1,
         &ScopedThreads,
     );
-    assert!(bad.is_err(), "three activation rows are refused");
+    assert!(bad.is_err(), "nine activation rows are refused");
+}
+
+/// A row's output is the same, bit for bit, whichever rows share the call: speculative
+/// decoding verifies proposals with several rows and must reproduce a one-row decode.
+#[test]
+fn gemv_rows_do_not_depend_on_the_rows_beside_them() {
+    use iron_batch_kernels::gemv_bf16;
+    let mut rng = Rng(29);
+    // k multiples of 32, of 16 only, and of neither: every vector path this CPU has.
+    for (n, k) in [(300, 576), (260, 48), (70, 40)] {
+        let x: Vec<Bf16> = (0..8 * k).map(|_| Bf16::from_f32(rng.unit())).collect();
+        let w: Vec<Bf16> = (0..n * k).map(|_| Bf16::from_f32(rng.unit())).collect();
+        let run = |x: &[Bf16], rows: usize| {
+            let mut out = vec![Bf16::default(); rows * n];
+            gemv_bf16(&mut out, x, &w, None, rows, n, k, 2, &ScopedThreads).unwrap();
+            out
+        };
+        let alone: Vec<Vec<Bf16>> = (0..8).map(|r| run(&x[r * k..(r + 1) * k], 1)).collect();
+        for rows in 1..=8 {
+            let together = run(&x[..rows * k], rows);
+            for (r, want) in alone.iter().enumerate().take(rows) {
+                let got = &together[r * n..(r + 1) * n];
+                assert!(
+                    got == want.as_slice(),
+                    "k {k}: row {r} of {rows} differs from the row alone"
+                );
+            }
+        }
+    }
 }
