@@ -177,6 +177,16 @@ def _scratch(elements: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor
 
 
 @functools.cache
+def _avx512_quant_kernels() -> bool:
+    """Whether the q4/q8 layouts' AVX-512 kernels run here (AVX-512 F/BW/VL and BF16)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return True
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
+
+
+@functools.cache
 def bf16_gemm_is_native() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX). Elsewhere torch's
     bf16 GEMM emulates it: on an AVX2 EPYC a 64-row product with a 1536 x 576 matrix took
@@ -375,6 +385,11 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, n: int, k: int) -> QuantWe
         weights, per_block = GGUF_RAW_BLOCKS[type_name]
         if k % weights or raw.size != n * (k // weights) * per_block:
             return None
+        data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1).copy()
+        return _raw_weight([(type_name, n)], data, k, type_name)
+    if type_name in ("Q8_0", "Q4_1") and not _avx512_quant_kernels() and k % QBLOCK == 0:
+        # Without AVX-512 the regrouped layouts' kernels are portable loops; the block
+        # kernels of the file's own bytes have an AVX2 path.
         data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1).copy()
         return _raw_weight([(type_name, n)], data, k, type_name)
     per_block = GGUF_BLOCK_BYTES.get(type_name)
