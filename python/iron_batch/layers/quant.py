@@ -3,7 +3,8 @@
 Three modes, all with bf16 activations and a bf16 KV cache:
 
 - ``gguf``: a GGUF file's Q8_0, Q4_0 and Q4_1 tensors are kept as they are (their blocks
-  regrouped once at load, nothing rounded), and so are its K-quants (Q4_K, Q5_K, Q6_K) and
+  regrouped once at load, nothing rounded, where the AVX-512 kernels run; Q8_0 and Q4_1
+  in the file's bytes elsewhere), and so are its K-quants (Q4_K, Q5_K, Q6_K) and
   Q5_0/Q5_1 tensors, in the file's own bytes; a fused projection whose parts have different
   types (llama.cpp's quantizer picks one per tensor) stacks their blocks as row ranges.
   Other tensor types (Q2_K, Q3_K, the IQ formats, ...) are dequantized to bf16, with a
