@@ -3,7 +3,8 @@
 Three modes, all with bf16 activations and a bf16 KV cache:
 
 - ``gguf``: a GGUF file's Q8_0, Q4_0 and Q4_1 tensors are kept as they are (their blocks
-  regrouped once at load, nothing rounded), and so are its K-quants (Q4_K, Q5_K, Q6_K) and
+  regrouped once at load, nothing rounded, where the AVX-512 kernels run; Q8_0 and Q4_1
+  in the file's bytes elsewhere), and so are its K-quants (Q4_K, Q5_K, Q6_K) and
   Q5_0/Q5_1 tensors, in the file's own bytes; a fused projection whose parts have different
   types (llama.cpp's quantizer picks one per tensor) stacks their blocks as row ranges.
   Other tensor types (Q2_K, Q3_K, the IQ formats, ...) are dequantized to bf16, with a
@@ -174,6 +175,16 @@ def _scratch(elements: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor
             buf = torch.empty(elements, dtype=dtype)
         setattr(_local, name, buf)
     return buf[:elements]
+
+
+@functools.cache
+def _avx512_quant_kernels() -> bool:
+    """Whether the q4/q8 layouts' AVX-512 kernels run here (AVX-512 F/BW/VL and BF16)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return True
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
 
 
 @functools.cache
@@ -375,6 +386,11 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, n: int, k: int) -> QuantWe
         weights, per_block = GGUF_RAW_BLOCKS[type_name]
         if k % weights or raw.size != n * (k // weights) * per_block:
             return None
+        data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1).copy()
+        return _raw_weight([(type_name, n)], data, k, type_name)
+    if type_name in ("Q8_0", "Q4_1") and not _avx512_quant_kernels() and k % QBLOCK == 0:
+        # Without AVX-512 the regrouped layouts' kernels are portable loops; the block
+        # kernels of the file's own bytes have an AVX2 path.
         data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1).copy()
         return _raw_weight([(type_name, n)], data, k, type_name)
     per_block = GGUF_BLOCK_BYTES.get(type_name)
