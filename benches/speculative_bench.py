@@ -7,7 +7,12 @@ at a time, greedy; prints ms per output token of each, their ratio, the acceptan
 and whether the texts are the same. ``--concurrency``: random prompts (nothing to copy)
 through the bench client at those concurrencies, tok/s of each and their ratio.
 
+``--llamacpp``: the same prompts through llama.cpp (``llama-cpp-python``, 2 threads, the
+same GGUF file), greedy, without and with its prompt-lookup draft
+(``LlamaPromptLookupDecoding``, ``--k`` tokens), in the same run.
+
     python benches/speculative_bench.py --dtype bfloat16
+    python benches/speculative_bench.py --quantization gguf --llamacpp
     python benches/speculative_bench.py --quantization gguf --concurrency 1 16 64
 """
 
@@ -112,6 +117,29 @@ def throughput(url: str, concurrency: int, args: argparse.Namespace) -> float:
         return float(json.loads(Path(out.name).read_text())["tokens_per_sec"])
 
 
+def llamacpp(args: argparse.Namespace, lookup: bool) -> tuple[float, list[str]]:
+    """llama.cpp's ms per output token over the copy prompts (warmed up by one pass), and
+    its texts; ``lookup``: with its prompt-lookup draft of ``args.k`` tokens."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    from llamacpp_bench import default_model_path
+
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=args.k) if lookup else None
+    llm = Llama(model_path=default_model_path(), n_threads=2, n_threads_batch=2, n_ctx=2048,
+                draft_model=draft, verbose=False)
+    result = (0.0, [])
+    for _ in range(2):  # the first pass warms up
+        texts, tokens, elapsed = [], 0, 0.0
+        for prompt in PROMPTS:
+            t0 = time.perf_counter()
+            out = llm.create_completion(prompt, max_tokens=args.max_new_tokens, temperature=0.0)
+            elapsed += time.perf_counter() - t0
+            texts.append(out["choices"][0]["text"])
+            tokens += out["usage"]["completion_tokens"]
+        result = (1000.0 * elapsed / tokens, texts)
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -122,7 +150,11 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--concurrency", type=int, nargs="*", default=[])
+    p.add_argument("--llamacpp", action="store_true",
+                   help="also llama.cpp without and with its prompt-lookup draft")
     args = p.parse_args()
+    cpp: dict[bool, list[float]] = {False: [], True: []}
+    cpp_texts: dict[bool, list[str]] = {}
     ms: dict[bool, list[float]] = {False: [], True: []}
     tps: dict[tuple[bool, int], list[float]] = {}
     texts: dict[bool, list[str]] = {}
@@ -146,10 +178,21 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait()
+        if args.llamacpp:
+            for lookup in (False, True):
+                m, t = llamacpp(args, lookup)
+                cpp[lookup].append(m)
+                cpp_texts[lookup] = t
     base, fast = statistics.median(ms[False]), statistics.median(ms[True])
     print(f"batch 1, copy prompts: {base:.2f} ms/token without, {fast:.2f} with "
           f"speculation: {base / fast:.2f}x; accepted {accepted} of {drafted} proposed "
           f"({100 * accepted / max(drafted, 1):.0f}%); same text: {texts[False] == texts[True]}")
+    if args.llamacpp:
+        plain, look = statistics.median(cpp[False]), statistics.median(cpp[True])
+        print(f"llama.cpp, copy prompts: {plain:.2f} ms/token without, {look:.2f} with its "
+              f"prompt-lookup draft ({plain / look:.2f}x; same text: "
+              f"{cpp_texts[False] == cpp_texts[True]}); ours with speculation against "
+              f"llama.cpp's best: {fast / min(plain, look):.2f}x its ms/token")
     for c in args.concurrency:
         a, b = statistics.median(tps[(False, c)]), statistics.median(tps[(True, c)])
         print(f"random prompts, concurrency {c}: {a:.1f} tok/s without, {b:.1f} with: "

@@ -48,8 +48,9 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
     Flag("--quantization", dict(
         choices=QUANTIZATION_MODES, default=None,
         help="torch, CPU: weight-only quantized projections: gguf (keep a GGUF file's "
-        "Q8_0/Q4_0/Q4_1 blocks), int8 (per channel) or int4 (groups of 32) from any "
-        "checkpoint; activations and KV cache stay bf16; composes with tensor parallelism "
+        "Q8_0/Q4_0/Q4_1, Q4_K/Q5_K/Q6_K and Q5_0/Q5_1 blocks), int8 (per channel) or int4 "
+        "(groups of 32) from any checkpoint; activations stay bf16 (the KV cache: "
+        "--kv-cache-dtype); composes with tensor parallelism "
         "(default: the checkpoint's weights, dequantized)")),
     Flag("--total-kv-blocks", dict(
         type=positive_int, default=None,
