@@ -151,8 +151,9 @@ def packed_linear(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` for 1 to ``BF16_GEMV_MAX_ROWS`` bf16 rows by the Rust GEMV: each weight row streamed once by
-    all of torch's threads, f32 sums, one rounding to bf16 (other shapes: ``F.linear``)."""
+    """``F.linear`` for 1 to ``BF16_GEMV_MAX_ROWS`` bf16 rows by the Rust GEMV: each weight
+    row streamed once by all of torch's threads, f32 sums, one rounding to bf16 (other
+    shapes: ``F.linear``)."""
     rows = x.shape[0]
     if x.dim() != 2 or rows > BF16_GEMV_MAX_ROWS or rows == 0 or x.dtype != torch.bfloat16:
         return torch.nn.functional.linear(x, weight, bias)

@@ -4,7 +4,7 @@ rank's tensor-parallel part.
 
 Which kernel runs is the layer's business, decided by its weight and the step's rows:
 quantized weights run the block GEMV (up to ``quant_gemv_rows`` rows) or a dequantized
-GEMM; dense bf16 ones on CPU the Rust GEMV for one or two rows, oneDNN's packed layout for
+GEMM; dense bf16 ones on CPU the Rust GEMV for up to 8 rows, oneDNN's packed layout for
 more; everything else ``F.linear``.
 """
 

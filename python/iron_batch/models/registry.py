@@ -23,8 +23,8 @@ from iron_batch.models.phi3 import Phi3ForCausalLM
 from iron_batch.models.qwen2 import Qwen2ForCausalLM
 from iron_batch.models.qwen2_moe import Qwen2MoeForCausalLM
 from iron_batch.models.qwen3 import Qwen3ForCausalLM
-from iron_batch.models.qwen3_moe import Qwen3MoeForCausalLM
 from iron_batch.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextOfMultimodal
+from iron_batch.models.qwen3_moe import Qwen3MoeForCausalLM
 from iron_batch.models.smollm3 import SmolLM3ForCausalLM
 
 FAMILIES: tuple[type[DecoderModel], ...] = (

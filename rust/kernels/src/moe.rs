@@ -393,6 +393,101 @@ mod tests {
     }
 
     #[test]
+    fn gguf_block_experts_are_sliced_by_expert() {
+        // The same Q8 weights as GGUF Q8_0 blocks (f16 scale, then 32 i8 quants), stacked
+        // for all experts as one tensor of one format.
+        let s = shape(3);
+        let mut r = rng(13);
+        let gguf = |n: usize, k: usize, r: &mut dyn FnMut() -> f32| {
+            let quants: Vec<i8> = (0..n * k).map(|_| (r() * 127.0) as i8).collect();
+            let scale: Vec<F16> = (0..n * k / QBLOCK)
+                .map(|_| F16::from_f32(0.002 + 0.002 * r().abs()))
+                .collect();
+            let mut bytes = Vec::with_capacity(n * k / QBLOCK * 34);
+            for (b, d) in scale.iter().enumerate() {
+                bytes.extend_from_slice(&d.0.to_le_bytes());
+                bytes.extend(
+                    quants[b * QBLOCK..(b + 1) * QBLOCK]
+                        .iter()
+                        .map(|&q| q as u8),
+                );
+            }
+            (quants, scale, bytes)
+        };
+        let (gq, gs, gb) = gguf(s.experts * 2 * s.inter, s.hidden, &mut r);
+        let (dq, ds, db) = gguf(s.experts * s.hidden, s.inter, &mut r);
+        fn blocks(rows: usize, bytes: &[u8]) -> Experts<'_> {
+            Experts::Quant(QMatrix::Blocks(crate::kquant::Blocks::new(
+                crate::kquant::BlockFormat::Q8_0,
+                rows,
+                bytes,
+            )))
+        }
+        let (x, ids, w) = inputs(s, 9);
+        let mut out = vec![Bf16::from_f32(0.0); s.rows * s.hidden];
+        moe_experts(
+            &mut out,
+            &bf16s(&x),
+            &ids,
+            &w,
+            blocks(s.experts * 2 * s.inter, &gb),
+            blocks(s.experts * s.hidden, &db),
+            Activation::SiluMul,
+            s,
+            2,
+            &ScopedThreads,
+        )
+        .unwrap();
+        let (gm, dm) = (
+            QMatrix::Q8(Q8 {
+                quants: &gq,
+                scale: &gs,
+            }),
+            QMatrix::Q8(Q8 {
+                quants: &dq,
+                scale: &ds,
+            }),
+        );
+        let want = reference(
+            &x,
+            &ids,
+            &w,
+            |row, k| f64::from(gm.weight(row, k, s.hidden)),
+            |row, c| f64::from(dm.weight(row, c, s.inter)),
+            s,
+        );
+        close(&out, &want, 0.03);
+        // A matrix of two formats is not one expert tensor: refused.
+        fn seg(rows: usize, data: &[u8]) -> crate::kquant::Segment<'_> {
+            crate::kquant::Segment {
+                format: crate::kquant::BlockFormat::Q8_0,
+                rows,
+                data,
+            }
+        }
+        let rows = s.experts * 2 * s.inter;
+        let bytes_per_row = s.hidden / QBLOCK * 34;
+        let two = crate::kquant::Blocks::stacked(&[
+            seg(rows / 2, &gb[..rows / 2 * bytes_per_row]),
+            seg(rows / 2, &gb[rows / 2 * bytes_per_row..]),
+        ])
+        .unwrap();
+        let refused = moe_experts(
+            &mut out,
+            &bf16s(&x),
+            &ids,
+            &w,
+            Experts::Quant(QMatrix::Blocks(two)),
+            blocks(s.experts * s.hidden, &db),
+            Activation::SiluMul,
+            s,
+            2,
+            &ScopedThreads,
+        );
+        assert!(refused.is_err());
+    }
+
+    #[test]
     fn q4_experts_read_their_own_blocks() {
         let s = MoeShape {
             inter: 128,
