@@ -55,7 +55,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="iron-batch-compare-"))
     if args.shape:
         model = str(tt.build_shape_model(args.shape, getattr(torch, args.dtype), tmp / "shape"))
-        vocab = tt.SHAPES[args.shape]["vocab_size"]
+        vocab = tt.SHAPES[args.shape][1]["vocab_size"]
     elif args.model:
         model, vocab = args.model, 49152 if args.model == "smollm2-135m" else 32000
     else:

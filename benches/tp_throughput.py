@@ -75,7 +75,7 @@ def main() -> None:
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
     model = str(build_shape_model(args.shape, getattr(torch, args.dtype), Path(tmp.name)))
-    vocab = SHAPES[args.shape]["vocab_size"]
+    vocab = SHAPES[args.shape][1]["vocab_size"]
     rng = np.random.default_rng(0)
     prompts = rng.integers(100, vocab - 100, (args.requests, args.prompt_tokens), dtype=np.int64)
     warm = rng.integers(100, vocab - 100, (args.requests, args.prompt_tokens), dtype=np.int64)
