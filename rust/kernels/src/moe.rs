@@ -632,6 +632,89 @@ mod tests {
     }
 
     #[test]
+    fn mxfp4_experts_with_biases_and_the_clamped_swiglu_match_the_float64_reference() {
+        let s = shape(3);
+        let (alpha, limit) = (1.702f32, 1.5f32);
+        let mut r = rng(17);
+        // Codes of every value; exponents 2^-3 .. 2^-1.
+        let mx = |n: usize, k: usize, r: &mut dyn FnMut() -> f32| {
+            let packed: Vec<u8> = (0..n * k / 2).map(|_| (r().abs() * 255.0) as u8).collect();
+            let scale: Vec<u8> = (0..n * k / 32)
+                .map(|_| 124 + (r().abs() * 2.9) as u8)
+                .collect();
+            (packed, scale)
+        };
+        let (gp, gs) = mx(s.experts * 2 * s.inter, s.hidden, &mut r);
+        let (dp, ds) = mx(s.experts * s.hidden, s.inter, &mut r);
+        let (gm, dm) = (
+            Mxfp4 {
+                packed: &gp,
+                scale: &gs,
+            },
+            Mxfp4 {
+                packed: &dp,
+                scale: &ds,
+            },
+        );
+        let gb: Vec<Bf16> = (0..s.experts * 2 * s.inter)
+            .map(|_| Bf16::from_f32(r()))
+            .collect();
+        let db: Vec<Bf16> = (0..s.experts * s.hidden)
+            .map(|_| Bf16::from_f32(r()))
+            .collect();
+        let (x, ids, w) = inputs(s, 21);
+        let mut out = vec![Bf16::from_f32(0.0); s.rows * s.hidden];
+        let extras = ExpertExtras {
+            activation: ExpertActivation::ClampedSwiglu { alpha, limit },
+            gate_up_bias: Some(&gb),
+            down_bias: Some(&db),
+        };
+        moe_experts_with(
+            &mut out,
+            &bf16s(&x),
+            &ids,
+            &w,
+            Experts::Mxfp4(gm),
+            Experts::Mxfp4(dm),
+            extras,
+            s,
+            2,
+            &ScopedThreads,
+        )
+        .unwrap();
+        let (h, i_) = (s.hidden, s.inter);
+        let mut want = vec![0f64; s.rows * h];
+        for row in 0..s.rows {
+            for j in 0..s.top_k {
+                let e = ids[row * s.top_k + j] as usize;
+                let gu = |c: usize| -> f64 {
+                    let n = e * 2 * i_ + c;
+                    (0..h)
+                        .map(|k| f64::from(x[row * h + k]) * f64::from(gm.weight(n, k, h)))
+                        .sum::<f64>()
+                        + f64::from(gb[n].to_f32())
+                };
+                let act: Vec<f64> = (0..i_)
+                    .map(|c| {
+                        let g = gu(c).min(f64::from(limit));
+                        let u = gu(i_ + c).clamp(-f64::from(limit), f64::from(limit));
+                        (u + 1.0) * g / (1.0 + (-f64::from(alpha) * g).exp())
+                    })
+                    .collect();
+                for o in 0..h {
+                    let d: f64 = (0..i_)
+                        .map(|c| act[c] * f64::from(dm.weight(e * h + o, c, i_)))
+                        .sum::<f64>()
+                        + f64::from(db[e * h + o].to_f32());
+                    want[row * h + o] += f64::from(w[row * s.top_k + j]) * d;
+                }
+            }
+        }
+        // bf16 rounding of the gate/up outputs and of each step of the activation.
+        close(&out, &want, 0.05);
+    }
+
+    #[test]
     fn bad_expert_ids_and_shapes_are_errors() {
         let s = shape(1);
         let gu = vec![Bf16::from_f32(0.0); s.experts * 2 * s.inter * s.hidden];
