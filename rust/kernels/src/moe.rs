@@ -636,11 +636,12 @@ mod tests {
         let s = shape(3);
         let (alpha, limit) = (1.702f32, 1.5f32);
         let mut r = rng(17);
-        // Codes of every value; exponents 2^-3 .. 2^-1.
+        // Codes of every value; exponents 2^-6 .. 2^-4, so that some gate/up outputs are
+        // clamped and some not.
         let mx = |n: usize, k: usize, r: &mut dyn FnMut() -> f32| {
             let packed: Vec<u8> = (0..n * k / 2).map(|_| (r().abs() * 255.0) as u8).collect();
             let scale: Vec<u8> = (0..n * k / 32)
-                .map(|_| 124 + (r().abs() * 2.9) as u8)
+                .map(|_| 121 + (r().abs() * 2.9) as u8)
                 .collect();
             (packed, scale)
         };

@@ -63,7 +63,11 @@ impl<'a> Mxfp4<'a> {
     /// Weight `j` of row `row`, dequantized.
     pub fn weight(&self, row: usize, j: usize, k: usize) -> f32 {
         let byte = self.packed[row * k / 2 + j / 2];
-        let code = if j % 2 == 0 { byte & 15 } else { byte >> 4 };
+        let code = if j.is_multiple_of(2) {
+            byte & 15
+        } else {
+            byte >> 4
+        };
         FP4[code as usize] * exponent(self.scale[row * (k / MXFP4_BLOCK) + j / MXFP4_BLOCK])
     }
 
