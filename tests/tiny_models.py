@@ -148,6 +148,17 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=3,
         intermediate_size=32, norm_topk_prob=False, tie_word_embeddings=False,
     )),
+    # gpt-oss (tests/test_gpt_oss.py): sliding (window 6) and full layers alternating,
+    # attention sinks, YaRN, top 2 of 4 experts with biases and the clamped SwiGLU (a limit
+    # the random activations reach).
+    "gpt_oss": ("GptOssConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, intermediate_size=32, sliding_window=6, swiglu_limit=1.5,
+        tie_word_embeddings=False, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "truncate": False,
+                      "original_max_position_embeddings": 128},
+    )),
 }
 
 _ROOT = Path(tempfile.mkdtemp(prefix="iron_batch_tiny_"))

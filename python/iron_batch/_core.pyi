@@ -351,9 +351,11 @@ def _paged_decode_attention(
     threads: int,
     openmp: tuple[int, int, int] | None = None,
     softcap: float = 0.0,
+    sinks: int = 0,
 ) -> None:
     """Decode attention over raw CPU tensor addresses (``softcap`` 0: off, else each score
-    becomes ``softcap * tanh(score / softcap)``); call it through
+    becomes ``softcap * tanh(score / softcap)``; ``sinks`` 0: none, else the address of
+    ``num_heads`` float32 sink logits); call it through
     ``iron_batch.attention.cpu_kernel``, which validates every tensor first."""
 
 def _add_rms_norm(

@@ -129,10 +129,12 @@ class AttentionBackend:
         plan: AttentionPlan,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[T, heads * hd] attention outputs of this step's queries (``softcap``: scores
-        become ``softcap * tanh(score / softcap)`` before the mask and softmax)."""
-        return paged.paged_attention(q, k, v, cache, plan, scale, softcap)
+        become ``softcap * tanh(score / softcap)`` before the mask and softmax; ``sinks``:
+        float32 [heads] logits in each head's softmax denominator)."""
+        return paged.paged_attention(q, k, v, cache, plan, scale, softcap, sinks)
 
 
 class TorchAttention(AttentionBackend):

@@ -34,13 +34,16 @@ def paged_decode_attention(
     sliding_window: int | None,
     *,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [S, heads, hd] -> [S, heads * hd]; ``cache`` [2, blocks, block_size, kv_heads, hd]
     (or an int8 cache, ``attention/kv_int8.py``, its last dim ``hd + 4``);
     ``block_tables`` int32 [S, width] and ``seq_lens`` int32 [S] of the decoding sequences
     (lengths include the new token, whose K/V is already in the cache). With ``softcap``
     (Gemma 2's ``attn_logit_softcapping``) each score ``s = scale * q.k`` becomes
-    ``softcap * tanh(s / softcap)`` before the softmax; None or 0: off."""
+    ``softcap * tanh(s / softcap)`` before the softmax; None or 0: off. ``sinks``
+    (float32 [heads], gpt-oss): each head's logit joins its softmax's denominator (the
+    kernel's portable and AVX2 paths; an int8 cache takes none)."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_blocks, block_size, kv_heads, cache_hd = cache.shape
     int8 = kv_int8.is_int8(cache)
@@ -62,6 +65,22 @@ def paged_decode_attention(
         raise ValueError(f"softcap must be positive (or None), not {softcap}")
     q = q.contiguous()
     out = torch.empty(num_seqs, num_heads * head_dim, dtype=q.dtype)
+    if sinks is not None:
+        if int8:
+            raise ValueError("attention sinks need a bf16 or float32 KV cache, not int8")
+        if sinks.dtype != torch.float32 or sinks.shape != (num_heads,) or (
+                sinks.device.type != "cpu"):
+            raise ValueError(f"sinks must be float32 [{num_heads}] on the CPU")
+        sinks = sinks.contiguous()
+        _KERNEL(
+            out.data_ptr(), q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), tables,
+            lens, num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+            block_size=block_size, num_blocks=num_blocks, sliding_window=sliding_window or 0,
+            scale=float(scale), bf16=q.dtype == torch.bfloat16,
+            threads=torch.get_num_threads(), openmp=entry_points(), softcap=cap,
+            sinks=sinks.data_ptr(),
+        )
+        return out
     (_KERNEL_INT8 if int8 else _KERNEL)(
         out.data_ptr(), q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), tables, lens,
         num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,

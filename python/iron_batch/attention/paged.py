@@ -242,10 +242,13 @@ def paged_attention(
     plan: AttentionPlan,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, heads, hd], new k/v [T, kv_heads, hd] (already in the cache) -> [T, heads * hd].
     k and v may be None for a decode-only step: decodes read everything from the cache.
-    ``softcap``: scores become ``softcap * tanh(score / softcap)`` before the softmax."""
+    ``softcap``: scores become ``softcap * tanh(score / softcap)`` before the softmax.
+    ``sinks`` (float32 [heads], gpt-oss): each head's learned logit joins its softmax's
+    denominator (a key no query attends with a value of zero), in sliding layers too."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = cache.shape[-2]
     group = num_heads // kv_heads
@@ -253,24 +256,26 @@ def paged_attention(
     if plan.every_row is not None:
         e = plan.every_row
         return cpu_kernel.paged_decode_attention(q, cache, e.tables, e.lens, scale,
-                                                    e.sliding_window, softcap=softcap)
+                                                    e.sliding_window, softcap=softcap,
+                                                    sinks=sinks)
     d = plan.decodes
     fresh = plan.fresh
     if d is not None and d.all_rows and not plan.prefills and fresh is None:
-        return _decode_attention(q, cache, d, scale, group, softcap)
+        return _decode_attention(q, cache, d, scale, group, softcap, sinks)
     if k is None or v is None:
         raise ValueError("prefill attention needs this step's k and v")
     if fresh is not None and fresh.all_rows and not plan.prefills and d is None:
-        return _fresh_attention(q, k, v, fresh, scale, softcap)
+        return _fresh_attention(q, k, v, fresh, scale, softcap, sinks)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if d is not None:
         out.index_copy_(0, d.rows,
-                        _decode_attention(q[d.rows], cache, d, scale, group, softcap))
+                        _decode_attention(q[d.rows], cache, d, scale, group, softcap, sinks))
     if fresh is not None:
-        out.index_copy_(0, fresh.out_rows, _fresh_attention(q, k, v, fresh, scale, softcap))
+        out.index_copy_(0, fresh.out_rows,
+                        _fresh_attention(q, k, v, fresh, scale, softcap, sinks))
     for p in plan.prefills:
         out[p.rows] = _prefill_attention(q[p.rows], k[p.rows], v[p.rows], flat, p, scale, group,
-                                         softcap)
+                                         softcap, sinks)
     return out
 
 
@@ -281,6 +286,7 @@ def _decode_attention(
     scale: float,
     group: int,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every single-token query at once: in bf16/fp16 two batched matmuls around a float32
     softmax, in float32 one SDPA call.
@@ -291,7 +297,7 @@ def _decode_attention(
     """
     if d.tables is not None and d.lens is not None:
         return cpu_kernel.paged_decode_attention(
-            q, cache, d.tables, d.lens, scale, d.sliding_window, softcap=softcap
+            q, cache, d.tables, d.lens, scale, d.sliding_window, softcap=softcap, sinks=sinks
         )
     assert d.block_rows is not None and d.mask is not None
     s, num_heads, head_dim = q.shape
@@ -307,7 +313,7 @@ def _decode_attention(
     keys = keys.view(s, length, kv_heads, head_dim).transpose(1, 2)  # [S, kvh, L, hd]
     values = values.view(s, length, kv_heads, head_dim).transpose(1, 2)
     qg = q.reshape(s, kv_heads, group, head_dim)
-    if q.dtype == torch.float32 and softcap is None:
+    if q.dtype == torch.float32 and softcap is None and sinks is None:
         # In float32 the CPU SDPA kernel reads the strided K/V in place and wins (measured
         # 1.7 vs 2.5 ms per layer at 64 x 208 tokens); in bf16 the matmuls below win.
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=d.mask, scale=scale)
@@ -317,6 +323,9 @@ def _decode_attention(
     if softcap is not None:
         scores = _softcap(scores, softcap)
     scores = scores.add_(d.mask)
+    if sinks is not None:
+        probs = _softmax_with_sinks(scores, sinks.view(kv_heads, group, 1)).to(q.dtype)
+        return torch.matmul(probs, values).reshape(s, num_heads * head_dim)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(probs, values).reshape(s, num_heads * head_dim)
 
@@ -328,6 +337,7 @@ def _fresh_attention(
     f: _FreshPrefills,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[n_valid, heads * hd] outputs of the fresh prompts, in ``f.out_rows`` order."""
     s, length = f.pad_rows.shape
@@ -335,7 +345,8 @@ def _fresh_attention(
     qp = q[f.pad_rows].transpose(1, 2)  # [S, heads, L, hd]
     kp = k[f.pad_rows].transpose(1, 2)  # [S, kvh, L, hd]
     vp = v[f.pad_rows].transpose(1, 2)
-    out = _sdpa(qp, kp, vp, None, True, scale, softcap)
+    out = _sdpa(qp, kp, vp, None, True, scale, softcap,
+                None if sinks is None else sinks.view(num_heads, 1, 1))
     out = out.transpose(1, 2).reshape(s * length, num_heads * head_dim)
     return out if f.all_rows and s * length == len(f.valid) else out[f.valid]
 
@@ -349,6 +360,7 @@ def _prefill_attention(
     scale: float,
     group: int,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     q_len, num_heads, head_dim = q.shape
     kv_heads = num_heads // group
@@ -361,14 +373,28 @@ def _prefill_attention(
     # [kvh, q_len * group, hd]: row r is query token r // group, head (kv_head, r % group).
     qg = q.view(q_len, kv_heads, group, head_dim).permute(1, 0, 2, 3)
     qg = qg.reshape(kv_heads, q_len * group, head_dim)
+    row_sinks = None
+    if sinks is not None:  # row r of kv head h is query head h * group + r % group
+        row_sinks = sinks.view(kv_heads, 1, group).expand(kv_heads, q_len, group).reshape(
+            kv_heads, q_len * group, 1)
     out = _sdpa(qg, keys.transpose(0, 1), values.transpose(0, 1), p.mask, p.mask is None,
-                scale, softcap)
+                scale, softcap, row_sinks)
     out = out.view(kv_heads, q_len, group, head_dim).permute(1, 0, 2, 3)
     return out.reshape(q_len, num_heads * head_dim)
 
 
 def _softcap(scores: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(scores / cap) * cap
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The softmax of float32 ``scores`` [..., keys] with each row's sink logit (``sinks``
+    broadcast to [..., 1]) in the denominator, as transformers' gpt-oss computes it: the
+    sink joins the row, the row's maximum is subtracted, the sink's share dropped."""
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1]
 
 
 def _sdpa(
@@ -379,23 +405,29 @@ def _sdpa(
     causal: bool,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA over [..., heads, L, hd] queries and [..., kv_heads, S, hd] keys (the heads
     that share a kv head consecutive); ``mask`` additive, or ``causal`` (top-left aligned).
-    SDPA has no soft-capping: with ``softcap`` the scores are computed here, in float32."""
+    SDPA has no soft-capping and no sinks: with ``softcap`` or ``sinks`` (broadcast to the
+    scores' [..., heads, L, 1]) the scores are computed here, in float32."""
     gqa = k.shape[-3] != q.shape[-3]
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               scale=scale, enable_gqa=gqa)
     if gqa:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-    scores = _softcap(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale, softcap)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = _softcap(scores, softcap)
     if causal:
         length, keys = scores.shape[-2:]
         allowed = torch.ones(length, keys, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~allowed, float("-inf"))
     elif mask is not None:
         scores = scores + mask.float()
+    if sinks is not None:
+        return torch.matmul(_softmax_with_sinks(scores, sinks).to(q.dtype), v)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(probs, v)

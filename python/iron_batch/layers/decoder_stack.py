@@ -103,6 +103,10 @@ class DecoderStack:
         self.rope_tables: list[tuple[int, int]] = []
         specs = []
         for layer in layers:
+            if getattr(layer, "sinks", None) is not None:
+                # The Rust stack's attention takes no sinks: such a layer is never run
+                # there (gpt-oss decodes layer by layer).
+                raise ValueError("the one-call decode stack has no attention sinks")
             projections = []
             for linear in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down):
                 if not isinstance(linear.weight, QuantWeight):

@@ -11,11 +11,17 @@ chose, on the gathered rows, scattered back weighted.
 
 Routing follows transformers' modeling files: softmax over the router logits in float32,
 ``torch.topk`` over the probabilities (its order and its tie-breaking), renormalised over
-the chosen ``k`` where the family says so.
+the chosen ``k`` where the family says so; or (gpt-oss) ``torch.topk`` over the logits
+(with the router's bias) and a softmax over the ``k`` chosen ones.
+
+gpt-oss's experts also have biases (each expert's slice of a stacked bias), their own
+activation (:func:`clamped_swiglu`) and MXFP4 weights (``layers/mxfp4.py``), all of which
+the decode kernel takes too.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -23,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from iron_batch import _core
+from iron_batch.layers import mxfp4
 from iron_batch.layers.activation import GATED_ACTIVATIONS
 from iron_batch.layers.linear import Linear
 from iron_batch.layers.mlp import GatedMLP
@@ -39,7 +46,8 @@ DECODE_MAX_ROWS = 8
 
 class StackedLinear(Linear):
     """One projection of every expert, stacked by rows: ``experts`` blocks of ``rows``
-    rows each. Its whole matrix is never multiplied (so it is never prepacked)."""
+    rows each (and, where the experts have biases, their biases stacked the same way).
+    Its whole matrix is never multiplied (so it is never prepacked)."""
 
     experts: int
     rows: int
@@ -58,17 +66,22 @@ class StackedLinear(Linear):
                 min=None if w.min is None else w.min[lo:hi])
         else:
             part = w[lo:hi]
-        return Linear(part, kernels=self.kernels)
+        bias = None if self.bias is None else self.bias[lo:hi]
+        if isinstance(part, QuantWeight) and part.kind == "mxfp4":
+            return mxfp4.Mxfp4Linear(part, bias, kernels=self.kernels)
+        return Linear(part, bias, kernels=self.kernels)
 
 
-def stacked(linear: Linear, experts: int, kernels: CpuKernels) -> StackedLinear:
-    """``linear`` (every expert's rows, in expert order, no bias) as a
-    :class:`StackedLinear` whose experts run on ``kernels``."""
+def stacked(
+    linear: Linear, experts: int, kernels: CpuKernels, *, biased: bool = False
+) -> StackedLinear:
+    """``linear`` (every expert's rows, in expert order; with a bias of as many rows only
+    where ``biased``) as a :class:`StackedLinear` whose experts run on ``kernels``."""
     n = linear.shape[0]
-    if n % experts or linear.bias is not None:
+    if n % experts or (linear.bias is not None) != biased:
         raise ValueError(f"{n} stacked rows (bias: {linear.bias is not None}) are not "
-                         f"{experts} experts' bias-free rows")
-    out = StackedLinear(linear.weight, kernels=kernels)
+                         f"{experts} experts' {'biased' if biased else 'bias-free'} rows")
+    out = StackedLinear(linear.weight, linear.bias, kernels=kernels)
     out.experts, out.rows, out.kernels = experts, n // experts, kernels
     return out
 
@@ -85,9 +98,12 @@ class Router:
         renormalize: bool,
         bias: torch.Tensor | None = None,
         weights_in_float: bool = False,
+        softmax_after_topk: bool = False,
     ) -> None:
         """``weights_in_float``: the routing weights stay float32 (Mixtral's); else they
-        are rounded to the compute dtype (the Qwen MoEs' and OLMoE's)."""
+        are rounded to the compute dtype (the Qwen MoEs' and OLMoE's).
+        ``softmax_after_topk`` (gpt-oss): the top ``k`` of the logits, then a softmax over
+        those ``k`` in the logits' dtype."""
         if not 0 < top_k <= weight.shape[0]:
             raise ValueError(f"top_k {top_k} of {weight.shape[0]} experts")
         self.weight = weight
@@ -95,6 +111,7 @@ class Router:
         self.top_k = top_k
         self.renormalize = renormalize
         self.weights_in_float = weights_in_float
+        self.softmax_after_topk = softmax_after_topk
 
     @property
     def num_experts(self) -> int:
@@ -103,6 +120,9 @@ class Router:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[rows, k]``, expert ids ``[rows, k]`` int64), best first."""
         logits = F.linear(x, self.weight, self.bias)
+        if self.softmax_after_topk:
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), ids
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
@@ -124,10 +144,13 @@ class MoE:
         *,
         shared: GatedMLP | None = None,
         shared_gate: torch.Tensor | None = None,
+        swiglu_limits: tuple[float, float] | None = None,
     ) -> None:
         """``gate_up``: each expert's gate rows then its up rows ``[E * 2I, H]``;
         ``down``: ``[E * H, I]``; ``shared_gate`` ``[1, H]``: the shared expert's output
-        is scaled by ``sigmoid(x @ shared_gate.T)`` (None: added as it is)."""
+        is scaled by ``sigmoid(x @ shared_gate.T)`` (None: added as it is).
+        ``swiglu_limits`` (alpha, limit): the experts' activation is
+        :func:`clamped_swiglu` (gpt-oss) instead of ``activation``."""
         if activation not in GATED_ACTIVATIONS:
             raise ValueError(f"unsupported MLP activation {activation!r} (supported: "
                              f"{', '.join(GATED_ACTIVATIONS)})")
@@ -139,6 +162,11 @@ class MoE:
         self.down = down
         self.activation_name = activation
         self.activation: Callable[[torch.Tensor], torch.Tensor] = GATED_ACTIVATIONS[activation]
+        self.swiglu_limits = swiglu_limits
+        if swiglu_limits is not None:
+            alpha, limit = swiglu_limits
+            self.activation_name = "clamped_swiglu"
+            self.activation = functools.partial(clamped_swiglu, alpha=alpha, limit=limit)
         self.shared = shared
         self.shared_gate = shared_gate
         #: Whether decode steps run the Rust kernel over the selected experts' rows.
@@ -203,6 +231,8 @@ class MoE:
         gate_up, down = self.gate_up, self.down
         ids32 = ids.to(torch.int32).contiguous()
         w32 = weights.float().contiguous()
+        biases = [b.to(torch.bfloat16).contiguous() if b is not None else None
+                  for b in (gate_up.bias, down.bias)]
         _EXPERTS(
             out.data_ptr(), x.data_ptr(), ids32.data_ptr(), w32.data_ptr(),
             _kind(gate_up.weight), *_addresses(gate_up.weight),
@@ -211,8 +241,21 @@ class MoE:
             inter=down.shape[1], activation=self.activation_name,
             bf16=x.dtype == torch.bfloat16, threads=torch.get_num_threads(),
             openmp=entry_points(),
+            gu_bias=0 if biases[0] is None else biases[0].data_ptr(),
+            dn_bias=0 if biases[1] is None else biases[1].data_ptr(),
+            swiglu=self.swiglu_limits,
         )
         return out
+
+
+def clamped_swiglu(gate_up: torch.Tensor, *, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gated activation of ``[rows, 2 * inter]`` (the gate first):
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g`` the gate
+    clamped from above at ``limit`` (transformers' ``GptOssExperts._apply_gate``)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def _kind(w: torch.Tensor | QuantWeight) -> str:

@@ -28,12 +28,47 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch
         return inv_freq / factors
     if rope_type == "proportional":
         return _proportional_inv_freq(inv_freq, head_dim, scaling)
+    if rope_type == "yarn":
+        return _yarn(head_dim, theta, scaling)[0]
     raise ValueError(f"unsupported rope scaling type {rope_type!r} "
                      f"(supported: {', '.join(ROPE_TYPES)})")
 
 
 #: Rope scaling types :func:`rope_inv_freq` implements.
-ROPE_TYPES = ("default", "linear", "llama3", "longrope", "freq_factors", "proportional")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "freq_factors", "proportional", "yarn")
+
+
+def _yarn(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss): each frequency between its extrapolated (the base one) and its
+    interpolated (divided by ``factor``) value by a linear ramp over the dimensions whose
+    rotations at the original context lie between ``beta_slow`` and ``beta_fast``; cos and
+    sin scaled by the attention factor (``0.1 ln(factor) + 1`` unless given). As
+    transformers' ``_compute_yarn_parameters`` computes it, in float32."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    for key in ("mscale", "mscale_all_dim"):
+        if scaling.get(key):
+            raise ValueError(f"unsupported yarn setting {key} (DeepSeek's attention factor)")
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    fast = float(scaling.get("beta_fast") or 32)
+    slow = float(scaling.get("beta_slow") or 1)
+
+    def correction(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction(fast), correction(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolated * (1 - keep) + extrapolated * keep, float(attention)
 
 
 def _proportional_inv_freq(
@@ -140,6 +175,8 @@ class RotaryEmbedding:
         if scaling.get("rope_type") == "longrope":
             long, self._long_from, self._factor = _longrope(head_dim, theta, scaling)
             self._long = long.to(device)
+        elif scaling.get("rope_type") == "yarn":
+            self._factor = _yarn(head_dim, theta, scaling)[1]
 
     def cos_sin(
         self, pos: torch.Tensor, largest: int
@@ -149,8 +186,12 @@ class RotaryEmbedding:
         if self._table is None or self._table[0].shape[0] < need:
             size = max(need, 256, 2 * (0 if self._table is None else len(self._table[0])))
             every = torch.arange(size, device=self.device)
-            if self._long is None:
+            if self._long is None and self._factor == 1.0:
                 self._table = rope_cos_sin(every, self.inv_freq, self.dtype)
+            elif self._long is None:  # YaRN: the attention factor, applied in float32
+                cos, sin = rope_cos_sin(every, self.inv_freq, torch.float32)
+                self._table = (cos * self._factor).to(self.dtype), (sin * self._factor).to(
+                    self.dtype)
             else:
                 self._table = self._longrope_table(every)
         cos, sin = self._table

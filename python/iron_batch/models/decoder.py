@@ -95,6 +95,9 @@ class DecoderLayer:
     residual_scale: float = 1.0
     #: The cache group whose blocks hold the layer's K/V (see ``DecoderModel.cache_groups``).
     cache_group: int = 0
+    #: Per query head, a learned logit in the softmax's denominator (gpt-oss; float32
+    #: [heads], None: none).
+    sinks: torch.Tensor | None = None
 
 
 #: The Hugging Face tensor names of a Llama-style checkpoint (``{i}``: the layer index).
@@ -566,7 +569,8 @@ class DecoderModel:
                 cos=cos, sin=sin, q_norm=layer.q_norm, k_norm=layer.k_norm,
                 cache=cache, plan=plan,
             )
-            o = layer.o(attn.forward(q, k, v, cache, plan, layer.scale, layer.softcap))
+            o = layer.o(attn.forward(q, k, v, cache, plan, layer.scale, layer.softcap,
+                                       layer.sinks))
             if shard is not None:
                 shard.all_reduce(o)  # row-parallel: the ranks' partial sums
             h, x = self._join(h, o, layer.attn_out_norm, layer.residual_scale, layer.post_norm)

@@ -13,6 +13,7 @@ from iron_batch.models.decoder import DecoderModel
 from iron_batch.models.gemma2 import Gemma2ForCausalLM
 from iron_batch.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOfMultimodal
 from iron_batch.models.gemma4 import Gemma4ForCausalLM
+from iron_batch.models.gpt_oss import GptOssForCausalLM
 from iron_batch.models.granite import GraniteForCausalLM
 from iron_batch.models.llama import LlamaForCausalLM
 from iron_batch.models.mistral import MistralForCausalLM
@@ -44,6 +45,7 @@ FAMILIES: tuple[type[DecoderModel], ...] = (
     Qwen2MoeForCausalLM,
     MixtralForCausalLM,
     OlmoeForCausalLM,
+    GptOssForCausalLM,
     Qwen3_5ForCausalLM,
     Qwen3_5TextOfMultimodal,
 )

@@ -7,9 +7,11 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use iron_batch_kernels::{
-    add_rms_norm, dequantize_bf16, gemv_bf16, gemv_quant, moe_experts, paged_decode_attention,
-    parse_layout, q4_nibble, rope_store_kv, Activation, Bf16, Blocks, DecodeShape, Element,
-    Experts, KernelError, MoeShape, Parallel, QMatrix, ScopedThreads, Segment, F16, Q4, Q8, QBLOCK,
+    add_rms_norm, dequantize_bf16, dequantize_mxfp4, gemv_bf16, gemv_mxfp4, gemv_quant,
+    moe_experts_with, paged_decode_attention_sinks_on, parse_layout, q4_nibble, rope_store_kv,
+    Activation, AttentionPath, Bf16, Blocks, DecodeShape, Element, ExpertActivation, ExpertExtras,
+    Experts, KernelError, MoeShape, Mxfp4, Parallel, QMatrix, ScopedThreads, Segment, F16,
+    MXFP4_BLOCK, Q4, Q8, QBLOCK,
 };
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -129,14 +131,16 @@ pub(crate) unsafe fn slice_mut<'a, T>(addr: usize, len: usize) -> &'a mut [T] {
 }
 
 /// Decode attention read in place from a paged KV cache (see the kernels crate); `softcap`
-/// 0 is off, else each score becomes `softcap * tanh(score / softcap)`.
+/// 0 is off, else each score becomes `softcap * tanh(score / softcap)`; `sinks` 0 is none,
+/// else the address of `num_heads` f32 sink logits (gpt-oss).
 ///
 /// `openmp`: addresses of `GOMP_parallel`, `omp_get_thread_num` and `omp_get_num_threads`
 /// in the loaded OpenMP runtime, to run on the caller's team; without them, OS threads.
 #[pyfunction]
 #[pyo3(signature = (
     out, q, k_cache, v_cache, block_tables, seq_lens, *, num_heads, num_kv_heads, head_dim,
-    block_size, num_blocks, sliding_window, scale, bf16, threads, openmp=None, softcap=0.0
+    block_size, num_blocks, sliding_window, scale, bf16, threads, openmp=None, softcap=0.0,
+    sinks=0
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn _paged_decode_attention(
@@ -158,6 +162,7 @@ pub fn _paged_decode_attention(
     threads: usize,
     openmp: Option<(usize, usize, usize)>,
     softcap: f32,
+    sinks: usize,
 ) -> PyResult<()> {
     let dims = block_tables.shape();
     let shape = DecodeShape {
@@ -172,7 +177,7 @@ pub fn _paged_decode_attention(
     };
     let (tables, lens) = (block_tables.as_slice()?, seq_lens.as_slice()?);
     fn go<T: Element>(
-        addrs: [usize; 4],
+        addrs: [usize; 5],
         tables: &[i32],
         lens: &[i32],
         shape: &DecodeShape,
@@ -183,19 +188,32 @@ pub fn _paged_decode_attention(
         let n = shape.num_seqs * shape.num_heads * shape.head_dim;
         let cache = shape.num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim;
         // SAFETY: see `slice`.
-        let (out, q, k, v) = unsafe {
+        let (out, q, k, v, sinks) = unsafe {
             (
                 slice_mut::<T>(addrs[0], n),
                 slice::<T>(addrs[1], n),
                 slice::<T>(addrs[2], cache),
                 slice::<T>(addrs[3], cache),
+                (addrs[4] != 0).then(|| slice::<f32>(addrs[4], shape.num_heads)),
             )
         };
-        paged_decode_attention(
-            out, q, k, v, tables, lens, shape, scale, softcap, threads, parallel,
+        paged_decode_attention_sinks_on(
+            AttentionPath::Auto,
+            out,
+            q,
+            k,
+            v,
+            tables,
+            lens,
+            shape,
+            scale,
+            softcap,
+            sinks,
+            threads,
+            parallel,
         )
     }
-    let addrs = [out, q, k_cache, v_cache];
+    let addrs = [out, q, k_cache, v_cache, sinks];
     let scores = (scale, softcap);
     run_kernel(py, openmp, |parallel| {
         if bf16 {
@@ -459,6 +477,18 @@ pub fn _gemv_quant(
 ) -> PyResult<()> {
     let kind = kind.to_owned();
     run_kernel(py, openmp, move |parallel| {
+        if kind == "mxfp4" {
+            // SAFETY: see `slice` and `mxfp4_at`.
+            let (weight, out, x, bias) = unsafe {
+                (
+                    mxfp4_at(quants, scale, n, k)?,
+                    slice_mut::<Bf16>(out, rows * n),
+                    slice::<Bf16>(x, rows * k),
+                    (bias != 0).then(|| slice::<Bf16>(bias, n)),
+                )
+            };
+            return gemv_mxfp4(out, x, weight, bias, rows, n, k, threads, parallel);
+        }
         // SAFETY: see `slice` and `qmatrix` (which checks the shape before any slice).
         let weight = unsafe { qmatrix(&kind, quants, scale, min, n, k)? };
         // SAFETY: see `slice`.
@@ -473,8 +503,29 @@ pub fn _gemv_quant(
     })
 }
 
+/// An MXFP4 `n` x `k` matrix: `quants` its `[n, k / 2]` code bytes, `scale` its
+/// `[n, k / 32]` exponents.
+///
+/// SAFETY: as for `slice`, with those element counts.
+unsafe fn mxfp4_at<'a>(
+    quants: usize,
+    scale: usize,
+    n: usize,
+    k: usize,
+) -> Result<Mxfp4<'a>, KernelError> {
+    if !k.is_multiple_of(MXFP4_BLOCK) {
+        return Err(KernelError(format!(
+            "k must be a multiple of {MXFP4_BLOCK} for mxfp4, not {k}"
+        )));
+    }
+    Ok(Mxfp4 {
+        packed: slice::<u8>(quants, n * k / 2),
+        scale: slice::<u8>(scale, n * (k / MXFP4_BLOCK)),
+    })
+}
+
 /// One stacked expert projection at these addresses: `kind` "bf16" (`quants` is the
-/// weight) or a quantized layout (see `qmatrix`).
+/// weight), "mxfp4" (see `mxfp4_at`) or a quantized layout (see `qmatrix`).
 ///
 /// SAFETY: as for `qmatrix`.
 unsafe fn experts_at<'a>(
@@ -486,16 +537,22 @@ unsafe fn experts_at<'a>(
     if kind == "bf16" {
         return Ok(Experts::Bf16(slice::<Bf16>(quants, n * k)));
     }
+    if kind == "mxfp4" {
+        return Ok(Experts::Mxfp4(mxfp4_at(quants, scale, n, k)?));
+    }
     Ok(Experts::Quant(qmatrix(kind, quants, scale, min, n, k)?))
 }
 
 /// The selected experts of a decode step's bf16 rows (see `iron_batch.layers.moe`): `ids`
 /// i32 and `weights` f32 `[rows, top_k]`; `gate_up` `[experts * 2 * inter, hidden]` and
-/// `down` `[experts * hidden, inter]`, each bf16 or quantized.
+/// `down` `[experts * hidden, inter]`, each bf16, MXFP4 or quantized; `gu_bias` and
+/// `dn_bias` (0: none) the stacked bf16 biases; `activation` "clamped_swiglu" takes
+/// `swiglu` (alpha, limit).
 #[pyfunction]
 #[pyo3(signature = (out, x, ids, weights, gate_up_kind, gu_quants, gu_scale, gu_min,
                     down_kind, dn_quants, dn_scale, dn_min, *, rows, top_k, experts, hidden,
-                    inter, activation, bf16, threads, openmp=None))]
+                    inter, activation, bf16, threads, openmp=None, gu_bias=0, dn_bias=0,
+                    swiglu=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn _moe_experts(
     py: Python<'_>,
@@ -520,12 +577,28 @@ pub fn _moe_experts(
     bf16: bool,
     threads: usize,
     openmp: Option<(usize, usize, usize)>,
+    gu_bias: usize,
+    dn_bias: usize,
+    swiglu: Option<(f32, f32)>,
 ) -> PyResult<()> {
     if !bf16 {
         return Err(PyValueError::new_err("moe_experts: bf16 activations only"));
     }
-    let act = Activation::from_name(activation)
-        .ok_or_else(|| PyValueError::new_err(format!("no gated activation {activation:?}")))?;
+    let act = match (activation, swiglu) {
+        ("clamped_swiglu", Some((alpha, limit))) => {
+            ExpertActivation::ClampedSwiglu { alpha, limit }
+        }
+        (name, None) => {
+            ExpertActivation::Gated(Activation::from_name(name).ok_or_else(|| {
+                PyValueError::new_err(format!("no gated activation {activation:?}"))
+            })?)
+        }
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "activation {activation:?} with swiglu limits {swiglu:?}"
+            )))
+        }
+    };
     let (gk, dk) = (gate_up_kind.to_owned(), down_kind.to_owned());
     let shape = MoeShape {
         rows,
@@ -536,7 +609,7 @@ pub fn _moe_experts(
     };
     run_kernel(py, openmp, move |parallel| {
         // SAFETY: see `slice` and `qmatrix`; the caller sized every buffer by `shape`.
-        let (gate_up, down, out, x, ids, weights) = unsafe {
+        let (gate_up, down, out, x, ids, weights, gate_up_bias, down_bias) = unsafe {
             (
                 experts_at(
                     &gk,
@@ -549,10 +622,17 @@ pub fn _moe_experts(
                 slice::<Bf16>(x, rows * hidden),
                 slice::<i32>(ids, rows * top_k),
                 slice::<f32>(weights, rows * top_k),
+                (gu_bias != 0).then(|| slice::<Bf16>(gu_bias, experts * 2 * inter)),
+                (dn_bias != 0).then(|| slice::<Bf16>(dn_bias, experts * hidden)),
             )
         };
-        moe_experts(
-            out, x, ids, weights, gate_up, down, act, shape, threads, parallel,
+        let extras = ExpertExtras {
+            activation: act,
+            gate_up_bias,
+            down_bias,
+        };
+        moe_experts_with(
+            out, x, ids, weights, gate_up, down, extras, shape, threads, parallel,
         )
     })
 }
@@ -575,11 +655,44 @@ pub fn _dequantize_bf16(
 ) -> PyResult<()> {
     let kind = kind.to_owned();
     run_kernel(py, openmp, move |parallel| {
+        if kind == "mxfp4" {
+            // SAFETY: see `slice` and `mxfp4_at`.
+            let (weight, out) = unsafe {
+                (
+                    mxfp4_at(quants, scale, n, k)?,
+                    slice_mut::<Bf16>(out, n * k),
+                )
+            };
+            return dequantize_mxfp4(out, weight, n, k, threads, parallel);
+        }
         // SAFETY: see `slice` and `qmatrix` (which checks the shape before any slice).
         let weight = unsafe { qmatrix(&kind, quants, scale, min, n, k)? };
         // SAFETY: see `slice`.
         let out = unsafe { slice_mut::<Bf16>(out, n * k) };
         dequantize_bf16(out, weight, n, k, threads, parallel)
+    })
+}
+
+/// The MXFP4 `n` x `k` matrix (`quants` its code bytes, `scale` its exponents) as f32
+/// into `out`: the exact weights (float32 models, and the tests' reference).
+#[pyfunction]
+#[pyo3(signature = (out, quants, scale, *, n, k, threads, openmp=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn _dequantize_mxfp4_f32(
+    py: Python<'_>,
+    out: usize,
+    quants: usize,
+    scale: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+    openmp: Option<(usize, usize, usize)>,
+) -> PyResult<()> {
+    run_kernel(py, openmp, move |parallel| {
+        // SAFETY: see `slice` and `mxfp4_at`.
+        let (weight, out) =
+            unsafe { (mxfp4_at(quants, scale, n, k)?, slice_mut::<f32>(out, n * k)) };
+        dequantize_mxfp4(out, weight, n, k, threads, parallel)
     })
 }
 

@@ -41,6 +41,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<allocator::BlockAllocator>()?;
     m.add_class::<decoder::DecoderStack>()?;
     m.add_function(wrap_pyfunction!(kernels::_paged_decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::_dequantize_mxfp4_f32, m)?)?;
     m.add_function(wrap_pyfunction!(delta_rule::_delta_rule_decode, m)?)?;
     m.add_function(wrap_pyfunction!(delta_rule::_delta_rule_chunk, m)?)?;
     m.add_function(wrap_pyfunction!(delta_rule::_causal_conv, m)?)?;

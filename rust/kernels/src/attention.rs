@@ -162,6 +162,46 @@ pub fn paged_decode_attention_on<T: Element>(
     threads: usize,
     parallel: &dyn Parallel,
 ) -> Result<(), KernelError> {
+    paged_decode_attention_sinks_on(
+        path,
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        shape,
+        scale,
+        softcap,
+        None,
+        threads,
+        parallel,
+    )
+}
+
+/// [`paged_decode_attention`] with attention sinks (gpt-oss): `sinks[h]`, one f32 logit
+/// per query head, joins head `h`'s softmax denominator as a key of value zero, so
+/// `out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sinks[h] - m))` with `m` the
+/// maximum of the scores and the sink (in sliding-window layers too: the sink is not a
+/// position). `None` is the plain softmax. Calls with sinks run the portable or AVX2
+/// path (the AVX-512 ones take none: `path` must not name them).
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention_sinks_on<T: Element>(
+    path: AttentionPath,
+    out: &mut [T],
+    q: &[T],
+    k_cache: &[T],
+    v_cache: &[T],
+    block_tables: &[i32],
+    seq_lens: &[i32],
+    shape: &DecodeShape,
+    scale: f32,
+    softcap: f32,
+    sinks: Option<&[f32]>,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
     let s = *shape;
     check(softcap.is_finite() && softcap >= 0.0, || {
         format!("softcap {softcap} must be 0 (off) or positive")
@@ -169,6 +209,16 @@ pub fn paged_decode_attention_on<T: Element>(
     check(path.available::<T>(s.head_dim), || {
         format!("{path:?} cannot run here (head_dim {})", s.head_dim)
     })?;
+    if let Some(sinks) = sinks {
+        check(
+            sinks.len() == s.num_heads && sinks.iter().all(|x| x.is_finite()),
+            || format!("sinks must be {} finite logits, one per head", s.num_heads),
+        )?;
+        check(
+            !matches!(path, AttentionPath::Avx512 | AttentionPath::Avx512Bf16),
+            || format!("{path:?} takes no attention sinks"),
+        )?;
+    }
     check(
         s.num_kv_heads > 0 && s.head_dim > 0 && s.block_size > 0,
         || "kv heads, head_dim and block_size must be positive".into(),
@@ -236,7 +286,14 @@ pub fn paged_decode_attention_on<T: Element>(
         shape: s,
         scale,
         softcap,
-        path: path.resolve::<T>(s.head_dim),
+        sinks,
+        path: match (path, sinks) {
+            (AttentionPath::Auto, Some(_)) if AttentionPath::Avx2.available::<T>(s.head_dim) => {
+                AttentionPath::Avx2
+            }
+            (AttentionPath::Auto, Some(_)) => AttentionPath::Portable,
+            _ => path.resolve::<T>(s.head_dim),
+        },
     };
     let group = s.num_heads / s.num_kv_heads;
     let per_item = group * s.head_dim;
@@ -319,6 +376,8 @@ struct Job<'a, T> {
     scale: f32,
     /// 0: off; else scores become `softcap * tanh(score / softcap)`.
     softcap: f32,
+    /// Per query head, a logit in the softmax's denominator (portable and AVX2 paths).
+    sinks: Option<&'a [f32]>,
     /// Never `Auto`.
     path: AttentionPath,
 }
@@ -865,13 +924,20 @@ fn run_items_generic<T: Element, const FMA: bool>(job: &Job<'_, T>, first: usize
             soft_cap(&mut scores, job.softcap);
         }
         for (g, sc) in scores.chunks_exact_mut(n).enumerate() {
-            let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sink = job.sinks.map(|sinks| sinks[head * group + g]);
+            let mut max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            if let Some(sink) = sink {
+                max = max.max(sink);
+            }
             let mut sum = 0.0f32;
             for x in sc.iter_mut() {
                 *x = exp_nonpositive(*x - max);
             }
             for x in sc.iter() {
                 sum += *x;
+            }
+            if let Some(sink) = sink {
+                sum += exp_nonpositive(sink - max);
             }
             inv_sum[g] = 1.0 / sum;
         }

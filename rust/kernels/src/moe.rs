@@ -9,11 +9,16 @@
 //! GEMVs of the dense layers ([`gemv_bf16`], [`gemv_quant`]) on its gathered rows, its
 //! gated activation rounded as torch rounds it, and its output joins each row's f32 sum
 //! scaled by that row's routing weight; the sums are rounded to bf16 once.
+//!
+//! gpt-oss's experts ([`moe_experts_with`]): MXFP4 weights ([`Mxfp4`], the checkpoint's
+//! bytes), a bias per expert on both projections, and the clamped SwiGLU
+//! ([`ExpertActivation::ClampedSwiglu`]).
 
 use crate::attention::{KernelError, Parallel};
 use crate::decoder::Activation;
 use crate::element::{Bf16, Element};
 use crate::gemv::{gemv_bf16, GEMV_MAX_ROWS};
+use crate::mxfp4::{gemv_mxfp4, Mxfp4, MXFP4_BLOCK};
 use crate::quant::{gemv_quant, QMatrix, Q4, Q8, QBLOCK};
 
 /// Most rows one call takes (a decode step's; larger steps group tokens by expert and run
@@ -25,6 +30,7 @@ pub const MOE_MAX_ROWS: usize = 8;
 pub enum Experts<'a> {
     Bf16(&'a [Bf16]),
     Quant(QMatrix<'a>),
+    Mxfp4(Mxfp4<'a>),
 }
 
 impl<'a> Experts<'a> {
@@ -47,6 +53,7 @@ impl<'a> Experts<'a> {
             Experts::Quant(QMatrix::Blocks(m)) => Experts::Quant(QMatrix::Blocks(
                 m.row_range(lo, hi, k).expect("a one-format block matrix"),
             )),
+            Experts::Mxfp4(m) => Experts::Mxfp4(m.rows(lo, hi, k)),
         }
     }
 
@@ -58,15 +65,17 @@ impl<'a> Experts<'a> {
             }
             Experts::Quant(QMatrix::Q8(m)) => k.is_multiple_of(QBLOCK) && m.quants.len() == n * k,
             Experts::Quant(QMatrix::Blocks(m)) => m.segments().len() == 1 && m.fits(n, k),
+            Experts::Mxfp4(m) => k.is_multiple_of(MXFP4_BLOCK) && m.fits(n, k),
         }
     }
 
-    /// `out = x W^T` for `rows` rows (bf16 in and out, f32 sums).
+    /// `out = x W^T (+ bias)` for `rows` rows (bf16 in and out, f32 sums).
     #[allow(clippy::too_many_arguments)]
     fn gemv(
         &self,
         out: &mut [Bf16],
         x: &[Bf16],
+        bias: Option<&[Bf16]>,
         rows: usize,
         n: usize,
         k: usize,
@@ -74,7 +83,8 @@ impl<'a> Experts<'a> {
         parallel: &dyn Parallel,
     ) -> Result<(), KernelError> {
         match self {
-            Experts::Quant(m) => gemv_quant(out, x, *m, None, rows, n, k, threads, parallel),
+            Experts::Quant(m) => gemv_quant(out, x, *m, bias, rows, n, k, threads, parallel),
+            Experts::Mxfp4(m) => gemv_mxfp4(out, x, *m, bias, rows, n, k, threads, parallel),
             Experts::Bf16(w) => {
                 // The bf16 GEMV serves up to GEMV_MAX_ROWS rows a pass.
                 let mut first = 0;
@@ -84,7 +94,7 @@ impl<'a> Experts<'a> {
                         &mut out[first * n..(first + take) * n],
                         &x[first * k..(first + take) * k],
                         w,
-                        None,
+                        bias,
                         take,
                         n,
                         k,
@@ -110,6 +120,49 @@ pub struct MoeShape {
     pub inter: usize,
 }
 
+/// The experts' gated activation of `[rows, 2 * inter]` (the gate first).
+#[derive(Clone, Copy, Debug)]
+pub enum ExpertActivation {
+    /// `act(gate) * up`, as the dense layers' MLP computes it.
+    Gated(Activation),
+    /// gpt-oss's: `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with
+    /// `g = min(gate, limit)`, each step rounded to bf16 as torch's bf16 ops round it.
+    ClampedSwiglu { alpha: f32, limit: f32 },
+}
+
+impl ExpertActivation {
+    fn apply(self, out: &mut [Bf16], gate_up: &[Bf16], inter: usize) {
+        match self {
+            Self::Gated(a) => a.apply(out, gate_up, inter),
+            Self::ClampedSwiglu { alpha, limit } => {
+                let r = |v: f32| Bf16::from_f32(v).to_f32();
+                for (o, gu) in out
+                    .chunks_exact_mut(inter)
+                    .zip(gate_up.chunks_exact(2 * inter))
+                {
+                    let (gate, up) = gu.split_at(inter);
+                    for ((o, g), u) in o.iter_mut().zip(gate).zip(up) {
+                        let g = g.to_f32().min(limit);
+                        let u = u.to_f32().clamp(-limit, limit);
+                        let sig = r(1.0 / (1.0 + (-r(g * alpha)).exp()));
+                        *o = Bf16::from_f32(r(u + 1.0) * r(g * sig));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// What an expert adds to [`moe_experts`]: its activation and its projections' biases
+/// (`gate_up_bias` `[experts * 2 * inter]`, `down_bias` `[experts * hidden]`, each expert's
+/// rows in the stacked order; None: none).
+#[derive(Clone, Copy)]
+pub struct ExpertExtras<'a> {
+    pub activation: ExpertActivation,
+    pub gate_up_bias: Option<&'a [Bf16]>,
+    pub down_bias: Option<&'a [Bf16]>,
+}
+
 /// `out[r] = sum_j weights[r][j] * expert_{ids[r][j]}(x[r])` where
 /// `expert_e(x) = down_e(act(gate_e x) * up_e x)`.
 ///
@@ -131,6 +184,31 @@ pub fn moe_experts(
     threads: usize,
     parallel: &dyn Parallel,
 ) -> Result<(), KernelError> {
+    let extras = ExpertExtras {
+        activation: ExpertActivation::Gated(activation),
+        gate_up_bias: None,
+        down_bias: None,
+    };
+    moe_experts_with(
+        out, x, ids, weights, gate_up, down, extras, shape, threads, parallel,
+    )
+}
+
+/// [`moe_experts`] with biased experts and another activation (gpt-oss's): `expert_e(x) =
+/// down_e(act(gate_e x + bg_e, up_e x + bu_e)) + bd_e`.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts_with(
+    out: &mut [Bf16],
+    x: &[Bf16],
+    ids: &[i32],
+    weights: &[f32],
+    gate_up: Experts<'_>,
+    down: Experts<'_>,
+    extras: ExpertExtras<'_>,
+    shape: MoeShape,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
     let MoeShape {
         rows,
         top_k,
@@ -147,7 +225,11 @@ pub fn moe_experts(
         && ids.len() == rows * top_k
         && weights.len() == rows * top_k
         && gate_up.holds(experts * 2 * inter, hidden)
-        && down.holds(experts * hidden, inter);
+        && down.holds(experts * hidden, inter)
+        && extras
+            .gate_up_bias
+            .is_none_or(|b| b.len() == experts * 2 * inter)
+        && extras.down_bias.is_none_or(|b| b.len() == experts * hidden);
     if !sizes_ok {
         return Err(KernelError(format!(
             "moe_experts: buffers do not fit {shape:?} (at most {MOE_MAX_ROWS} rows)"
@@ -181,20 +263,28 @@ pub fn moe_experts(
                 xs[i * hidden..(i + 1) * hidden].copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
             }
             let gu_e = gate_up.expert(e, 2 * inter, hidden);
+            let gu_bias = extras
+                .gate_up_bias
+                .map(|b| &b[e * 2 * inter..(e + 1) * 2 * inter]);
             gu_e.gemv(
                 &mut gu[..m * 2 * inter],
                 &xs[..m * hidden],
+                gu_bias,
                 m,
                 2 * inter,
                 hidden,
                 threads,
                 team,
             )?;
-            activation.apply(&mut act[..m * inter], &gu[..m * 2 * inter], inter);
+            extras
+                .activation
+                .apply(&mut act[..m * inter], &gu[..m * 2 * inter], inter);
             let down_e = down.expert(e, hidden, inter);
+            let down_bias = extras.down_bias.map(|b| &b[e * hidden..(e + 1) * hidden]);
             down_e.gemv(
                 &mut h[..m * hidden],
                 &act[..m * inter],
+                down_bias,
                 m,
                 hidden,
                 inter,
@@ -539,6 +629,90 @@ mod tests {
             s,
         );
         close(&out, &want, 0.03);
+    }
+
+    #[test]
+    fn mxfp4_experts_with_biases_and_the_clamped_swiglu_match_the_float64_reference() {
+        let s = shape(3);
+        let (alpha, limit) = (1.702f32, 1.5f32);
+        let mut r = rng(17);
+        // Codes of every value; exponents 2^-6 .. 2^-4, so that some gate/up outputs are
+        // clamped and some not.
+        let mx = |n: usize, k: usize, r: &mut dyn FnMut() -> f32| {
+            let packed: Vec<u8> = (0..n * k / 2).map(|_| (r().abs() * 255.0) as u8).collect();
+            let scale: Vec<u8> = (0..n * k / 32)
+                .map(|_| 121 + (r().abs() * 2.9) as u8)
+                .collect();
+            (packed, scale)
+        };
+        let (gp, gs) = mx(s.experts * 2 * s.inter, s.hidden, &mut r);
+        let (dp, ds) = mx(s.experts * s.hidden, s.inter, &mut r);
+        let (gm, dm) = (
+            Mxfp4 {
+                packed: &gp,
+                scale: &gs,
+            },
+            Mxfp4 {
+                packed: &dp,
+                scale: &ds,
+            },
+        );
+        let gb: Vec<Bf16> = (0..s.experts * 2 * s.inter)
+            .map(|_| Bf16::from_f32(r()))
+            .collect();
+        let db: Vec<Bf16> = (0..s.experts * s.hidden)
+            .map(|_| Bf16::from_f32(r()))
+            .collect();
+        let (x, ids, w) = inputs(s, 21);
+        let mut out = vec![Bf16::from_f32(0.0); s.rows * s.hidden];
+        let extras = ExpertExtras {
+            activation: ExpertActivation::ClampedSwiglu { alpha, limit },
+            gate_up_bias: Some(&gb),
+            down_bias: Some(&db),
+        };
+        moe_experts_with(
+            &mut out,
+            &bf16s(&x),
+            &ids,
+            &w,
+            Experts::Mxfp4(gm),
+            Experts::Mxfp4(dm),
+            extras,
+            s,
+            2,
+            &ScopedThreads,
+        )
+        .unwrap();
+        let (h, i_) = (s.hidden, s.inter);
+        let mut want = vec![0f64; s.rows * h];
+        for row in 0..s.rows {
+            for j in 0..s.top_k {
+                let e = ids[row * s.top_k + j] as usize;
+                let gu = |c: usize| -> f64 {
+                    let n = e * 2 * i_ + c;
+                    (0..h)
+                        .map(|k| f64::from(x[row * h + k]) * f64::from(gm.weight(n, k, h)))
+                        .sum::<f64>()
+                        + f64::from(gb[n].to_f32())
+                };
+                let act: Vec<f64> = (0..i_)
+                    .map(|c| {
+                        let g = gu(c).min(f64::from(limit));
+                        let u = gu(i_ + c).clamp(-f64::from(limit), f64::from(limit));
+                        (u + 1.0) * g / (1.0 + (-f64::from(alpha) * g).exp())
+                    })
+                    .collect();
+                for o in 0..h {
+                    let d: f64 = (0..i_)
+                        .map(|c| act[c] * f64::from(dm.weight(e * h + o, c, i_)))
+                        .sum::<f64>()
+                        + f64::from(db[e * h + o].to_f32());
+                    want[row * h + o] += f64::from(w[row * s.top_k + j]) * d;
+                }
+            }
+        }
+        // bf16 rounding of the gate/up outputs and of each step of the activation.
+        close(&out, &want, 0.05);
     }
 
     #[test]
