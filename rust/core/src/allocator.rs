@@ -1,6 +1,7 @@
 //! Paged KV block allocator: ids only (the backend maps an id to real storage), reference
 //! counts for prefix sharing, and a prefix cache of full computed blocks with lazy eviction.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 use crate::block_hash::{hash_block, BlockHash, BlockHasher};
@@ -118,8 +119,11 @@ impl BlockAllocator {
 
     fn evict(&mut self, id: BlockId) {
         if let Some(c) = self.content[id as usize].take() {
-            if self.cache.get(&c.hash) == Some(&id) {
-                self.cache.remove(&c.hash);
+            // One hash lookup: the entry, removed if it is this block's.
+            if let Entry::Occupied(e) = self.cache.entry(c.hash) {
+                if *e.get() == id {
+                    e.remove();
+                }
             }
         }
     }
@@ -200,13 +204,15 @@ impl BlockAllocator {
         if let Some(c) = &self.content[i] {
             return Ok(c.hash);
         }
-        if self.caching && self.ref_counts[i] > 0 && !self.cache.contains_key(&hash) {
-            self.cache.insert(hash, id);
-            self.content[i] = Some(CachedContent {
-                hash,
-                parent,
-                tokens: tokens.into(),
-            });
+        if self.caching && self.ref_counts[i] > 0 {
+            if let Entry::Vacant(v) = self.cache.entry(hash) {
+                v.insert(id);
+                self.content[i] = Some(CachedContent {
+                    hash,
+                    parent,
+                    tokens: tokens.into(),
+                });
+            }
         }
         Ok(hash)
     }

@@ -187,14 +187,13 @@ impl Batch {
                 self.input_ids.push(0);
             }
             self.positions.push(p as i64);
-            let block = first.block_of(p, block_size) as i64;
+            // The logical block and the place in it are the same in every group: one
+            // division per token whatever the number of groups.
+            let (logical, within) = (p / block_size, p % block_size);
             self.slot_mapping
-                .push(block * block_size as i64 + (p % block_size) as i64);
-        }
-        for (dst, table) in self.extra_slots.iter_mut().zip(seq.tables.rest()) {
-            for p in start..end {
-                let block = table.block_of(p, block_size) as i64;
-                dst.push(block * block_size as i64 + (p % block_size) as i64);
+                .push(first.slot_of(logical, within, block_size));
+            for (dst, table) in self.extra_slots.iter_mut().zip(seq.tables.rest()) {
+                dst.push(table.slot_of(logical, within, block_size));
             }
         }
         debug_assert_eq!(steps > 0, end == seq.scheduled_len() + draft.len());
@@ -250,7 +249,7 @@ impl Batch {
             for (d, &b) in dst.iter_mut().zip(blocks) {
                 *d = b as i32;
             }
-            for (g, table) in tables.rest().iter().enumerate() {
+            for (g, table) in tables.rest().enumerate() {
                 let at = (g * rows + row) * gw;
                 let dst = &mut self.group_block_tables[at..at + table.blocks.len()];
                 for (d, &b) in dst.iter_mut().zip(&table.blocks) {
@@ -258,7 +257,11 @@ impl Batch {
                 }
             }
         }
-        self.group_slot_mapping = self.extra_slots.concat();
+        self.group_slot_mapping = if self.extra_slots.len() == 1 {
+            std::mem::take(&mut self.extra_slots[0])
+        } else {
+            self.extra_slots.concat()
+        };
         self.block_table_offsets = if self.offsets.len() == 1 {
             std::mem::take(&mut self.offsets[0])
         } else {

@@ -452,10 +452,12 @@ impl Scheduler {
             let Some(window) = group.window() else {
                 continue;
             };
-            let keep_from = (seq.num_computed + 1).saturating_sub(window) / bs;
-            if keep_from <= table.offset {
+            // Nothing to release until the window starts past the table's first block
+            // (`keep_from > offset`, checked without dividing: most steps release nothing).
+            if seq.num_computed + 1 < window + (table.offset + 1) * bs {
                 continue;
             }
+            let keep_from = (seq.num_computed + 1 - window) / bs;
             let k = (keep_from - table.offset).min(table.blocks.len());
             for &b in &table.blocks[..k] {
                 alloc.release(b);
@@ -634,9 +636,12 @@ impl Scheduler {
     /// Allocate what `blocks_needed` found, in every group (free blocks checked).
     fn allocate_needed(need: &[usize], allocs: &mut [BlockAllocator], seq: &mut Sequence) {
         for ((&n, table), alloc) in need.iter().zip(seq.tables.iter_mut()).zip(allocs) {
-            alloc
-                .allocate_into(n, &mut table.blocks)
-                .expect("free blocks checked");
+            // Most steps of a decoding sequence need no new block in any group.
+            if n != 0 {
+                alloc
+                    .allocate_into(n, &mut table.blocks)
+                    .expect("free blocks checked");
+            }
         }
     }
 

@@ -124,10 +124,11 @@ impl GroupTable {
     pub fn end(&self) -> usize {
         self.offset + self.blocks.len()
     }
-    /// The block holding token position `p` (which must not be released).
+    /// The cache slot of the token at place `within` of logical block `logical` (which
+    /// must not be released).
     #[inline]
-    pub fn block_of(&self, p: usize, block_size: usize) -> BlockId {
-        self.blocks[p / block_size - self.offset]
+    pub(crate) fn slot_of(&self, logical: usize, within: usize, block_size: usize) -> i64 {
+        (self.blocks[logical - self.offset] as usize * block_size + within) as i64
     }
 }
 
@@ -162,36 +163,35 @@ impl Sequence {
     }
 }
 
-/// A sequence's tables, one per attention group. The first is kept inline: the scheduler
-/// touches it for every sequence every step, and one group is the common case.
+/// A sequence's tables, one per attention group. The first two are kept inline: the
+/// scheduler touches every group's table for every sequence every step, and one or two
+/// groups (full, or sliding beside full) are the common cases, so reaching them costs no
+/// pointer chase to a separate allocation.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GroupTables {
-    first: GroupTable,
-    rest: Vec<GroupTable>,
+    head: [GroupTable; 2],
+    /// Groups in `head` (1 or 2); tables past the second are in `more`.
+    inline: usize,
+    more: Vec<GroupTable>,
 }
 
 impl GroupTables {
     pub fn new(groups: usize) -> Self {
         GroupTables {
-            first: GroupTable::default(),
-            rest: vec![GroupTable::default(); groups.saturating_sub(1)],
+            head: Default::default(),
+            inline: groups.clamp(1, 2),
+            more: vec![GroupTable::default(); groups.saturating_sub(2)],
         }
     }
-    pub fn len(&self) -> usize {
-        1 + self.rest.len()
-    }
-    pub fn is_empty(&self) -> bool {
-        false
-    }
     /// The tables after the first.
-    pub fn rest(&self) -> &[GroupTable] {
-        &self.rest
+    pub fn rest(&self) -> impl Iterator<Item = &GroupTable> {
+        self.head[1..self.inline].iter().chain(&self.more)
     }
     pub fn iter(&self) -> impl Iterator<Item = &GroupTable> {
-        std::iter::once(&self.first).chain(&self.rest)
+        self.head[..self.inline].iter().chain(&self.more)
     }
     pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut GroupTable> {
-        std::iter::once(&mut self.first).chain(&mut self.rest)
+        self.head[..self.inline].iter_mut().chain(&mut self.more)
     }
 }
 
@@ -199,21 +199,13 @@ impl std::ops::Index<usize> for GroupTables {
     type Output = GroupTable;
     #[inline]
     fn index(&self, g: usize) -> &GroupTable {
-        if g == 0 {
-            &self.first
-        } else {
-            &self.rest[g - 1]
-        }
+        self.iter().nth(g).expect("no such cache group")
     }
 }
 
 impl std::ops::IndexMut<usize> for GroupTables {
     #[inline]
     fn index_mut(&mut self, g: usize) -> &mut GroupTable {
-        if g == 0 {
-            &mut self.first
-        } else {
-            &mut self.rest[g - 1]
-        }
+        self.iter_mut().nth(g).expect("no such cache group")
     }
 }
