@@ -45,7 +45,7 @@ class ShardPlan:
         return len(self.kv_heads)
 
 
-def _even_ranges(total: int, world: int) -> list[range]:
+def even_ranges(total: int, world: int) -> list[range]:
     base, extra = divmod(total, world)
     out, start = [], 0
     for r in range(world):
@@ -64,6 +64,9 @@ def plan_shards(config: ModelConfig, world: int) -> list[ShardPlan]:
     if world > 1 and c.unsplittable:
         raise TensorParallelError(f"cannot split {c.model_type} over {world} ranks: "
                                   f"{c.unsplittable}")
+    own_check = getattr(c, "check_split", None)
+    if world > 1 and own_check is not None:
+        own_check(world)  # a family's own layers (Qwen3.5's linear-attention heads)
     heads, kv = c.num_heads, c.num_kv_heads
     group = heads // kv
     name = f"{c.model_type} ({heads} query heads, {kv} KV heads)"
@@ -73,7 +76,7 @@ def plan_shards(config: ModelConfig, world: int) -> list[ShardPlan]:
     q_ranges: list[range] = []
     kv_ranges: list[range] = []
     if kv >= world:
-        for run in _even_ranges(kv, world):
+        for run in even_ranges(kv, world):
             kv_ranges.append(run)
             q_ranges.append(range(run.start * group, run.stop * group))
     else:
@@ -89,7 +92,7 @@ def plan_shards(config: ModelConfig, world: int) -> list[ShardPlan]:
     if c.intermediate_size < world:
         raise TensorParallelError(
             f"cannot split an MLP of {c.intermediate_size} rows over {world} ranks")
-    inter = _even_ranges(c.intermediate_size, world)
+    inter = even_ranges(c.intermediate_size, world)
     rows = -(-c.vocab_size // world)
     return [
         ShardPlan(r, world, q_ranges[r], kv_ranges[r], inter[r], r * rows, rows)

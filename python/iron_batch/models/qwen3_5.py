@@ -12,6 +12,14 @@ layers' convolution windows and delta-rule matrices in one state slot per sequen
 "state"). Each step's batch says, per sequence, whether its state starts fresh, is restored
 from a checkpoint slot before the step, or is saved into one after it (the core decides
 where; see ``rust/core/src/scheduler.rs``).
+
+Tensor parallelism: the full-attention layers split as the other families' (each rank's
+query heads with their gates, its KV heads or a replica of one); the linear-attention
+layers by key head, each key head with the value heads it serves (fewer key heads than
+ranks: each key head on ``world / key_heads`` ranks that split its value heads). A rank
+holds its heads' rows of the input projections and convolution channels, their decay and
+beta parameters, its columns of the output projection (one all-reduce after it), and in
+its state slots only its heads' windows and matrices.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import numpy as np
 import torch
 
 from iron_batch.attention import paged
-from iron_batch.layers.embedding import Embedding, LMHead
+from iron_batch.layers.embedding import Embedding, LMHead, VocabParallel
 from iron_batch.layers.gated_delta import GatedDeltaNet, StepRows
 from iron_batch.layers.linear import Linear
 from iron_batch.layers.mlp import GatedMLP
@@ -32,14 +40,11 @@ from iron_batch.layers.weights import LoadContext, Part, WeightSource
 from iron_batch.models import qwen3_5_gguf
 from iron_batch.models.config import ModelConfig
 from iron_batch.models.decoder import DecoderModel, Shard
-from iron_batch.models.partition import ShardPlan
+from iron_batch.models.partition import ShardPlan, TensorParallelError, even_ranges
 from iron_batch.platform import heap
 
 if TYPE_CHECKING:
     from iron_batch.loader.gguf import GGUFMetadata
-
-_UNSPLITTABLE = ("tensor parallelism does not split Qwen3.5's linear-attention layers and "
-                 "their state slots yet")
 
 _NAMES = {
     "embed": "model.embed_tokens.weight",
@@ -77,6 +82,30 @@ class Qwen3_5Config(ModelConfig):
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_conv_kernel: int = 4
+
+    def check_split(self, world: int) -> None:
+        """Refuse (one line) a world size the linear-attention heads cannot be split by."""
+        linear_head_split(self, world)
+
+
+def linear_head_split(c: Qwen3_5Config, world: int) -> list[tuple[range, range]]:
+    """Per rank: the linear-attention key heads it holds and the value heads they serve
+    on it. Each key head serves ``value / key`` consecutive value heads; with at least as
+    many key heads as ranks they are cut in contiguous near-equal runs, else each key head
+    is replicated on ``world / key`` ranks that split its value heads."""
+    hk, hv = c.linear_key_heads, c.linear_value_heads
+    per = hv // hk
+    if hk >= world:
+        return [(run, range(run.start * per, run.stop * per))
+                for run in even_ranges(hk, world)]
+    ranks_per_key = world // hk
+    if world % hk or per % ranks_per_key:
+        raise TensorParallelError(
+            f"cannot split {c.model_type} over {world} ranks: its linear-attention layers' "
+            f"{hk} key heads and {hv} value heads do not divide evenly among the ranks")
+    share = per // ranks_per_key
+    return [(range(r // ranks_per_key, r // ranks_per_key + 1),
+             range(r * share, (r + 1) * share)) for r in range(world)]
 
 
 class CenteredNorm:
@@ -160,8 +189,7 @@ class Qwen3_5ForCausalLM(DecoderModel):
         params.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
         n = int(cfg["num_hidden_layers"])
         base = ModelConfig.from_hf({**cfg, "rope_parameters": params}, tie_default=False,
-                                   qk_norm="head", norm_weight_offset=1.0,
-                                   unsplittable=_UNSPLITTABLE)
+                                   qk_norm="head", norm_weight_offset=1.0)
         return Qwen3_5Config(
             **base.__dict__,
             linear_layers=_layer_types(cfg, n),
@@ -182,8 +210,6 @@ class Qwen3_5ForCausalLM(DecoderModel):
         quantization: str | None = None,
         shard: Shard | None = None,
     ) -> None:
-        if shard is not None:
-            raise ValueError(f"cannot split {config.model_type}: {_UNSPLITTABLE}")
         if not isinstance(config, Qwen3_5Config):
             raise TypeError("Qwen3_5ForCausalLM needs the config its config_from_hf reads")
         self.conv_states: torch.Tensor | None = None
@@ -195,7 +221,7 @@ class Qwen3_5ForCausalLM(DecoderModel):
 
     def _load(self, ctx: LoadContext, plan: ShardPlan | None) -> None:
         c = self.config
-        assert isinstance(c, Qwen3_5Config) and plan is None
+        assert isinstance(c, Qwen3_5Config)
         names = self.hf_names
         self.cache_groups: list[tuple[str, int | None]] = [("full", None), ("state", None)]
         if all(c.linear_layers):
@@ -212,35 +238,59 @@ class Qwen3_5ForCausalLM(DecoderModel):
             stored = ctx.need_float(Part(name)).to(ctx.device)
             return CenteredNorm(stored - 1.0 if gguf else stored, c.rms_norm_eps)
 
-        def decay_rate(name: str) -> torch.Tensor:
+        def decay_rate(name: str, rows: slice) -> torch.Tensor:
             # -exp(A_log) of the parameter in the compute dtype, as the reference takes it.
-            stored = ctx.need(Part(name)).float()
+            stored = ctx.need(Part(name, rows=rows)).float()
             return stored if gguf else -stored.exp()
 
-        def lin(*parts: str) -> Linear:
-            return Linear.load(ctx, [Part(p) for p in parts])
+        def lin(*parts: str | Part) -> Linear:
+            return Linear.load(ctx, [p if isinstance(p, Part) else Part(p) for p in parts])
+
+        # This rank's rows (column-parallel) and columns (row-parallel); None: whole.
+        hd, dk, dv = c.head_dim, c.linear_key_dim, c.linear_value_dim
+        hk, hv = c.linear_key_heads, c.linear_value_heads
+        q_rows = kv_rows = o_cols = inter = vocab = None
+        keys, values = range(hk), range(hv)
+        if plan is not None:
+            q_rows = slice(plan.q_heads.start * 2 * hd, plan.q_heads.stop * 2 * hd)
+            o_cols = slice(plan.q_heads.start * hd, plan.q_heads.stop * hd)
+            kv_rows = slice(plan.kv_heads.start * hd, plan.kv_heads.stop * hd)
+            inter = slice(plan.intermediate.start, plan.intermediate.stop)
+            vocab = slice(plan.vocab_start, plan.vocab_start + plan.vocab_rows)
+            keys, values = linear_head_split(c, plan.world)[plan.rank]
+
+        def heads_of(first: int, run: range, width: int) -> slice:
+            return slice(first + run.start * width, first + run.stop * width)
+
+        # The convolution channels (the rows of in_proj_qkv) of this rank's heads: its
+        # key heads' q, their k, its value heads' v.
+        channels = [heads_of(0, keys, dk), heads_of(hk * dk, keys, dk),
+                    heads_of(2 * hk * dk, values, dv)]
+        z_rows, head_rows = heads_of(0, values, dv), heads_of(0, values, 1)
 
         mlp_rows = None
         if ctx.device.type == "cpu":
-            width = 2 * c.intermediate_size
+            width = 2 * (c.intermediate_size if inter is None else inter.stop - inter.start)
             mlp_rows = max(64, heap.HEAP_BLOCK // (width * ctx.dtype.itemsize) // 64 * 64)
         scale = c.head_dim**-0.5
         self.layers: list[Any] = []
         attention = linear = 0
         for i in range(c.num_layers):
             n = {k: v.format(i=i) for k, v in names.items()}
-            mlp = GatedMLP(lin(n["gate"], n["up"]), lin(n["down"]), c.hidden_act,
-                           max_rows=mlp_rows)
+            mlp = GatedMLP(lin(Part(n["gate"], rows=inter), Part(n["up"], rows=inter)),
+                           lin(Part(n["down"], cols=inter)), c.hidden_act, max_rows=mlp_rows)
             if c.linear_layers[i]:
-                conv = ctx.need(Part(n["lin_conv"]))
+                conv = torch.cat([ctx.need(Part(n["lin_conv"], rows=r)) for r in channels])
                 mixer = GatedDeltaNet(
-                    in_proj=lin(n["lin_qkv"], n["lin_z"], n["lin_b"], n["lin_a"]),
+                    in_proj=lin(*(Part(n["lin_qkv"], rows=r) for r in channels),
+                                Part(n["lin_z"], rows=z_rows), Part(n["lin_b"], rows=head_rows),
+                                Part(n["lin_a"], rows=head_rows)),
                     conv_weight=conv.reshape(conv.shape[0], -1).contiguous(),
-                    neg_a=decay_rate(n["lin_a_log"]),
-                    dt_bias=ctx.need(Part(n["lin_dt_bias"])),
+                    neg_a=decay_rate(n["lin_a_log"], head_rows),
+                    dt_bias=ctx.need(Part(n["lin_dt_bias"], rows=head_rows)),
                     norm_weight=ctx.need(Part(n["lin_norm"])),
-                    out_proj=lin(n["lin_out"]),
-                    key_heads=c.linear_key_heads, value_heads=c.linear_value_heads,
+                    out_proj=lin(Part(n["lin_out"], cols=z_rows)),
+                    key_heads=len(keys), value_heads=len(values),
                     key_dim=c.linear_key_dim, value_dim=c.linear_value_dim,
                     eps=c.rms_norm_eps,
                     kernels=ctx.device.type == "cpu" and ctx.kernels.attention,
@@ -254,26 +304,32 @@ class Qwen3_5ForCausalLM(DecoderModel):
             else:
                 self.layers.append(AttentionLayer(
                     input_norm=norm(n["input_norm"]),
-                    qkv=lin(n["q"] + ".weight", n["k"] + ".weight", n["v"] + ".weight"),
+                    qkv=lin(Part(n["q"] + ".weight", rows=q_rows),
+                            Part(n["k"] + ".weight", rows=kv_rows),
+                            Part(n["v"] + ".weight", rows=kv_rows)),
                     q_norm=norm(n["q_norm"]),
                     k_norm=norm(n["k_norm"]),
-                    o=lin(n["o"] + ".weight"),
+                    o=lin(Part(n["o"] + ".weight", cols=o_cols)),
                     post_norm=norm(n["post_norm"]),
                     mlp=mlp, scale=scale, cache=attention,
                 ))
                 attention += 1
         self.norm = norm(names["norm"])  # type: ignore[assignment]
+        parallel = None
+        if plan is not None and self.shard is not None:
+            parallel = VocabParallel(plan.vocab_start, plan.vocab_rows,
+                                     self.shard.all_reduce, self.shard.gather_logits)
         tied = c.tie_word_embeddings
-        head = Linear.load(ctx, [Part(names["embed"] if tied else names["lm_head"])],
-                           head=True)
-        self.lm_head = LMHead(head, c.vocab_size)
+        head = Linear.load(ctx, [Part(names["embed"] if tied else names["lm_head"],
+                                      rows=vocab)], head=True)
+        self.lm_head = LMHead(head, c.vocab_size, parallel)
         if tied and ctx.quantization in (None, "gguf"):
             table = head.weight
         elif ctx.quantization == "gguf":
-            table = Linear.load(ctx, [Part(names["embed"])]).weight
+            table = Linear.load(ctx, [Part(names["embed"], rows=vocab)]).weight
         else:
-            table = ctx.need(Part(names["embed"]))
-        self.embed = Embedding(table)
+            table = ctx.need(Part(names["embed"], rows=vocab))
+        self.embed = Embedding(table, parallel)
 
     def _linears(self, head: bool = False) -> list[Linear]:
         out: list[Linear] = []
@@ -309,8 +365,9 @@ class Qwen3_5ForCausalLM(DecoderModel):
         self.conv_states = torch.zeros(
             (len(mixers), slots, channels, c.linear_conv_kernel - 1), dtype=torch.float32,
             device=self.device)
+        value_heads = m.value_heads if m else 0
         self.delta_states = torch.zeros(
-            (len(mixers), slots, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim),
+            (len(mixers), slots, value_heads, c.linear_key_dim, c.linear_value_dim),
             dtype=torch.float32, device=self.device)
         self.block_size = block_size
         self.num_blocks_per_group = per_group
@@ -322,14 +379,16 @@ class Qwen3_5ForCausalLM(DecoderModel):
         return [attention * per_layer, 0]
 
     def state_slot_bytes(self) -> int:
-        """Bytes of one sequence's state over every linear layer (float32)."""
+        """Bytes of one sequence's state over every linear layer (float32): of this
+        rank's heads under tensor parallelism."""
         c = self.config
         assert isinstance(c, Qwen3_5Config)
         mixers = self._mixers()
         if not mixers:
             return 0
-        per_layer = (mixers[0].conv_channels * (c.linear_conv_kernel - 1)
-                     + c.linear_value_heads * c.linear_key_dim * c.linear_value_dim)
+        m = mixers[0]
+        per_layer = (m.conv_channels * (c.linear_conv_kernel - 1)
+                     + m.value_heads * c.linear_key_dim * c.linear_value_dim)
         return 4 * per_layer * len(mixers)
 
     def _state_ops(self, state_slots: np.ndarray | None, state_fresh: np.ndarray | None,
@@ -407,6 +466,7 @@ class Qwen3_5ForCausalLM(DecoderModel):
         h = self._embed(ids)
         n = h.shape[0]
         q_size, kv_size = heads * 2 * hd, kv_heads * hd
+        shard = self.shard
         for layer in self.layers:
             x = layer.input_norm(h)
             if isinstance(layer, LinearLayer):
@@ -423,8 +483,13 @@ class Qwen3_5ForCausalLM(DecoderModel):
                 paged.write_kv(cache, plan, k, v)
                 o = attn.forward(q, k, v, cache, plan, layer.scale)
                 out = layer.o(o * torch.sigmoid(gate))
+            if shard is not None:
+                shard.all_reduce(out)  # row-parallel: the ranks' partial sums
             h = h + out
-            h = h + layer.mlp(layer.post_norm(h))
+            mlp = layer.mlp(layer.post_norm(h))
+            if shard is not None:
+                shard.all_reduce(mlp)
+            h = h + mlp
         self._state_saves(state_slots, state_save)
         return h
 

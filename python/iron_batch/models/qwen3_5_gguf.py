@@ -97,13 +97,19 @@ class TiledValueHeads:
     def tensor(self, part: Part) -> torch.Tensor | None:
         if not self._reordered(part.name):
             return self.source.tensor(part)
-        if part.rows is not None or part.cols is not None:
-            raise ValueError(f"{part.name}: a slice of a reordered GGUF tensor")
-        t = self.source.tensor(part)
+        # Reordered whole, then cut (a tensor-parallel rank's slice is in HF's order).
+        t = self.source.tensor(Part(part.name))
         if t is None:
             return None
+        t = self._grouped(part.name, t)
+        if part.rows is not None:
+            t = t[part.rows]
+        if part.cols is not None:
+            t = t[:, part.cols]
+        return t.contiguous()
+
+    def _grouped(self, name: str, t: torch.Tensor) -> torch.Tensor:
         nk, r, dv = self.key_heads, self.per_key, self.value_dim
-        name = part.name
         if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
             qk = 2 * nk * self.key_dim
             return torch.cat([t[:qk], _untile(t[qk:], 0, nk, r, dv)])

@@ -56,7 +56,8 @@ def share_cores(local_world: int) -> int:
 class LoadedRank:
     model: DecoderModel
     group: TensorParallelGroup
-    num_kv_blocks: int
+    #: The KV pool in blocks, or one count per cache group (models with a state group).
+    num_kv_blocks: int | list[int]
 
 
 def load_rank(
@@ -76,8 +77,14 @@ def load_rank(
 ) -> LoadedRank:
     """Join the group, load this rank's shard, and agree on the KV pool: each rank sizes it
     from its own memory and KV heads, the pool is the smallest of them (block ids are the
-    scheduler's, the same on every rank)."""
-    from iron_batch.backends.torch_backend import kv_blocks_for_memory
+    scheduler's, the same on every rank). A model with a recurrent-state group sizes each
+    group as the single-process backend does (its slots hold this rank's heads' state),
+    each group's count the smallest over the ranks."""
+    from iron_batch.backends.torch_backend import (
+        group_blocks_for_memory,
+        kv_blocks_for_memory,
+        state_slots_for,
+    )
 
     plan = plan_shards(config, rendezvous.world)[rendezvous.rank]
     group = TensorParallelGroup(rendezvous, device, timeout_s, store)
@@ -85,11 +92,21 @@ def load_rank(
         model = load_model(source, device=device, dtype=dtype, quantization=quantization,
                            shard=RankShard(plan, group))
         model.set_kv_cache_dtype(kv_cache_dtype)
-        blocks = total_kv_blocks or kv_blocks_for_memory(model, kv_block_size, kv_cache_memory_gb)
-        blocks = group.min_int(blocks)
+        blocks: int | list[int]
+        groups = model.cache_groups
+        if any(kind == "state" for kind, _ in groups):
+            sizes = ([state_slots_for(model, total_kv_blocks, kv_cache_memory_gb)
+                      if kind == "state" else total_kv_blocks for kind, _ in groups]
+                     if total_kv_blocks is not None
+                     else group_blocks_for_memory(model, kv_block_size, kv_cache_memory_gb))
+            blocks = [group.min_int(b) for b in sizes]
+        else:
+            blocks = total_kv_blocks or kv_blocks_for_memory(model, kv_block_size,
+                                                             kv_cache_memory_gb)
+            blocks = group.min_int(blocks)
     except BaseException:
         group.destroy()
         raise
-    logger.info("tensor-parallel rank %d/%d: %d query heads, %d KV heads, %d KV blocks",
+    logger.info("tensor-parallel rank %d/%d: %d query heads, %d KV heads, %s KV blocks",
                 rendezvous.rank, rendezvous.world, plan.num_heads, plan.num_kv_heads, blocks)
     return LoadedRank(model, group, blocks)

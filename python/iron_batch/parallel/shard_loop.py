@@ -15,7 +15,7 @@ import signal
 import sys
 
 from iron_batch import flags
-from iron_batch.batch import GROUP_MODEL_INPUTS, MODEL_INPUTS
+from iron_batch.batch import GROUP_MODEL_INPUTS, MODEL_INPUTS, STATE_MODEL_INPUTS
 from iron_batch.parallel import step_broadcast
 from iron_batch.parallel.rank import LoadedRank
 from iron_batch.parallel.step_broadcast import Message
@@ -33,8 +33,8 @@ def serve(loaded: LoadedRank, kv_block_size: int) -> int:
             if kind == Message.STOP:
                 break
             if kind == Message.STEP:
-                model.forward(**{k: v for k, v in inputs.items()
-                                 if k in MODEL_INPUTS or k in GROUP_MODEL_INPUTS})
+                model.forward(**{k: v for k, v in inputs.items() if k in MODEL_INPUTS
+                                 or k in GROUP_MODEL_INPUTS or k in STATE_MODEL_INPUTS})
     except Exception as exc:  # a peer died or timed out: nothing left to serve
         print(f"iron-batch tensor-parallel rank {group.rank}: lost the group: {exc}",
               file=sys.stderr, flush=True)
