@@ -66,6 +66,8 @@ impl Verifier {
             ids[t as usize] = i64::from(self.last[r as usize]);
         }
         let mut seq = 0;
+        // Row by row: a draft row reads the KV of the rows before it.
+        #[allow(clippy::needless_range_loop)]
         for t in 0..ids.len() {
             while b.query_start_loc[seq + 1] as usize <= t {
                 seq += 1;
