@@ -124,17 +124,16 @@ def test_a_draft_with_another_vocabulary_is_refused_at_load(tmp_path: Path) -> N
 def test_the_server_refuses_a_draft_with_another_vocabulary_in_one_line(
     tmp_path: Path,
 ) -> None:
-    cmd = [sys.executable, "-m", "iron_batch.server", "--backend", "torch", "--model",
-           _common()["model"], "--device", "cpu", "--total-kv-blocks", "64",
-           "--speculative-method", "draft", "--speculative-model",
-           _other_vocabulary(tmp_path), "--addr", "127.0.0.1:0"]
+    base = [sys.executable, "-m", "iron_batch.server", "--backend", "torch", "--model",
+            _common()["model"], "--device", "cpu", "--total-kv-blocks", "64",
+            "--addr", "127.0.0.1:0", "--speculative-method", "draft"]
+    cmd = [*base, "--speculative-model", _other_vocabulary(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
     last = out.stderr.strip().splitlines()[-1]
     assert "--speculative-model" in last and "differs from the target's" in last
     # Flags that need each other.
-    out = subprocess.run(cmd[:-5] + ["--speculative-method", "draft"], capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(base, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
     assert "--speculative-method draft and --speculative-model go together" in out.stderr
 
