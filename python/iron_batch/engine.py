@@ -270,6 +270,10 @@ class Engine:
                 backend, "supports_speculation", False):
             raise ValueError("speculative decoding is not supported by this backend "
                              f"({type(backend).__name__})")
+        if (self.config.num_speculative_tokens and self.config.speculative_method == "draft"
+                and getattr(backend, "draft", None) is None):
+            raise ValueError("speculative_method 'draft' needs a backend with a draft model "
+                             "(--speculative-model)")
         self.scheduler = Scheduler(self.config)
         self.stats = EngineStats()
         self._refresh_stats()
@@ -607,13 +611,16 @@ class Engine:
             self._by_handle = []
         self._check_fatal(exc, f"backend error: {exc}", out)
 
-    def _sample_extras(self, batch: Any, output: StepOutput) -> dict[str, Logprobs] | None:
+    def _sample_extras(
+        self, batch: Any, output: StepOutput
+    ) -> dict[str, list[Logprobs]] | None:
         """Per-request data that must be read before ``commit`` ends requests.
 
         Captures the prefix-cache hit count of requests sampling for the first time (the
         scheduler only answers for live requests), and maps the backend's per-sample-row
-        logprobs to request ids for those that asked. Only for one token per row: with
-        lookahead the backend's rows no longer match tokens one to one.
+        logprobs to request ids for those that asked (a list: a row that verified
+        proposals gives one per accepted token, in order). Not with lookahead: there the
+        backend's rows no longer match tokens one to one.
         """
         rids: list[str] = batch.sample_request_ids
         requests = self._requests
@@ -626,20 +633,26 @@ class Engine:
                     if req is not None:
                         req.num_cached = self.scheduler.num_cached_prompt_tokens(rid)
         rows = output.logprobs
-        if np.ndim(output.tokens) != 1 or rows is None or len(rows) != len(rids):
+        if np.ndim(output.tokens) != 1 or rows is None or len(rows) != len(output.tokens):
             return None
-        wanted: dict[str, Logprobs] = {}
-        for rid, row in zip(rids, rows, strict=True):
+        counts = (output.num_accepted.tolist() if output.num_accepted is not None
+                  else [1] * len(rids))
+        if len(counts) != len(rids):
+            return None
+        wanted: dict[str, list[Logprobs]] = {}
+        at = 0
+        for rid, n in zip(rids, counts, strict=True):
             req = requests.get(rid)
             if req is not None and req.params.logprobs is not None:
-                wanted[rid] = row
+                wanted[rid] = rows[at : at + n]
+            at += n
         return wanted
 
     def _on_commit(
         self,
         events: StepEvents,
         out: list[tuple[_Request, TokenEvent]],
-        extras: dict[str, Logprobs] | None = None,
+        extras: dict[str, list[Logprobs]] | None = None,
         prompt_logprobs: dict[str, PromptLogprobs] | None = None,
         embeddings: dict[str, np.ndarray] | None = None,
     ) -> None:
@@ -697,7 +710,11 @@ class Engine:
                         reason = "stop"
                 event = TokenEvent(req.request_id, index, token, text, finished, reason)
                 if extras:
-                    event.logprobs = extras.get(req.request_id)
+                    # The request's logprobs in token order (several from a verified run).
+                    mine = extras.get(req.request_id)
+                    if mine:
+                        event.logprobs = mine[0]
+                        extras[req.request_id] = mine[1:]
                 if index == 0 and prompt_logprobs:
                     event.prompt_logprobs = prompt_logprobs.get(req.request_id)
                 if index == 0 and embeddings:

@@ -17,7 +17,11 @@ if TYPE_CHECKING:
     from iron_batch.backends.base import Backend
 
 _SCHEDULER_KEYS = ("max_batch_tokens", "max_running_seqs", "enable_prefix_caching",
-                  "num_speculative_tokens", "speculative_max_rows")
+                  "num_speculative_tokens", "speculative_max_rows", "speculative_method")
+
+
+#: Tokens a draft model (``speculative_model``) proposes per step when no count is given.
+_DEFAULT_DRAFT_TOKENS = 4
 
 
 @dataclass
@@ -50,6 +54,9 @@ class LLM:
     pass any ``backend`` (e.g. ``MockBackend()``). ``overlap_depth``: steps kept in flight
     while the next is scheduled (0: none; None: one when the backend's ``submit`` returns
     before the step is done, as on CUDA, else none; see :mod:`iron_batch.engine`).
+    ``speculative_model`` (with ``speculative_quantization``): a draft model with the same
+    tokenizer that proposes ``num_speculative_tokens`` (default 4) tokens per step for
+    the model to verify (see :mod:`iron_batch.draft_model`).
     Scheduler options (``total_kv_blocks``, ``kv_block_size``, ``max_batch_tokens``,
     ``max_running_seqs``, ``enable_prefix_caching``) are keyword arguments.
     """
@@ -69,6 +76,8 @@ class LLM:
         tensor_parallel_size: int = 1,
         tp_timeout: float | None = None,
         overlap_depth: int | None = None,
+        speculative_model: str | None = None,
+        speculative_quantization: str | None = None,
         **scheduler_kwargs: Any,
     ) -> None:
         unknown = set(scheduler_kwargs) - set(_SCHEDULER_KEYS)
@@ -93,7 +102,12 @@ class LLM:
                 kv_cache_dtype=kv_cache_dtype,
                 tensor_parallel_size=tensor_parallel_size,
                 tp_timeout=tp_timeout,
+                speculative_model=speculative_model,
+                speculative_quantization=speculative_quantization,
             )
+            if speculative_model is not None:
+                scheduler_kwargs.setdefault("num_speculative_tokens",
+                                            _DEFAULT_DRAFT_TOKENS)
         elif model is not None:
             raise ValueError("pass model= or backend=, not both")
         config = scheduler_config(

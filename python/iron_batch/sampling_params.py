@@ -123,11 +123,10 @@ class SamplingParams:
     @property
     def allows_speculation(self) -> bool:
         """Whether the scheduler may propose tokens for this request: not opted out, and
-        no grammar, logprobs or penalties (see :mod:`iron_batch.speculative`)."""
+        no grammar or penalties (see :mod:`iron_batch.speculative`)."""
         return (
             self.speculate
             and self.grammar is None
-            and self.logprobs is None
             and self.repetition_penalty == 1.0
             and self.presence_penalty == 0.0
             and self.frequency_penalty == 0.0

@@ -17,9 +17,17 @@ equals it accepts with probability ``p(proposal)``, which is what rejection samp
 a one-point draft distribution accepts; on a rejection the token is the target's own
 sample, so nothing is lost against rejection sampling.
 
-Requests that speculate are those ``SamplingParams.allows_speculation`` says: no penalties (their
-counts would have to advance inside the run), no grammar (speculation is off for
-constrained requests rather than checking proposals against it), no logprobs.
+A draft model (:mod:`iron_batch.draft_model`) proposes greedily: a point-mass draft
+distribution too, so the same verification keeps the target's distribution exactly with
+its proposals.
+
+Logprobs of the accepted tokens come from the rows that verified them: row ``j``'s logits
+are those a plain decode at that position computes, so the values are the same as without
+speculation.
+
+Requests that speculate are those ``SamplingParams.allows_speculation`` says: no penalties
+(their counts would have to advance inside the run), no grammar (speculation is off for
+constrained requests rather than checking proposals against it).
 """
 
 from __future__ import annotations
@@ -29,11 +37,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from iron_batch.sampling import _filtered_probs, argmax_rows, mix_seed
+from iron_batch.sampling import _filtered_probs, _gather_logprobs, argmax_rows, mix_seed
 
 if TYPE_CHECKING:
     from iron_batch.sampling import RequestState, Sampler
     from iron_batch.sampling_params import SamplingParams
+    from iron_batch.stream import StepLogprobs
 
 
 def verify_rows(
@@ -41,13 +50,23 @@ def verify_rows(
     logits: torch.Tensor,
     states: list[RequestState],
     proposals: list[np.ndarray],
-) -> tuple[list[int], list[int]]:
+) -> tuple[list[int], list[int], StepLogprobs | None]:
     """``logits``: ``1 + len(proposals[i])`` consecutive rows per request ``i`` (the rows
     of its last token and of each proposal). Returns the accepted tokens of every request
-    in turn and their count per request, and advances each state's generated count."""
-    picks = _picks(sampler, logits, states, [len(p) for p in proposals])
+    in turn, their count per request, and (when a request asks for them) one logprobs
+    entry per accepted token (``(0.0, [])`` for requests that do not ask); advances each
+    state's generated count."""
+    ks = [len(p) for p in proposals]
+    picks = _picks(sampler, logits, states, ks)
+    row_logprobs = None
+    if any(s.params.logprobs is not None for s in states):
+        want = [s.params.logprobs for s, k in zip(states, ks, strict=True) for _ in range(k + 1)]
+        row_logprobs = _gather_logprobs(
+            torch.log_softmax(logits, dim=-1),
+            torch.tensor(picks, dtype=torch.int64, device=logits.device), want)
     tokens: list[int] = []
     counts: list[int] = []
+    logprobs: StepLogprobs | None = [] if row_logprobs is not None else None
     at = 0
     for state, prop in zip(states, proposals, strict=True):
         k = len(prop)
@@ -57,9 +76,14 @@ def verify_rows(
         while n < k and row[n] == prop[n]:
             n += 1
         tokens.extend(row[: n + 1])
+        if logprobs is not None and row_logprobs is not None:
+            if state.params.logprobs is not None:
+                logprobs.extend(row_logprobs[at - k - 1 : at - k - 1 + n + 1])
+            else:
+                logprobs.extend([(0.0, [])] * (n + 1))
         counts.append(n + 1)
         state.num_generated += n + 1
-    return tokens, counts
+    return tokens, counts, logprobs
 
 
 def _picks(

@@ -146,7 +146,8 @@ class StepOutput:
     #: that runs K decode steps per call.
     tokens: np.ndarray
     #: One (chosen-token logprob, top alternatives) per sample row when some request of
-    #: the step asked for logprobs (one token per row only), else None.
+    #: the step asked for logprobs (one token per row only; with ``num_accepted``, one
+    #: per token of the flat ``tokens``), else None.
     logprobs: StepLogprobs | None = None
     #: The prompt logprobs of requests that asked for them, once their prompt is
     #: computed (the step that samples their first token), by request id.

@@ -22,7 +22,7 @@ from iron_batch.layers import QUANTIZATION_MODES as QUANTIZATION_MODES
 BACKEND_KINDS = ("mock", "torch", "remote")
 ALIASES = {"real": "remote"}
 _TORCH_ONLY = ("model", "device", "dtype", "kv_cache_memory_gb", "quantization",
-               "tensor_parallel_size", "kv_cache_dtype")
+               "tensor_parallel_size", "kv_cache_dtype", "speculative_model")
 
 #: The Rust core's scheduler defaults.
 DEFAULTS = SchedulerConfig()
@@ -61,10 +61,14 @@ def build_backend(
     steps_per_call: int = 1,
     tensor_parallel_size: int = 1,
     tp_timeout: float | None = None,
+    speculative_model: str | None = None,
+    speculative_quantization: str | None = None,
 ) -> Backend:
     """The backend of ``kind`` (mock, torch, remote; real = remote). A torch backend with
     ``tensor_parallel_size`` > 1 splits the model over that many ranks (see
-    ``iron_batch.parallel``); under torchrun, ranks >= 1 never return from here."""
+    ``iron_batch.parallel``); under torchrun, ranks >= 1 never return from here.
+    ``speculative_model``: a draft model the torch backend runs beside ``model``
+    (``--speculative-method draft``), quantized as ``speculative_quantization`` says."""
     kind = ALIASES.get(kind, kind)
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
         raise BackendConfigError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of "
@@ -73,7 +77,8 @@ def build_backend(
         given = {"model": model, "device": device, "dtype": dtype,
                  "kv_cache_memory_gb": kv_cache_memory_gb, "quantization": quantization,
                  "tensor_parallel_size": tensor_parallel_size > 1,
-                 "kv_cache_dtype": kv_cache_dtype not in (None, "auto")}
+                 "kv_cache_dtype": kv_cache_dtype not in (None, "auto"),
+                 "speculative_model": speculative_model}
         for name in _TORCH_ONLY:
             if given[name]:
                 raise BackendConfigError(f"--{name.replace('_', '-')} only applies to "
@@ -88,7 +93,12 @@ def build_backend(
     if kind == "torch":
         if not model:
             raise BackendConfigError("--backend torch requires --model PATH")
+        if speculative_quantization and not speculative_model:
+            raise BackendConfigError("--speculative-quantization needs --speculative-model")
         if tensor_parallel_size > 1:
+            if speculative_model:
+                raise BackendConfigError("--speculative-model is not supported with "
+                                         "--tensor-parallel-size > 1")
             return _tensor_parallel_backend(
                 model, tensor_parallel_size, device=device, dtype=dtype,
                 total_kv_blocks=total_kv_blocks, kv_block_size=kv_block_size,
@@ -96,6 +106,7 @@ def build_backend(
                 timeout=tp_timeout, kv_cache_dtype=kv_cache_dtype)
         # Imported lazily: the mock server must not need (or pay for) torch.
         from iron_batch.backends.torch_backend import TorchBackend
+        from iron_batch.draft_model import DraftModelError
 
         try:
             return TorchBackend.from_model(
@@ -107,7 +118,11 @@ def build_backend(
                 kv_cache_memory_gb=kv_cache_memory_gb or None,
                 quantization=quantization or None,
                 kv_cache_dtype=kv_cache_dtype or "auto",
+                speculative_model=speculative_model or None,
+                speculative_quantization=speculative_quantization or None,
             )
+        except DraftModelError as exc:
+            raise BackendConfigError(f"--speculative-model {speculative_model!r}: {exc}") from exc
         except (OSError, ValueError) as exc:
             raise BackendConfigError(f"cannot load --model {model!r}: {exc}") from exc
     if kind == "remote":
@@ -174,6 +189,10 @@ def scheduler_config(
         raise BackendConfigError(f"--kv-block-size {kv_block_size} differs from the "
                                  f"backend's {own_size}")
     blocks = int(total_kv_blocks or own_blocks or DEFAULTS.total_kv_blocks)
+    if (getattr(backend, "draft", None) is not None and options.get("num_speculative_tokens")
+            and options.get("speculative_method") is None):
+        # The backend's draft model proposes (the core reserves the rows).
+        options["speculative_method"] = "draft"
     # A model with sliding-window layers has a cache group per kind of layer (the backend
     # sizes their pools; ``total_kv_blocks`` may only shrink each).
     groups = [CacheGroup(g.kind, min(g.size, total_kv_blocks or g.size), window=g.window,

@@ -17,6 +17,7 @@ from iron_batch.batch import (
     model_inputs,
     state_model_inputs,
 )
+from iron_batch.draft_model import DraftRunner, check_draft
 from iron_batch.loader import ModelSource, load_model, read_gguf_fields, resolve
 from iron_batch.models.decoder import DecoderModel
 from iron_batch.pooling import PromptPooler
@@ -103,9 +104,12 @@ class TorchBackend(BackendBase):
         model_name: str,
         num_kv_blocks: int | list[int],
         kv_block_size: int,
+        draft: DecoderModel | None = None,
     ) -> None:
         """``num_kv_blocks``: the KV pool in blocks, of each cache group (a list: one count
-        per ``model.cache_groups`` entry)."""
+        per ``model.cache_groups`` entry). ``draft``: a draft model for speculative
+        decoding (``speculative_method="draft"``; see :mod:`iron_batch.draft_model`), with
+        its own KV of the same blocks."""
         self.model = model
         # torch CPU ops run to the end when called; CUDA ones are queued on a stream.
         self.asynchronous_submit = model.device.type == "cuda"
@@ -137,6 +141,12 @@ class TorchBackend(BackendBase):
                 eos.append(i)
         self.eos_token_ids = eos
         model.allocate_kv_cache(per_group, kv_block_size)
+        #: The draft model's runner (``speculative_method`` "draft"), or None.
+        self.draft: DraftRunner | None = None
+        if draft is not None:
+            self.draft = DraftRunner(draft)
+            self.draft.allocate_kv_cache(per_group[0], kv_block_size)
+        self.speculative_method = "draft" if draft is not None else "ngram"
         grammar = None
         if tokenizer is not None and llguidance_installed():
             grammar = GrammarMasker(tokenizer, model.config.vocab_size, eos)
@@ -160,14 +170,26 @@ class TorchBackend(BackendBase):
         kv_cache_memory_gb: float | None = None,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        speculative_model: str | None = None,
+        speculative_quantization: str | None = None,
     ) -> TorchBackend:
         """``kv_cache_dtype``: "auto" (K/V in the model's dtype) or "int8" (see
-        ``attention/kv_int8.py``); the memory budget counts the bytes of that layout."""
+        ``attention/kv_int8.py``); the memory budget counts the bytes of that layout.
+        ``speculative_model``: a draft model (same tokenizer) for speculative decoding,
+        quantized as ``speculative_quantization`` says; its KV counts in the budget."""
         source = resolve(model)
         dev = pick_device(device)
         net = load_model(source, device=dev, dtype=pick_dtype(dtype, dev, quantization),
                          quantization=quantization)
         net.set_kv_cache_dtype(kv_cache_dtype)
+        draft = None
+        if speculative_model is not None:
+            draft_source = resolve(speculative_model)
+            draft = load_model(draft_source, device=dev,
+                               dtype=pick_dtype(dtype, dev, speculative_quantization),
+                               quantization=speculative_quantization)
+            draft.set_kv_cache_dtype(kv_cache_dtype)
+            check_draft(net, load_tokenizer(source), draft, load_tokenizer(draft_source))
         blocks: int | list[int]
         if total_kv_blocks is not None:
             blocks = total_kv_blocks
@@ -178,13 +200,14 @@ class TorchBackend(BackendBase):
         elif len(net.cache_groups) > 1:
             blocks = group_blocks_for_memory(net, kv_block_size, kv_cache_memory_gb)
         else:
-            blocks = kv_blocks_for_memory(net, kv_block_size, kv_cache_memory_gb)
+            blocks = kv_blocks_for_memory(net, kv_block_size, kv_cache_memory_gb, draft)
         return cls(
             net,
             load_tokenizer(source),
             model_name=source.name,
             num_kv_blocks=blocks,
             kv_block_size=kv_block_size,
+            draft=draft,
         )
 
     def add_request(
@@ -203,6 +226,8 @@ class TorchBackend(BackendBase):
 
     def remove_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.remove_request(request_id)
         self.scorer.remove_request(request_id)
         self.pooler.remove_request(request_id)
 
@@ -244,10 +269,14 @@ class TorchBackend(BackendBase):
             ids = torch.from_numpy(np.ascontiguousarray(batch.input_ids, dtype=np.int64)).to(dev)
             ids[torch.from_numpy(holes).to(dev)] = prev[torch.from_numpy(rows).to(dev)]
             inputs["input_ids"] = ids
-        scoring = self.scorer.rows(batch)
-        sample_rows = np.asarray(batch.sample_indices, dtype=np.int64)
         proposed = getattr(batch, "num_proposed", None)
         speculating = proposed is not None and bool(proposed.any())
+        if self.draft is not None:
+            # The draft fills the proposal rows (and keeps its KV of every row).
+            inputs["input_ids"] = self.draft.fill(batch, inputs["input_ids"],
+                                                  self.vocab_size)
+        scoring = self.scorer.rows(batch)
+        sample_rows = np.asarray(batch.sample_indices, dtype=np.int64)
         if speculating:
             # A row with k proposals is verified by the logits of its last k + 1 rows.
             k = proposed.astype(np.int64)
@@ -272,7 +301,7 @@ class TorchBackend(BackendBase):
             self._device_tokens = None
             return TorchStep(None, None)
         if speculating:
-            return self._verify(batch, logits, states, rids)
+            return self._verify(batch, logits, states, rids, inputs["input_ids"])
         tokens, logprobs = self.sampler.sample(logits, states)
         self._device_tokens = tokens
         # Requests sampling here have their prompt computed: their scores and pooled hidden
@@ -281,37 +310,53 @@ class TorchBackend(BackendBase):
                          self.pooler.take_finished(rids))
 
     def _verify(
-        self, batch: Batch, logits: torch.Tensor, states: list[RequestState], rids: list[str]
+        self, batch: Batch, logits: torch.Tensor, states: list[RequestState], rids: list[str],
+        input_ids: np.ndarray | torch.Tensor,
     ) -> TorchStep:
         """Sample the rows without proposals as usual and verify the others (see
-        :mod:`iron_batch.speculative`); the tokens come back flat with a count per row."""
+        :mod:`iron_batch.speculative`); the tokens come back flat with a count per row.
+        ``input_ids``: the step's ids, proposals (and placeholders) filled in."""
         k = batch.num_proposed.tolist()
         first = np.cumsum([0, *[1 + x for x in k]])[:-1]
         plain = [r for r, x in enumerate(k) if x == 0]
         spec = [r for r, x in enumerate(k) if x > 0]
         per_row: list[list[int]] = [[] for _ in k]
-        logprobs = None
+        # Logprobs per row, one per accepted token (None: nobody asked).
+        row_logprobs: list[StepLogprobs] | None = None
         if plain:
             idx = torch.from_numpy(first[plain]).to(logits.device)
             toks, plain_logprobs = self.sampler.sample(logits[idx], [states[r] for r in plain])
             for r, t in zip(plain, toks.tolist(), strict=True):
                 per_row[r] = [t]
             if plain_logprobs is not None:
-                # Speculating requests never ask for logprobs: their rows get none.
-                logprobs = [(0.0, [])] * len(k)
+                row_logprobs = [[] for _ in k]
                 for r, lp in zip(plain, plain_logprobs, strict=True):
-                    logprobs[r] = lp
-        ids = batch.input_ids
+                    row_logprobs[r] = [lp]
+        ids = (input_ids.cpu().numpy() if isinstance(input_ids, torch.Tensor)
+               else np.asarray(input_ids))
         ends = batch.sample_indices
         proposals = [ids[int(ends[r]) - k[r] + 1 : int(ends[r]) + 1] for r in spec]
         rows = np.concatenate([first[r] + np.arange(k[r] + 1) for r in spec])
-        toks, counts = verify_rows(self.sampler, logits[torch.from_numpy(rows)],
-                                   [states[r] for r in spec], proposals)
+        toks, counts, spec_logprobs = verify_rows(
+            self.sampler, logits[torch.from_numpy(rows)], [states[r] for r in spec], proposals)
+        if spec_logprobs is not None and row_logprobs is None:
+            row_logprobs = [[] for _ in k]
         at = 0
         for r, c in zip(spec, counts, strict=True):
             per_row[r] = toks[at : at + c]
+            if row_logprobs is not None:
+                row_logprobs[r] = (spec_logprobs[at : at + c] if spec_logprobs is not None
+                                   else [(0.0, [])] * c)
             at += c
+            if self.draft is not None and c == k[r] + 1:
+                end = int(ends[r])
+                self.draft.note_accepted(rids[r], int(batch.positions[end]), int(ids[end]))
         flat = [t for row in per_row for t in row]
+        logprobs = None
+        if row_logprobs is not None:
+            # One entry per token of ``flat`` (rows without logprobs get empty ones).
+            logprobs = [lp for r, row in enumerate(per_row)
+                        for lp in (row_logprobs[r] or [(0.0, [])] * len(row))]
         self._device_tokens = torch.tensor([row[-1] for row in per_row], dtype=torch.int64,
                                            device=self.model.device)
         return TorchStep(torch.tensor(flat, dtype=torch.int64), logprobs,
@@ -364,8 +409,14 @@ def _ranks(lengths: np.ndarray) -> np.ndarray:
     return np.arange(int(lengths.sum())) - starts
 
 
-def kv_blocks_for_memory(net: DecoderModel, block_size: int, memory_gb: float | None) -> int:
+def kv_blocks_for_memory(
+    net: DecoderModel, block_size: int, memory_gb: float | None,
+    draft: DecoderModel | None = None,
+) -> int:
+    """KV blocks in the budget; with a ``draft`` model, each block holds its KV too."""
     per_block = net.kv_bytes_per_block(block_size)
+    if draft is not None:
+        per_block += draft.kv_bytes_per_block(block_size)
     if memory_gb is None:
         if net.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(net.device)

@@ -85,11 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{DEFAULTS.max_batch_tokens})")
     scheduling.add_argument("--max-running-seqs", type=positive_int, default=None,
                    help=f"sequences in one step at most (default {DEFAULTS.max_running_seqs})")
-    scheduling.add_argument("--speculative-method", choices=("ngram",), default=None,
+    scheduling.add_argument("--speculative-method", choices=("ngram", "draft"), default=None,
                    help="speculative decoding: ngram (prompt lookup: a repeat of the "
                    "sequence's last tokens in its prompt and output proposes what followed "
-                   "them; the model verifies them in the same step, greedy and seeded output "
-                   "unchanged) (default off)")
+                   "them) or draft (a smaller model with the same tokenizer, "
+                   "--speculative-model, proposes greedily); the model verifies them in the "
+                   "same step, greedy and seeded output unchanged (default off)")
+    scheduling.add_argument("--speculative-model", default=None, metavar="PATH",
+                   help="speculative decoding: the draft model (checkpoint folder, GGUF file "
+                   "or short name) of --speculative-method draft")
+    scheduling.add_argument("--speculative-quantization", default=None,
+                   choices=flags.QUANTIZATION_MODES,
+                   help="speculative decoding: quantize the draft model's weights as "
+                   "--quantization does the model's (default: as its checkpoint)")
     scheduling.add_argument("--num-speculative-tokens", type=positive_int, default=None,
                    help="speculative decoding: most tokens proposed per sequence per step "
                    "(default 4 with --speculative-method)")
@@ -224,6 +232,10 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
 
     if args.num_speculative_tokens is not None and args.speculative_method is None:
         parser.error("--num-speculative-tokens needs --speculative-method")
+    if (args.speculative_method == "draft") != (args.speculative_model is not None):
+        parser.error("--speculative-method draft and --speculative-model go together")
+    if args.speculative_quantization is not None and args.speculative_model is None:
+        parser.error("--speculative-quantization needs --speculative-model")
     keys = getattr(args, "api_keys", None)
     if keys is None:
         keys = args.api_keys = api_keys(args, parser)
@@ -238,6 +250,8 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
             steps_per_call=args.steps_per_call,
             tensor_parallel_size=args.tensor_parallel_size,
             tp_timeout=args.tp_timeout,
+            speculative_model=args.speculative_model,
+            speculative_quantization=args.speculative_quantization,
         )
         config = scheduler_config(
             backend,
@@ -248,6 +262,7 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
             enable_prefix_caching=not args.no_prefix_caching,
             num_speculative_tokens=speculative_tokens(args.speculative_method,
                                                       args.num_speculative_tokens),
+            speculative_method=args.speculative_method,
         )
     except BackendConfigError as exc:
         parser.error(str(exc))

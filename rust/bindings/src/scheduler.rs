@@ -157,6 +157,7 @@ pub struct SchedulerConfig {
     pub state_checkpoint_interval: usize,
     pub num_speculative_tokens: usize,
     pub speculative_max_rows: usize,
+    pub speculative_method: String,
     pub speculative_ngram_min: usize,
     pub speculative_ngram_max: usize,
 }
@@ -169,7 +170,7 @@ impl SchedulerConfig {
                         max_model_len = None, cache_groups = Vec::new(),
                         state_checkpoint_interval = 0, *, num_speculative_tokens = 0,
                         speculative_max_rows = 8, speculative_ngram_min = 2,
-                        speculative_ngram_max = 4))]
+                        speculative_ngram_max = 4, speculative_method = "ngram".to_string()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         total_kv_blocks: usize,
@@ -184,6 +185,7 @@ impl SchedulerConfig {
         speculative_max_rows: usize,
         speculative_ngram_min: usize,
         speculative_ngram_max: usize,
+        speculative_method: String,
     ) -> Self {
         SchedulerConfig {
             total_kv_blocks,
@@ -196,6 +198,7 @@ impl SchedulerConfig {
             state_checkpoint_interval,
             num_speculative_tokens,
             speculative_max_rows,
+            speculative_method,
             speculative_ngram_min,
             speculative_ngram_max,
         }
@@ -247,6 +250,13 @@ impl SchedulerConfig {
             state_checkpoint_interval: self.state_checkpoint_interval,
             num_speculative_tokens: self.num_speculative_tokens,
             speculative_max_rows: self.speculative_max_rows,
+            speculative_method: core::SpeculativeMethod::parse(&self.speculative_method)
+                .ok_or_else(|| {
+                    pyo3::exceptions::PyValueError::new_err(format!(
+                        "speculative_method must be \"ngram\" or \"draft\", got {:?}",
+                        self.speculative_method
+                    ))
+                })?,
             speculative_ngram_min: self.speculative_ngram_min,
             speculative_ngram_max: self.speculative_ngram_max,
         })

@@ -63,6 +63,35 @@ impl CacheGroup {
     }
 }
 
+/// Where speculative proposals come from (`SchedulerConfig::speculative_method`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SpeculativeMethod {
+    /// Prompt lookup (`NgramProposer`), in the core.
+    #[default]
+    Ngram,
+    /// The backend's draft model: the core reserves the proposal rows
+    /// (`DraftModelProposer`), the backend fills their tokens before the forward.
+    DraftModel,
+}
+
+impl SpeculativeMethod {
+    /// From its flag name: "ngram" or "draft".
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "ngram" => Some(SpeculativeMethod::Ngram),
+            "draft" => Some(SpeculativeMethod::DraftModel),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SpeculativeMethod::Ngram => "ngram",
+            SpeculativeMethod::DraftModel => "draft",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SchedulerConfig {
     /// KV pool size in blocks (the one full-attention group when `cache_groups` is empty).
@@ -92,6 +121,9 @@ pub struct SchedulerConfig {
     /// most a one-call decode step takes: there a verification row computes exactly what a
     /// one-row decode step computes, so greedy output does not change.
     pub speculative_max_rows: usize,
+    /// Where proposals come from: prompt lookup in the core, or the backend's draft model
+    /// (the core reserves the rows, the backend fills their tokens).
+    pub speculative_method: SpeculativeMethod,
     /// The n-gram lengths prompt lookup matches, longest first.
     pub speculative_ngram_min: usize,
     pub speculative_ngram_max: usize,
@@ -110,6 +142,7 @@ impl Default for SchedulerConfig {
             state_checkpoint_interval: 0,
             num_speculative_tokens: 0,
             speculative_max_rows: 8,
+            speculative_method: SpeculativeMethod::Ngram,
             speculative_ngram_min: 2,
             speculative_ngram_max: 4,
         }

@@ -15,9 +15,13 @@ pub mod sequence;
 pub use allocator::{BlockAllocator, BlockId};
 pub use batch::{Batch, BatchEntry};
 pub use block_hash::{hash_block, hash_salt, BlockHash, BlockHasher};
-pub use config::{split_pool, CacheGroup, CacheKind, GroupSpec, SchedulerConfig};
+pub use config::{
+    split_pool, CacheGroup, CacheKind, GroupSpec, SchedulerConfig, SpeculativeMethod,
+};
 pub use error::{AllocError, SchedulerError};
 pub use events::{StepEvent, StepEvents};
-pub use proposer::{NgramProposer, Proposer};
+pub use proposer::{
+    DraftModelProposer, NgramProposer, Proposer, SequenceProposer, DRAFTED_BY_BACKEND,
+};
 pub use scheduler::{GroupUsage, Scheduler, SchedulerStats};
 pub use sequence::{FinishReason, GroupTable, GroupTables, RequestOptions, SeqState, Sequence};

@@ -15,6 +15,55 @@ pub trait Proposer {
     fn propose(&mut self, tokens: &[u32], k: usize, out: &mut Vec<u32>);
 }
 
+/// A proposal row whose token the backend fills in (`Batch::input_ids`) before the
+/// verification forward: its draft model's greedy pick there. A commit accepts any token
+/// in such a row that the target model agreed with.
+pub const DRAFTED_BY_BACKEND: u32 = u32::MAX;
+
+/// A draft model run by the backend: reserves `k` proposal rows of placeholders
+/// (`DRAFTED_BY_BACKEND`) that the backend fills by running its draft model `k` times
+/// greedily before the verification forward. Nothing to index: the draft model's own KV
+/// (the same block tables and slots as the target's, a separate tensor) is its state, and
+/// the KV of a rejected proposal is overwritten later, as the target's is.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DraftModelProposer;
+
+impl Proposer for DraftModelProposer {
+    fn observe(&mut self, _tokens: &[u32]) {}
+
+    fn propose(&mut self, _tokens: &[u32], k: usize, out: &mut Vec<u32>) {
+        out.extend(std::iter::repeat_n(DRAFTED_BY_BACKEND, k));
+    }
+}
+
+/// The proposer a speculating sequence holds: one of the methods above.
+#[derive(Debug, Clone)]
+pub enum SequenceProposer {
+    Ngram(NgramProposer),
+    DraftModel(DraftModelProposer),
+}
+
+impl Proposer for SequenceProposer {
+    fn observe(&mut self, tokens: &[u32]) {
+        match self {
+            SequenceProposer::Ngram(p) => p.observe(tokens),
+            SequenceProposer::DraftModel(p) => p.observe(tokens),
+        }
+    }
+
+    fn propose(&mut self, tokens: &[u32], k: usize, out: &mut Vec<u32>) {
+        match self {
+            SequenceProposer::Ngram(p) => p.propose(tokens, k, out),
+            SequenceProposer::DraftModel(p) => p.propose(tokens, k, out),
+        }
+    }
+}
+
+/// Whether a commit may accept `token` where `proposed` was proposed.
+pub fn accepts(proposed: u32, token: u32) -> bool {
+    proposed == DRAFTED_BY_BACKEND || proposed == token
+}
+
 /// Prompt lookup: the most recent earlier occurrence of the sequence's last `n` tokens
 /// (longest `n` first, from `max_n` down to `min_n`) in its own prompt and output proposes
 /// the tokens that followed it. One map per `n` from the n-gram to the position after its
@@ -144,6 +193,25 @@ mod tests {
         for k in 1..6 {
             assert_eq!(propose(&mut pieces, &t, k), propose(&mut whole, &t, k));
         }
+    }
+
+    #[test]
+    fn a_draft_model_reserves_k_rows_for_the_backend_to_fill() {
+        let mut p = SequenceProposer::DraftModel(DraftModelProposer);
+        let mut out = vec![7];
+        p.propose(&[1, 2, 3], 3, &mut out);
+        assert_eq!(
+            out,
+            [
+                7,
+                DRAFTED_BY_BACKEND,
+                DRAFTED_BY_BACKEND,
+                DRAFTED_BY_BACKEND
+            ]
+        );
+        assert!(accepts(DRAFTED_BY_BACKEND, 42));
+        assert!(accepts(5, 5));
+        assert!(!accepts(5, 6));
     }
 
     #[test]

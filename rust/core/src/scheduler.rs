@@ -12,10 +12,11 @@ use std::collections::{HashMap, VecDeque};
 use crate::allocator::{BlockAllocator, BlockId};
 use crate::batch::{Batch, StateOps};
 use crate::block_hash::{hash_block, hash_salt, BlockHash, BlockHasher};
+use crate::config::SpeculativeMethod;
 use crate::config::{CacheGroup, CacheKind, SchedulerConfig};
 use crate::error::{AllocError, SchedulerError};
 pub use crate::events::StepEvent;
-use crate::proposer::{NgramProposer, Proposer};
+use crate::proposer::{accepts, DraftModelProposer, NgramProposer, Proposer, SequenceProposer};
 use crate::sequence::{FinishReason, GroupTables, RequestOptions, SeqState, Sequence};
 
 /// How a commit's tokens are laid out: `[rows, steps]` (lookahead), or a variable count
@@ -373,10 +374,15 @@ impl Scheduler {
             restore_from: None,
             pending_save: None,
             proposer: (self.cfg.num_speculative_tokens > 0 && !opts.no_speculation).then(|| {
-                NgramProposer::new(
-                    self.cfg.speculative_ngram_min,
-                    self.cfg.speculative_ngram_max,
-                )
+                match self.cfg.speculative_method {
+                    SpeculativeMethod::Ngram => SequenceProposer::Ngram(NgramProposer::new(
+                        self.cfg.speculative_ngram_min,
+                        self.cfg.speculative_ngram_max,
+                    )),
+                    SpeculativeMethod::DraftModel => {
+                        SequenceProposer::DraftModel(DraftModelProposer)
+                    }
+                }
             }),
             num_proposed: 0,
             draft: Vec::new(),
@@ -1086,7 +1092,12 @@ impl Scheduler {
                     .filter(|q| q.uid == e.uid)
                     .map(|q| &q.draft[..]);
                 (1..=k + 1).contains(&count)
-                    && draft.is_none_or(|d| tokens[at..at + count - 1] == d[..count - 1])
+                    && draft.is_none_or(|d| {
+                        d[..count - 1]
+                            .iter()
+                            .zip(&tokens[at..at + count - 1])
+                            .all(|(&p, &t)| accepts(p, t))
+                    })
             };
             if !ok {
                 return Err(SchedulerError::BatchMismatch(format!(

@@ -2,7 +2,7 @@
 
 use crate::allocator::BlockId;
 use crate::block_hash::BlockHash;
-use crate::proposer::NgramProposer;
+use crate::proposer::SequenceProposer;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeqState {
@@ -100,8 +100,9 @@ pub struct Sequence {
     /// A slot that an open step saves a checkpoint of its state into, the step, and the
     /// position the checkpoint is of (the end of that step's chunk).
     pub pending_save: Option<(BlockId, u64, usize)>,
-    /// Its prompt-lookup index, if it speculates (speculation on, not opted out).
-    pub proposer: Option<NgramProposer>,
+    /// Its proposer (a prompt-lookup index, or the backend's draft model), if it
+    /// speculates (speculation on, not opted out).
+    pub proposer: Option<SequenceProposer>,
     /// Tokens proposed in its open step (after `tokens`, in the batch's input ids): the
     /// step's commit accepts a prefix of them. While nonzero it is not scheduled again.
     pub num_proposed: usize,

@@ -1,12 +1,14 @@
-//! Speculative decoding in the scheduler: prompt-lookup proposals become extra query rows,
-//! `commit_accepted` takes a variable number of tokens per row and rolls the rest back.
+//! Speculative decoding in the scheduler: prompt-lookup proposals (or rows reserved for the
+//! backend's draft model) become extra query rows, `commit_accepted` takes a variable
+//! number of tokens per row and rolls the rest back.
 //! Under any acceptance pattern the outputs equal a run without speculation, every
 //! invariant holds after every operation, and every block is free at the end.
 
 use std::collections::{HashMap, VecDeque};
 
 use iron_batch_core::{
-    Batch, RequestOptions, Scheduler, SchedulerConfig, SchedulerError, SchedulerStats, StepEvent,
+    Batch, RequestOptions, Scheduler, SchedulerConfig, SchedulerError, SchedulerStats,
+    SpeculativeMethod, StepEvent, DRAFTED_BY_BACKEND,
 };
 use proptest::prelude::*;
 
@@ -20,6 +22,10 @@ struct Verifier {
     /// Accepts at most this many proposals in row `r` of step `s`: `cut(s, r)` (a random
     /// acceptance pattern on top of the model's own verdict, as sampling gives).
     cut: Box<dyn Fn(u64, usize) -> usize>,
+    /// Fills a row reserved for the backend's draft model (input token
+    /// `DRAFTED_BY_BACKEND`) with the true next token where `draft_right(step, row)`, else
+    /// with a wrong one: a draft model that is right now and then.
+    draft_right: Box<dyn Fn(u64, usize) -> bool>,
     last: Vec<u32>,
 }
 
@@ -29,8 +35,14 @@ impl Verifier {
             vocab,
             kv: HashMap::new(),
             cut: Box::new(cut),
+            draft_right: Box::new(|_, _| true),
             last: Vec::new(),
         }
+    }
+
+    fn with_draft(mut self, right: impl Fn(u64, usize) -> bool + 'static) -> Self {
+        self.draft_right = Box::new(right);
+        self
     }
 
     fn token(&self, table: &[i32], len: usize, bs: usize) -> u32 {
@@ -53,8 +65,25 @@ impl Verifier {
         for (&t, &r) in b.pending_token_indices.iter().zip(&b.pending_sample_rows) {
             ids[t as usize] = i64::from(self.last[r as usize]);
         }
-        for ((&slot, &tok), &pos) in b.slot_mapping.iter().zip(&ids).zip(&b.positions) {
-            self.kv.insert(slot, (tok, pos));
+        let mut seq = 0;
+        // Row by row: a draft row reads the KV of the rows before it.
+        #[allow(clippy::needless_range_loop)]
+        for t in 0..ids.len() {
+            while b.query_start_loc[seq + 1] as usize <= t {
+                seq += 1;
+            }
+            if ids[t] == i64::from(DRAFTED_BY_BACKEND) {
+                // The draft's pick after the rows before it (their KV is written).
+                let table = &b.block_tables[seq * b.max_blocks..(seq + 1) * b.max_blocks];
+                let truth = self.token(table, b.positions[t] as usize, bs);
+                let pick = if (self.draft_right)(b.step, t) {
+                    truth
+                } else {
+                    (truth + 1) % self.vocab
+                };
+                ids[t] = i64::from(pick);
+            }
+            self.kv.insert(b.slot_mapping[t], (ids[t], b.positions[t]));
         }
         let (mut out, mut counts) = (Vec::new(), Vec::new());
         self.last.clear();
@@ -250,6 +279,76 @@ proptest! {
         let got = run(&cfg(4096, 4, 4096, 5), &w, &mut Verifier::new(vocab, |_, _| 99), 0);
         prop_assert_eq!(&got, &want);
     }
+
+    #[test]
+    fn a_draft_model_gives_the_outputs_of_a_run_without_speculation(
+        w in workload(),
+        salt in any::<u64>(),
+        vocab in 2u32..6,
+    ) {
+        let want = reference(&w, vocab);
+        // The draft is right about a random share of its picks.
+        let right = move |step: u64, row: usize| -> bool {
+            let h = (salt ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ row as u64)
+                .wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            (h >> 61) != 0
+        };
+        for (c, depth) in [
+            (draft_cfg(cfg(4096, 4, 4096, 4)), 0),
+            (draft_cfg(cfg(24, 2, 5, 3)), 0),
+            (draft_cfg(cfg(30, 4, 16, 8)), 0),
+            (draft_cfg(cfg(24, 2, 6, 3)), 2),
+        ] {
+            let mut model = Verifier::new(vocab, |_, _| 99).with_draft(right);
+            let (got, stats) = run_stats(&c, &w, &mut model, depth);
+            prop_assert_eq!(&got, &want);
+            prop_assert!(stats.spec_accepted_tokens <= stats.spec_drafted_tokens);
+        }
+    }
+}
+
+fn draft_cfg(c: SchedulerConfig) -> SchedulerConfig {
+    SchedulerConfig {
+        speculative_method: SpeculativeMethod::DraftModel,
+        ..c
+    }
+}
+
+#[test]
+fn a_draft_model_gets_rows_to_fill_and_its_picks_are_accepted_as_verified() {
+    let mut s = Scheduler::new(draft_cfg(cfg(64, 4, 64, 3))).unwrap();
+    // Nothing to copy from in the prompt: prompt lookup would propose nothing.
+    s.add_request("a", &[0, 1, 2, 3, 4], 10, &[]).unwrap();
+    let b = s.schedule();
+    assert_eq!(b.num_proposed, [0], "no proposals during prefill");
+    s.commit(&b, &[9]).unwrap();
+    let b = s.schedule();
+    let d = i64::from(DRAFTED_BY_BACKEND);
+    assert_eq!(b.num_proposed, [3]);
+    assert_eq!(b.input_ids, [9, d, d, d]);
+    assert_eq!(b.positions, [5, 6, 7, 8]);
+    assert_eq!(b.seq_lens, [9]);
+    // The draft proposed 7 7 8; the model agreed with 7 7 and then picked 6.
+    let ev = s.commit_accepted(&b, &[7, 7, 6], &[3]).unwrap();
+    assert_eq!(
+        ev.iter().map(|e| e.token.unwrap()).collect::<Vec<_>>(),
+        [7, 7, 6]
+    );
+    let seq = s.sequence("a").unwrap();
+    assert_eq!(seq.output(), [9, 7, 7, 6]);
+    assert_eq!(seq.num_computed, 8);
+    assert_eq!(s.stats().spec_drafted_tokens, 3);
+    assert_eq!(s.stats().spec_accepted_tokens, 2);
+    s.check_invariants().unwrap();
+    // Rejected at the first: the next step proposes fewer (accepted + 1).
+    let b = s.schedule();
+    assert_eq!(b.num_proposed, [3]);
+    s.commit_accepted(&b, &[5], &[1]).unwrap();
+    let b = s.schedule();
+    assert_eq!(b.num_proposed, [1]);
+    s.check_invariants().unwrap();
+    s.abort("a");
+    assert_eq!(s.group_allocator(0).num_free(), 64);
 }
 
 #[test]
