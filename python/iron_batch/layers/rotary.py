@@ -44,6 +44,9 @@ def _yarn(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.T
     rotations at the original context lie between ``beta_slow`` and ``beta_fast``; cos and
     sin scaled by the attention factor (``0.1 ln(factor) + 1`` unless given). As
     transformers' ``_compute_yarn_parameters`` computes it, in float32."""
+    missing = [k for k in ("factor", "original_max_position_embeddings") if k not in scaling]
+    if missing:
+        raise ValueError(f"yarn rope scaling without {' and '.join(missing)}")
     factor = float(scaling["factor"])
     original = float(scaling["original_max_position_embeddings"])
     for key in ("mscale", "mscale_all_dim"):
