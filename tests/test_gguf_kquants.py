@@ -2,13 +2,11 @@
 ``--quantization gguf``.
 
 Each kernel is held to the ``gguf`` package's own dequantization (``gguf.quants``) of the
-same blocks: the bf16 dequantization exactly, the GEMV (which quantizes the activations to
-8 bits per block of 32, as llama.cpp does) within the rounding of its f32 sums of the
-product with exactly those activations. Then a tiny Llama written as a GGUF of such
-blocks, mixed per tensor as llama.cpp's Q4_K_M mixes them (a fused q/k/v of three types),
-must give the logits of transformers running the file's dequantized weights in float32,
-within the existing GGUF tests' tolerance, on the prompt path, the one-row path and the
-one-call decode stack.
+same blocks: the bf16 dequantization exactly, the GEMV within the rounding of its f32
+sums. Then a tiny Llama written as a GGUF of such blocks, mixed per tensor as llama.cpp's
+Q4_K_M mixes them (a fused q/k/v of three types), must give the logits of transformers
+running the file's dequantized weights in float32, within the existing GGUF tests'
+tolerance, on the prompt path, the one-row path and the one-call decode stack.
 """
 
 from __future__ import annotations
@@ -27,12 +25,7 @@ from gguf import GGMLQuantizationType as GGML
 from iron_batch.backends.torch_backend import TorchBackend
 from iron_batch.layers import quant
 from safetensors.numpy import load_file
-from test_quantization import (
-    _decode_logits,
-    _logit_tolerance,
-    _prefill_logits,
-    block_kernel_activations,
-)
+from test_quantization import _decode_logits, _logit_tolerance, _prefill_logits
 from tiny_models import random_prompts, variant_checkpoint
 
 #: The formats kept in their own bytes, and the two regrouped ones a stacked matrix mixes in.
@@ -98,22 +91,12 @@ def _bound(x: torch.Tensor, exact: torch.Tensor, want: torch.Tensor, rows: int) 
 
 
 def _check_linear(w: quant.QuantWeight, exact: torch.Tensor, rows: int, seed: int) -> None:
-    """Up to ``GEMV_MAX_ROWS`` rows the GEMV multiplies by the activations quantized to 8
-    bits per block of 32 (as llama.cpp's CPU dot products do): the product with exactly
-    those activations, within the f32 sums' rounding, and measurably not the product with
-    the bf16 activations themselves (so the activations' quantization is checked, not
-    only a tolerance). Above, the dense path: the bf16 activations' product."""
     torch.manual_seed(seed)
     x = torch.randn(rows, w.k).to(torch.bfloat16)
-    xq = block_kernel_activations(x, w)
-    want = xq @ exact.double().T
+    want = x.double() @ exact.double().T
     got = w.linear(x).double()
     err = (got - want).abs()
-    bound = _bound(xq, exact, want, rows)
-    assert bool((err <= bound).all()), err.max().item()
-    if rows <= quant.GEMV_MAX_ROWS:
-        unquantized = (got - x.double() @ exact.double().T).abs()
-        assert not bool((unquantized <= bound).all())
+    assert bool((err <= _bound(x, exact, want, rows)).all()), err.max().item()
 
 
 @pytest.mark.parametrize("type_name", RAW)

@@ -1,7 +1,6 @@
 """Weight-only quantized projections on CPU (``--quantization``).
 
-Three modes, all with bf16 activations (the GGUF block GEMV quantizes them to 8 bits per
-32 inside each product, as llama.cpp does) and a bf16 KV cache:
+Three modes, all with bf16 activations and a bf16 KV cache:
 
 - ``gguf``: a GGUF file's Q8_0, Q4_0 and Q4_1 tensors are kept as they are (their blocks
   regrouped once at load, nothing rounded, where the AVX-512 kernels run; Q8_0 and Q4_1

@@ -24,12 +24,9 @@
 //!
 //! The dequantization computes each weight in f32 as ggml's reference (and the `gguf`
 //! package's `gguf.quants`) does: the f32 product `d * sc`, then `scale * q`, then the
-//! offset added, no fused multiply-add; then rounds it to bf16. The GEMV first quantizes
-//! the activation rows to 8 bits per block of 32 ([`quantize_rows`], as llama.cpp does for
-//! its CPU dot products), takes each group's `sum(q q_x)` in integers (AVX2: `maddubs` /
-//! `madd`, 32 weights a step) and sums in f32 per group `scale * d_x * sum(q q_x) +
-//! offset * d_x * sum(q_x)`: the dot product of those weights with the quantized
-//! activations, up to the order and rounding of the additions.
+//! offset added, no fused multiply-add; then rounds it to bf16. The GEMV sums in f32 per
+//! group `scale * sum(q x) + offset * sum(x)`, which is the dot product with those weights
+//! up to the order and rounding of the additions.
 
 use crate::attention::{KernelError, Parallel};
 use crate::element::{Bf16, Element, F16};
@@ -378,95 +375,9 @@ fn unpack(f: BlockFormat, b: &[u8], u: &mut Unpacked) {
     }
 }
 
-/// Activation values per 8-bit block (every format's blocks and groups divide it or are
-/// whole multiples of it).
-pub const ACT_BLOCK: usize = 32;
-
-/// Activation rows quantized to 8 bits, per block of [`ACT_BLOCK`] values: `q` (i8, one
-/// per value), `d` (f32, one per block: `x ≈ d q`), `s = d * sum(q)` (f32, one per block,
-/// for the formats' offsets). See [`quantize_rows`].
-pub struct QuantizedRows {
-    pub q: Vec<i8>,
-    pub d: Vec<f32>,
-    pub s: Vec<f32>,
-}
-
-/// `x` (`[rows, k]` bf16, `k` a multiple of [`ACT_BLOCK`]) quantized per block, every step
-/// in f32: `amax = max |x|`, `d = amax / 127`, `q = round_half_even(x * (127 / amax))`
-/// (all zeros, `d = 0`, for a block of zeros), `s = d * sum(q)` (the integer sum exact).
-pub fn quantize_rows(x: &[Bf16], k: usize) -> QuantizedRows {
-    debug_assert!(k.is_multiple_of(ACT_BLOCK) && x.len().is_multiple_of(k));
-    let blocks = x.len() / ACT_BLOCK;
-    let mut out = QuantizedRows {
-        q: vec![0; x.len()],
-        d: vec![0.0; blocks],
-        s: vec![0.0; blocks],
-    };
-    #[cfg(target_arch = "x86_64")]
-    if avx2_available() {
-        // SAFETY: AVX2 and FMA detected.
-        unsafe { avx2::quantize_into(x, &mut out) };
-        return out;
-    }
-    quantize_into(x, &mut out);
-    out
-}
-
-/// [`quantize_rows`]' loop (the AVX2 build compiles the same code 8 lanes wide).
-#[inline(always)]
-fn quantize_into(x: &[Bf16], out: &mut QuantizedRows) {
-    /// Adding and subtracting 1.5 * 2^23 rounds an f32 below 2^22 in magnitude to the
-    /// nearest integer, ties to even (the default rounding of the addition).
-    const ROUND: f32 = 12_582_912.0;
-    for (b, (src, dst)) in x
-        .chunks_exact(ACT_BLOCK)
-        .zip(out.q.chunks_exact_mut(ACT_BLOCK))
-        .enumerate()
-    {
-        let mut v = [0f32; ACT_BLOCK];
-        for (v, x) in v.iter_mut().zip(src) {
-            *v = x.to_f32();
-        }
-        let amax = v.iter().fold(0f32, |m, x| m.max(x.abs()));
-        if amax == 0.0 {
-            continue;
-        }
-        let id = 127.0 / amax;
-        let mut r = [0i32; ACT_BLOCK];
-        for (r, x) in r.iter_mut().zip(v) {
-            *r = (((x * id) + ROUND) - ROUND).clamp(-127.0, 127.0) as i32;
-        }
-        let mut sum = 0i32;
-        for (q, r) in dst.iter_mut().zip(r) {
-            *q = r as i8;
-            sum += r;
-        }
-        let d = amax / 127.0;
-        out.d[b] = d;
-        out.s[b] = d * sum as f32;
-    }
-}
-
-/// `count` quantized activation rows of `k` values (slices of a [`QuantizedRows`]).
-#[derive(Clone, Copy)]
-struct Act<'a> {
-    q: &'a [i8],
-    d: &'a [f32],
-    s: &'a [f32],
-    k: usize,
-}
-
 /// `out[r][i] = sum_j x[r][j] * W[i][j] (+ bias[i])` for `r` in `0..rows`; `x` is
 /// `[rows, k]` bf16, `out` `[rows, n]` bf16 (rounded once from the f32 sum). Every
 /// [`MAX_ROWS`] activation rows take one pass over the weights.
-///
-/// The activations are quantized once per call ([`quantize_rows`]), as llama.cpp does for
-/// its CPU dot products, and each group's dot product is taken in integers: per group `g`
-/// of the weights and activation block `b` holding it,
-/// `scale_g * d_b * sum(q_w q_x) + offset_g * s_b`, summed in f32. That is the product of
-/// the dequantized weights with the quantized activations `d_b q_x`, up to the order and
-/// rounding of the additions; the quantization moves each activation by at most
-/// `d_b / 2`, its block's largest magnitude over 254.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_blocks(
     out: &mut [Bf16],
@@ -493,8 +404,10 @@ pub fn gemv_blocks(
         )));
     }
     let simd = avx2_available();
-    let qx = quantize_rows(x, k);
-    let blocks = k / ACT_BLOCK;
+    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    // Per-group sums of each activation row, for groups of 16 and of 32.
+    let sums16: Vec<f32> = xf.chunks_exact(16).map(|c| c.iter().sum()).collect();
+    let sums32: Vec<f32> = xf.chunks_exact(32).map(|c| c.iter().sum()).collect();
     let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
     let out_addr = out.as_mut_ptr() as usize;
     let task = |part: usize| {
@@ -505,17 +418,18 @@ pub fn gemv_blocks(
             let mut first = 0;
             while first < rows {
                 let take = (rows - first).min(MAX_ROWS);
-                let act = Act {
-                    q: &qx.q[first * k..(first + take) * k],
-                    d: &qx.d[first * blocks..(first + take) * blocks],
-                    s: &qx.s[first * blocks..(first + take) * blocks],
-                    k,
-                };
+                let xs = &xf[first * k..(first + take) * k];
                 results.clear();
                 results.resize(end - chunk, [0.0; MAX_ROWS]);
                 for (i, row) in (chunk..end).enumerate() {
                     let (f, w) = weight.row(row, k);
-                    dot_row(f, w, act, take, simd, &mut results[i]);
+                    let (sums, groups) = if f.group() == 16 {
+                        (&sums16, k / 16)
+                    } else {
+                        (&sums32, k / 32)
+                    };
+                    let ss = &sums[first * groups..(first + take) * groups];
+                    dot_row(f, w, xs, ss, take, k, simd, &mut results[i]);
                 }
                 for (row, dots) in (chunk..end).zip(&results) {
                     let b = bias.map_or(0.0, |b| b[row].to_f32());
@@ -643,13 +557,16 @@ fn avx2_available() -> bool {
     }
 }
 
-/// `dots[r]` = quantized activation row `r`'s dot with the weight row `w` (its blocks),
-/// for the `count` rows of `act` (see [`gemv_blocks`] for the arithmetic).
+/// `dots[r]` = activation row `r`'s dot with the weight row `w` (its blocks), for the
+/// `count` rows of `xs` (`[count, k]` f32; `sums` their per-group sums).
+#[allow(clippy::too_many_arguments)]
 fn dot_row(
     f: BlockFormat,
     w: &[u8],
-    act: Act<'_>,
+    xs: &[f32],
+    sums: &[f32],
     count: usize,
+    k: usize,
     simd: bool,
     dots: &mut [f32; MAX_ROWS],
 ) {
@@ -659,36 +576,30 @@ fn dot_row(
         // SAFETY: `simd` means AVX2 and FMA were detected; the caller checked the shapes.
         unsafe {
             match count {
-                1 => avx2::dot_row::<1>(f, w, act, dots),
-                2 => avx2::dot_row::<2>(f, w, act, dots),
-                3 => avx2::dot_row::<3>(f, w, act, dots),
-                _ => avx2::dot_row::<4>(f, w, act, dots),
+                1 => avx2::dot_row::<1>(f, w, xs, sums, k, dots),
+                2 => avx2::dot_row::<2>(f, w, xs, sums, k, dots),
+                3 => avx2::dot_row::<3>(f, w, xs, sums, k, dots),
+                _ => avx2::dot_row::<4>(f, w, xs, sums, k, dots),
             }
         }
         return;
     }
     let _ = simd;
     let (v, g) = (f.values(), f.group());
-    let (k, blocks) = (act.k, act.k / ACT_BLOCK);
+    let groups = k / g;
     let mut u = Unpacked::new();
     let mut acc = [0f32; MAX_ROWS];
     for (b, block) in w.chunks_exact(f.bytes()).enumerate() {
         unpack(f, block, &mut u);
         for group in 0..v / g {
             let at = b * v + group * g;
-            let ab = at / ACT_BLOCK;
             let q = &u.q[group * g..group * g + g];
             for (r, acc) in acc.iter_mut().enumerate().take(count) {
-                let x = &act.q[r * k + at..r * k + at + g];
-                let s: i32 = q
-                    .iter()
-                    .zip(x)
-                    .map(|(&q, &x)| i32::from(q) * i32::from(x))
-                    .sum();
-                *acc += u.scale[group] * act.d[r * blocks + ab] * s as f32;
+                let x = &xs[r * k + at..r * k + at + g];
+                let s: f32 = q.iter().zip(x).map(|(&q, &x)| f32::from(q) * x).sum();
+                *acc += u.scale[group] * s;
                 if has_offset(f) {
-                    // Groups of 32 only: one group is one activation block.
-                    *acc += u.offset[group] * act.s[r * blocks + ab];
+                    *acc += u.offset[group] * sums[r * groups + at / g];
                 }
             }
         }
@@ -700,18 +611,8 @@ fn dot_row(
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{
-        f16_at, scale_min_k4, Act, BlockFormat, QuantizedRows, Unpacked, ACT_BLOCK, MAX_ROWS,
-    };
+    use super::{has_offset, unpack, BlockFormat, Unpacked, MAX_ROWS};
     use crate::element::Bf16;
-
-    /// The portable activation quantization compiled for AVX2.
-    ///
-    /// SAFETY: AVX2 and FMA available.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn quantize_into(x: &[Bf16], out: &mut QuantizedRows) {
-        super::quantize_into(x, out);
-    }
 
     /// The portable dequantization compiled for AVX2 (the compiler widens its loops).
     ///
@@ -726,6 +627,12 @@ mod avx2 {
         super::dequantize_row(f, src, dst, u);
     }
 
+    /// Eight `q` values from `p` as f32.
+    #[inline(always)]
+    unsafe fn q8(p: *const i8) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+    }
+
     #[inline(always)]
     unsafe fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
@@ -734,201 +641,69 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// Byte `i` all ones where bit `i` of `bits` is set (ggml's `bytes_from_bits_32`).
-    #[inline(always)]
-    unsafe fn bytes_from_bits(bits: u32) -> __m256i {
-        let shuffle = _mm256_set_epi64x(
-            0x0303_0303_0303_0303,
-            0x0202_0202_0202_0202,
-            0x0101_0101_0101_0101,
-            0,
-        );
-        let spread = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), shuffle);
-        let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
-        _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1))
-    }
-
-    /// 32 weights' quants and their group's scales for every row: `acc[r] += d * d_b *
-    /// (scale * sum(q q_x))` in 8 lanes (`scale` as i16 lanes: one group of 32, or two of
-    /// 16 in the low and high halves), `off[r] += offset * s_b`.
-    struct Chunk {
-        q: __m256i,
-        signed: bool,
-        scale: __m256i,
-        d: f32,
-        offset: Option<f32>,
-    }
-
-    #[inline(always)]
-    unsafe fn add_chunk<const ROWS: usize>(
-        c: &Chunk,
-        at: usize,
-        act: &Act<'_>,
-        acc: &mut [__m256; ROWS],
-        off: &mut [f32; ROWS],
-    ) {
-        let (k, blocks) = (act.k, act.k / ACT_BLOCK);
-        let ab = at / ACT_BLOCK;
-        let magnitude = if c.signed {
-            _mm256_sign_epi8(c.q, c.q)
-        } else {
-            c.q
-        };
-        let xp = act.q.as_ptr();
-        for r in 0..ROWS {
-            let x = _mm256_loadu_si256(xp.add(r * k + at) as *const __m256i);
-            // u8 x i8 pairs into i16: the sign moved onto the activations for signed quants
-            // (|q| <= 128 and |q_x| <= 127: a pair's sum stays within i16).
-            let pairs = if c.signed {
-                _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, c.q))
-            } else {
-                _mm256_maddubs_epi16(magnitude, x)
-            };
-            let sums = _mm256_madd_epi16(pairs, c.scale);
-            let s = _mm256_set1_ps(c.d * *act.d.get_unchecked(r * blocks + ab));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), s, acc[r]);
-            if let Some(o) = c.offset {
-                off[r] += o * *act.s.get_unchecked(r * blocks + ab);
-            }
-        }
-    }
-
-    /// The portable `dot_row`'s arithmetic with 32 quants a step in integer lanes
-    /// (`maddubs`/`madd`), unpacked once for all `ROWS` activation rows.
+    /// The portable `dot_row` with the group sums in 8-lane FMAs, the `q` of each group
+    /// widened once for all `ROWS` activation rows.
     ///
-    /// SAFETY: AVX2 and FMA; `w` is whole blocks of a row of `act.k`, `act` `ROWS` rows.
+    /// SAFETY: AVX2 and FMA; `w` is whole blocks of a row of `k`, `xs` `ROWS` rows of `k`,
+    /// `sums` their `k / group` group sums.
+    #[allow(clippy::needless_range_loop)] // `r` indexes `acc`, `dots` and the rows of `xs`
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn dot_row<const ROWS: usize>(
         f: BlockFormat,
         w: &[u8],
-        act: Act<'_>,
+        xs: &[f32],
+        sums: &[f32],
+        k: usize,
         dots: &mut [f32; MAX_ROWS],
     ) {
+        match f {
+            BlockFormat::Q4K => dot::<ROWS, 256, 32, true>(f, w, xs, sums, k, dots),
+            BlockFormat::Q5K => dot::<ROWS, 256, 32, true>(f, w, xs, sums, k, dots),
+            BlockFormat::Q6K => dot::<ROWS, 256, 16, false>(f, w, xs, sums, k, dots),
+            BlockFormat::Q5_0 => dot::<ROWS, 32, 32, false>(f, w, xs, sums, k, dots),
+            BlockFormat::Q5_1 | BlockFormat::Q4_1 => {
+                dot::<ROWS, 32, 32, true>(f, w, xs, sums, k, dots)
+            }
+            BlockFormat::Q8_0 => dot::<ROWS, 32, 32, false>(f, w, xs, sums, k, dots),
+        }
+    }
+
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn dot<const ROWS: usize, const V: usize, const G: usize, const OFFSET: bool>(
+        f: BlockFormat,
+        w: &[u8],
+        xs: &[f32],
+        sums: &[f32],
+        k: usize,
+        dots: &mut [f32; MAX_ROWS],
+    ) {
+        debug_assert_eq!(has_offset(f), OFFSET);
+        let groups = k / G;
+        let mut u = Unpacked::new();
         let mut acc = [_mm256_setzero_ps(); ROWS];
         let mut off = [0f32; ROWS];
-        let nibbles = _mm256_set1_epi8(15);
-        let ones = _mm256_set1_epi16(1);
-        let v = f.values();
+        let xp = xs.as_ptr();
         for (b, block) in w.chunks_exact(f.bytes()).enumerate() {
-            let base = b * v;
-            let p = block.as_ptr();
-            match f {
-                BlockFormat::Q4K | BlockFormat::Q5K => {
-                    let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
-                    let scales = &block[4..16];
-                    let (qh, qs) = if f == BlockFormat::Q5K {
-                        (_mm256_loadu_si256(p.add(16) as *const __m256i), p.add(48))
-                    } else {
-                        (_mm256_setzero_si256(), p.add(16))
-                    };
-                    for pair in 0..4 {
-                        let bytes = _mm256_loadu_si256(qs.add(32 * pair) as *const __m256i);
-                        for half in 0..2 {
-                            let g = 2 * pair + half;
-                            let mut q = if half == 0 {
-                                _mm256_and_si256(bytes, nibbles)
-                            } else {
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), nibbles)
-                            };
-                            if f == BlockFormat::Q5K {
-                                let bit = _mm256_and_si256(
-                                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(g as i32)),
-                                    _mm256_set1_epi8(1),
-                                );
-                                q = _mm256_or_si256(q, _mm256_slli_epi16::<4>(bit));
-                            }
-                            let (sc, m) = scale_min_k4(scales, g);
-                            let c = Chunk {
-                                q,
-                                signed: false,
-                                scale: _mm256_set1_epi16(i16::from(sc)),
-                                d,
-                                offset: Some(-(dmin * f32::from(m))),
-                            };
-                            add_chunk::<ROWS>(&c, base + 32 * g, &act, &mut acc, &mut off);
-                        }
-                    }
+            unpack(f, block, &mut u);
+            for group in 0..V / G {
+                let at = b * V + group * G;
+                let qp = u.q.as_ptr().add(group * G);
+                let mut q = [_mm256_setzero_ps(); 4];
+                for v in 0..G / 8 {
+                    q[v] = q8(qp.add(8 * v));
                 }
-                BlockFormat::Q6K => {
-                    let d = f16_at(block, 208);
-                    let sc = &block[192..208];
-                    for h in 0..2 {
-                        let high = _mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i);
-                        for part in 0..4 {
-                            let low = _mm256_loadu_si256(
-                                p.add(64 * h + 32 * (part % 2)) as *const __m256i
-                            );
-                            let low = if part >= 2 {
-                                _mm256_srli_epi16::<4>(low)
-                            } else {
-                                low
-                            };
-                            let top = _mm256_and_si256(
-                                _mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * part as i32)),
-                                _mm256_set1_epi8(3),
-                            );
-                            let u = _mm256_or_si256(
-                                _mm256_and_si256(low, nibbles),
-                                _mm256_slli_epi16::<4>(top),
-                            );
-                            let chunk = 4 * h + part;
-                            let c = Chunk {
-                                q: _mm256_sub_epi8(u, _mm256_set1_epi8(32)),
-                                signed: true,
-                                scale: _mm256_set_m128i(
-                                    _mm_set1_epi16(i16::from(sc[2 * chunk + 1] as i8)),
-                                    _mm_set1_epi16(i16::from(sc[2 * chunk] as i8)),
-                                ),
-                                d,
-                                offset: None,
-                            };
-                            add_chunk::<ROWS>(&c, base + 32 * chunk, &act, &mut acc, &mut off);
-                        }
+                let scale = _mm256_set1_ps(u.scale[group]);
+                for r in 0..ROWS {
+                    let x = xp.add(r * k + at);
+                    let mut t = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
+                    for v in 1..G / 8 {
+                        t = _mm256_fmadd_ps(q[v], _mm256_loadu_ps(x.add(8 * v)), t);
                     }
-                }
-                BlockFormat::Q5_0 | BlockFormat::Q5_1 | BlockFormat::Q4_1 => {
-                    let d = f16_at(block, 0);
-                    let (offset, at) = match f {
-                        BlockFormat::Q5_0 => (None, 2),
-                        BlockFormat::Q5_1 => (Some(f16_at(block, 2)), 4),
-                        _ => (Some(f16_at(block, 2)), 4),
-                    };
-                    let qs_at = if f == BlockFormat::Q4_1 { at } else { at + 4 };
-                    let qs = _mm_loadu_si128(p.add(qs_at) as *const __m128i);
-                    let mut q =
-                        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(qs), qs), nibbles);
-                    if f != BlockFormat::Q4_1 {
-                        let bits = u32::from_le_bytes([
-                            block[at],
-                            block[at + 1],
-                            block[at + 2],
-                            block[at + 3],
-                        ]);
-                        let fifth = _mm256_and_si256(bytes_from_bits(bits), _mm256_set1_epi8(16));
-                        q = _mm256_or_si256(q, fifth);
+                    acc[r] = _mm256_fmadd_ps(t, scale, acc[r]);
+                    if OFFSET {
+                        off[r] += u.offset[group] * *sums.get_unchecked(r * groups + at / G);
                     }
-                    let signed = f == BlockFormat::Q5_0;
-                    if signed {
-                        q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
-                    }
-                    let c = Chunk {
-                        q,
-                        signed,
-                        scale: ones,
-                        d,
-                        offset,
-                    };
-                    add_chunk::<ROWS>(&c, base, &act, &mut acc, &mut off);
-                }
-                BlockFormat::Q8_0 => {
-                    let c = Chunk {
-                        q: _mm256_loadu_si256(p.add(2) as *const __m256i),
-                        signed: true,
-                        scale: ones,
-                        d: f16_at(block, 0),
-                        offset: None,
-                    };
-                    add_chunk::<ROWS>(&c, base, &act, &mut acc, &mut off);
                 }
             }
         }
@@ -977,8 +752,8 @@ mod tests {
         data
     }
 
-    /// The portable and AVX2 dots agree, and both equal the dot of the dequantized weights
-    /// with the quantized activations `d_b q` up to f32 summation.
+    /// The portable and AVX2 dots agree, and both equal the dot with the dequantized
+    /// weights up to f32 summation.
     #[test]
     fn portable_and_simd_dots_agree_with_the_weights() {
         for f in BlockFormat::ALL {
@@ -986,69 +761,27 @@ mod tests {
             let n = 3;
             let data = blocks(f, n, k, 7);
             let m = Blocks::new(f, n, &data);
-            let xs: Vec<Bf16> = (0..4 * k)
-                .map(|i| Bf16::from_f32((i as f32 * 0.37).sin() * (1.0 + (i % 5) as f32)))
+            let xs: Vec<f32> = (0..2 * k)
+                .map(|i| Bf16::from_f32((i as f32 * 0.37).sin()).to_f32())
                 .collect();
-            let qx = quantize_rows(&xs, k);
-            for count in 1..=4 {
-                let act = Act {
-                    q: &qx.q[..count * k],
-                    d: &qx.d[..count * k / ACT_BLOCK],
-                    s: &qx.s[..count * k / ACT_BLOCK],
-                    k,
-                };
-                for row in 0..n {
-                    let w = &data[row * f.row_bytes(k)..(row + 1) * f.row_bytes(k)];
-                    let (mut plain, mut fast) = ([0f32; MAX_ROWS], [0f32; MAX_ROWS]);
-                    dot_row(f, w, act, count, false, &mut plain);
-                    dot_row(f, w, act, count, avx2_available(), &mut fast);
-                    for r in 0..count {
-                        let (mut exact, mut size) = (0f64, 0f64);
-                        for j in 0..k {
-                            let x = f64::from(qx.d[(r * k + j) / ACT_BLOCK])
-                                * f64::from(qx.q[r * k + j]);
-                            let t = f64::from(m.weight(row, j, k)) * x;
-                            exact += t;
-                            size += t.abs();
-                        }
-                        for got in [plain[r], fast[r]] {
-                            let err = (f64::from(got) - exact).abs();
-                            assert!(err <= 1e-5 * size + 1e-6, "{f:?}: {got} vs {exact}");
-                        }
+            let sums: Vec<f32> = xs.chunks_exact(f.group()).map(|c| c.iter().sum()).collect();
+            for row in 0..n {
+                let w = &data[row * f.row_bytes(k)..(row + 1) * f.row_bytes(k)];
+                let (mut plain, mut fast) = ([0f32; MAX_ROWS], [0f32; MAX_ROWS]);
+                dot_row(f, w, &xs, &sums, 2, k, false, &mut plain);
+                dot_row(f, w, &xs, &sums, 2, k, avx2_available(), &mut fast);
+                for r in 0..2 {
+                    let (mut exact, mut size) = (0f64, 0f64);
+                    for j in 0..k {
+                        let t = f64::from(m.weight(row, j, k)) * f64::from(xs[r * k + j]);
+                        exact += t;
+                        size += t.abs();
+                    }
+                    for got in [plain[r], fast[r]] {
+                        let err = (f64::from(got) - exact).abs();
+                        assert!(err <= 1e-5 * size + 1e-6, "{f:?}: {got} vs {exact}");
                     }
                 }
-            }
-        }
-    }
-
-    /// Each activation is its block's `d q`, within `d / 2`, with `|q| <= 127` and the
-    /// largest magnitude at 127.
-    #[test]
-    fn activations_quantize_per_block() {
-        let xs: Vec<Bf16> = (0..96)
-            .map(|i| {
-                Bf16::from_f32(if i < 32 {
-                    0.0
-                } else {
-                    (i as f32 * 0.7).cos() * i as f32
-                })
-            })
-            .collect();
-        let qx = quantize_rows(&xs, 96);
-        assert_eq!(qx.d[0], 0.0);
-        assert!(qx.q[..32].iter().all(|&q| q == 0));
-        for b in 1..3 {
-            let d = qx.d[b];
-            let block = &qx.q[32 * b..32 * b + 32];
-            assert_eq!(block.iter().map(|q| q.unsigned_abs()).max(), Some(127));
-            let sum: i32 = block.iter().map(|&q| i32::from(q)).sum();
-            assert_eq!(qx.s[b], d * sum as f32);
-            for (j, &q) in block.iter().enumerate() {
-                let x = xs[32 * b + j].to_f32();
-                assert!(
-                    (x - d * f32::from(q)).abs() <= d * 0.5001,
-                    "{x} vs {d} x {q}"
-                );
             }
         }
     }
