@@ -13,6 +13,7 @@ much of the free greedy run stays the same.
 
     python benches/kv_int8_bench.py                 # smollm2-135m, 4096-token sequences
     python benches/kv_int8_bench.py --w-context 1024 --w-memory-gb 0.125 --new-tokens 32
+    python benches/kv_int8_bench.py --w-memory-gb 0.25 --new-tokens 16 --skip-logits
 """
 
 from __future__ import annotations
@@ -181,6 +182,7 @@ def main() -> None:
     p.add_argument("--logit-tokens", type=int, default=64)
     p.add_argument("--json", default=None)
     p.add_argument("--skip-server", action="store_true")
+    p.add_argument("--skip-logits", action="store_true", help="the server runs only")
     p.add_argument("--w-context", type=int, default=None,
                    help="tokens per sequence of the W runs (default --context)")
     p.add_argument("--w-memory-gb", type=float, default=None,
@@ -217,7 +219,8 @@ def main() -> None:
             print(r, flush=True)
             runs.append(r)
         result["runs"] = runs
-    result["logits"] = logit_agreement(args.model, args.logit_tokens)
+    if not args.skip_logits:
+        result["logits"] = logit_agreement(args.model, args.logit_tokens)
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

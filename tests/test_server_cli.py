@@ -77,7 +77,9 @@ def test_overlap_flags_reach_the_engine() -> None:
         (["--overlap-depth", "9"], "invalid choice"),
         (["--num-speculative-tokens", "3"], "needs --speculative-method"),
         (["--speculative-method", "ngram"], "needs the torch backend"),
-        (["--speculative-method", "draft"], "invalid choice"),
+        (["--speculative-method", "eagle"], "invalid choice"),
+        (["--speculative-method", "draft"], "--speculative-model go together"),
+        (["--speculative-model", "/tmp/x"], "--speculative-model go together"),
     ],
 )
 def test_bad_flags_exit_with_a_clear_message(args: list[str], needle: str) -> None:
