@@ -1,19 +1,22 @@
 """The scheduler step from Python at 256 decoding sequences with two cache groups (a
 64-token sliding window, so blocks are released as sequences pass it, beside a full group)
-against one group, in interleaved rounds of separate processes; with ``--ab`` also one
-group on another checkout's package (its ``python`` folder, built).
+against one group. Each round is a fresh process that drives both schedulers side by side,
+alternating blocks of steps between them, so that whatever slows the machine in a moment
+slows both; with ``--ab`` a third scheduler (one group) comes from another checkout's
+package (its ``python`` folder, built) in a process of its own beside a one-group one.
 
-    python benches/cache_group_step.py --rounds 3 [--ab ../main/python] [--clock cpu]
+    python benches/cache_group_step.py --rounds 10 [--ab ../other/python] [--clock cpu]
 
-Each process: 256 sequences of 16-token prompts and 64-255 new tokens (a finished one is
-replaced), 300 warm-up steps, then the median of ``--steps`` schedule + commit calls.
-``--clock cpu`` times each call by the CPU time of the calling thread rather than the wall
-clock, so that time the process spends descheduled on a loaded machine is not counted.
+Each scheduler: 256 sequences of 16-token prompts and 64-255 new tokens (a finished one is
+replaced), 300 warm-up steps, then ``--steps`` timed schedule + commit calls in blocks of 50,
+alternating; the median per scheduler. ``--clock cpu`` times each call by the CPU time of
+the calling thread rather than the wall clock.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 
@@ -23,34 +26,51 @@ import numpy as np
 sys.path.insert(0, sys.argv[1])
 from iron_batch import Scheduler, SchedulerConfig
 blocks = 256 * 20 + 256
-kw = {}
-if sys.argv[2] == "two":
-    from iron_batch import CacheGroup
-    kw["cache_groups"] = [CacheGroup("sliding", blocks, window=64), CacheGroup("full", blocks)]
-s = Scheduler(SchedulerConfig(total_kv_blocks=blocks, kv_block_size=16, max_batch_tokens=8192,
-                              max_running_seqs=257, **kw))
-ids = itertools.count()
-def add(m):
-    n = next(ids)
-    s.add_request(f"req-{n}", np.arange(n, n + 16, dtype=np.int64), m)
-for i in range(256):
-    add(64 + (i * 7) % 192)
-sampled = np.full(257, 7, dtype=np.int64)
-def step():
-    b = s.schedule()
-    ev = s.commit(b, sampled[: b.sample_indices.shape[0]])
-    for _ in range(int(ev.num_finished)):
-        add(192)
-for _ in range(300):
-    step()
+
+class Driver:
+    def __init__(self, kind):
+        kw = {}
+        if kind == "two":
+            from iron_batch import CacheGroup
+            kw["cache_groups"] = [CacheGroup("sliding", blocks, window=64),
+                                  CacheGroup("full", blocks)]
+        self.s = Scheduler(SchedulerConfig(total_kv_blocks=blocks, kv_block_size=16,
+                                           max_batch_tokens=8192, max_running_seqs=257, **kw))
+        self.ids = itertools.count()
+        self.sampled = np.full(257, 7, dtype=np.int64)
+        self.times = []
+        for i in range(256):
+            self.add(64 + (i * 7) % 192)
+        for _ in range(300):
+            self.step()
+
+    def add(self, m):
+        n = next(self.ids)
+        self.s.add_request(f"req-{n}", np.arange(n, n + 16, dtype=np.int64), m)
+
+    def step(self):
+        b = self.s.schedule()
+        ev = self.s.commit(b, self.sampled[: b.sample_indices.shape[0]])
+        for _ in range(int(ev.num_finished)):
+            self.add(192)
+
+kinds = sys.argv[2].split(",")
+drivers = [Driver(k) for k in kinds]
 clock = time.thread_time if sys.argv[4] == "cpu" else time.perf_counter
-ts = []
-for _ in range(int(sys.argv[3])):
-    t = clock()
-    step()
-    ts.append(clock() - t)
-print(np.median(ts) * 1e6)
+for _ in range(int(sys.argv[3]) // 50):
+    for d in drivers:
+        for _ in range(50):
+            t = clock()
+            d.step()
+            d.times.append(clock() - t)
+print(" ".join(str(np.median(d.times) * 1e6) for d in drivers))
 """
+
+
+def child(path: str, kinds: str, steps: int, clock: str) -> list[float]:
+    argv = [sys.executable, "-c", CHILD, path, kinds, str(steps), clock]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    return [float(x) for x in out.split()]
 
 
 def main() -> None:
@@ -62,19 +82,27 @@ def main() -> None:
                     help="time each step by the wall clock or the thread's CPU time")
     args = ap.parse_args()
     here = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "python")
-    runs = [("one group", here, "one"), ("two groups", here, "two")]
+    head = "| round | one group | two groups | two / one |"
     if args.ab:
-        runs.insert(0, ("one group, --ab", args.ab, "one"))
-    print("| round | " + " | ".join(name for name, _, _ in runs) + " | two / one |")
-    print("|---" * (len(runs) + 2) + "|")
+        head += " one group, --ab | one group, beside it | this / --ab |"
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
+    ratios, ab_ratios = [], []
     for r in range(args.rounds):
-        got = {}
-        for name, path, kind in runs:
-            argv = [sys.executable, "-c", CHILD, path, kind, str(args.steps), args.clock]
-            out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
-            got[name] = float(out)
-        cells = " | ".join(f"{got[name]:.1f} µs" for name, _, _ in runs)
-        print(f"| {r + 1} | {cells} | {got['two groups'] / got['one group']:.2f}x |", flush=True)
+        one, two = child(here, "one,two", args.steps, args.clock)
+        ratios.append(two / one)
+        row = f"| {r + 1} | {one:.1f} µs | {two:.1f} µs | {two / one:.2f}x |"
+        if args.ab:
+            (other,) = child(args.ab, "one", args.steps, args.clock)
+            (mine,) = child(here, "one", args.steps, args.clock)
+            ab_ratios.append(mine / other)
+            row += f" {other:.1f} µs | {mine:.1f} µs | {mine / other:.2f}x |"
+        print(row, flush=True)
+    line = f"two / one: median {statistics.median(ratios):.2f}x"
+    line += f" ({min(ratios):.2f}-{max(ratios):.2f}x over {len(ratios)} rounds)"
+    if ab_ratios:
+        line += f"; this / --ab: median {statistics.median(ab_ratios):.2f}x"
+    print(line)
 
 
 if __name__ == "__main__":

@@ -4,18 +4,18 @@
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
-use crate::block_hash::{hash_block, BlockHash, BlockHasher};
+use crate::block_hash::{hash_block, BlockHash, BlockHasher, HashIsKey};
 use crate::error::AllocError;
 use crate::free_list::FreeList;
 
 pub type BlockId = u32;
 
-/// What the prefix cache remembers of one published block.
-#[derive(Debug, Clone)]
+/// What the prefix cache remembers of one published block (its tokens are in
+/// `BlockAllocator::tokens`, at the block's own place).
+#[derive(Debug, Clone, Copy)]
 struct CachedContent {
     hash: BlockHash,
     parent: Option<BlockHash>,
-    tokens: Box<[u32]>,
 }
 
 #[derive(Debug, Clone)]
@@ -26,7 +26,11 @@ pub struct BlockAllocator {
     /// keep their content) until reused: that is the lazy eviction.
     free: FreeList,
     content: Vec<Option<CachedContent>>,
-    cache: HashMap<BlockHash, BlockId>,
+    /// The token ids of each published block, `block_size` per block id (empty without
+    /// caching): kept in one allocation so that publishing and evicting allocate nothing.
+    tokens: Vec<u32>,
+    /// Keyed by block hashes, which are already well mixed: no second hash over them.
+    cache: HashMap<BlockHash, BlockId, HashIsKey>,
     caching: bool,
     /// `hash_block` except in tests that need collisions on demand.
     hasher: BlockHasher,
@@ -51,7 +55,12 @@ impl BlockAllocator {
             ref_counts: vec![0; total_blocks],
             free: FreeList::full(total_blocks),
             content: vec![None; total_blocks],
-            cache: HashMap::new(),
+            tokens: if enable_prefix_caching {
+                vec![0; total_blocks * block_size]
+            } else {
+                Vec::new()
+            },
+            cache: HashMap::default(),
             caching: enable_prefix_caching,
             hasher,
         }
@@ -84,6 +93,12 @@ impl BlockAllocator {
 
     pub fn ref_count(&self, id: BlockId) -> Result<u32, AllocError> {
         Ok(self.ref_counts[self.check_id(id)?])
+    }
+
+    /// The token ids a published block was stored with.
+    fn tokens_of(&self, id: BlockId) -> &[u32] {
+        let i = id as usize;
+        &self.tokens[i * self.block_size..(i + 1) * self.block_size]
     }
 
     /// The cached hash of a block, if it was published and not evicted since.
@@ -207,11 +222,8 @@ impl BlockAllocator {
         if self.caching && self.ref_counts[i] > 0 {
             if let Entry::Vacant(v) = self.cache.entry(hash) {
                 v.insert(id);
-                self.content[i] = Some(CachedContent {
-                    hash,
-                    parent,
-                    tokens: tokens.into(),
-                });
+                self.content[i] = Some(CachedContent { hash, parent });
+                self.tokens[i * self.block_size..(i + 1) * self.block_size].copy_from_slice(tokens);
             }
         }
         Ok(hash)
@@ -235,7 +247,7 @@ impl BlockAllocator {
             .as_ref()
             .expect("cache map points at a block with content");
         // A hash collision is a miss rather than wrong KV.
-        (c.parent == parent && &*c.tokens == tokens).then_some(id)
+        (c.parent == parent && self.tokens_of(id) == tokens).then_some(id)
     }
 
     /// Take a reference on a block `lookup` returned, reviving it from the free queue.
@@ -277,7 +289,7 @@ impl BlockAllocator {
             let c = self.content[id as usize]
                 .as_ref()
                 .expect("cache map points at a block with content");
-            if c.parent != parent || &*c.tokens != chunk {
+            if c.parent != parent || self.tokens_of(id) != chunk {
                 break; // a hash collision: miss rather than serve wrong KV
             }
             if self.ref_counts[id as usize] == 0 {

@@ -10,6 +10,30 @@ pub type BlockHash = u64;
 /// A block hash function: `hash_block`, or a stand-in with collisions in tests.
 pub type BlockHasher = fn(Option<BlockHash>, &[u32]) -> BlockHash;
 
+/// The `BuildHasher` of maps keyed by block hashes: the key, already a full-avalanche
+/// 64-bit hash, is its own hash (a second SipHash over it is most of a lookup's cost).
+pub type HashIsKey = std::hash::BuildHasherDefault<KeyHasher>;
+
+/// See `HashIsKey`. Keys other than a single `u64` are folded in eight bytes at a time.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct KeyHasher(u64);
+
+impl std::hash::Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.0 = mix(self.0 ^ u64::from_le_bytes(word));
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
 const SEED: u64 = 0x9E37_79B9_7F4A_7C15;
 /// Fractional bits of sqrt(3): any constant other than `SEED` would do.
 const SALT_SEED: u64 = 0xBB67_AE85_84CA_A73B;
@@ -48,8 +72,21 @@ pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
 #[cfg(test)]
 mod tests {
     use std::collections::HashSet;
+    use std::hash::BuildHasher;
 
     use super::*;
+
+    #[test]
+    fn a_block_hash_is_its_own_map_hash_and_other_keys_are_mixed() {
+        let h = HashIsKey::default();
+        for v in [0u64, 1, 0xDEAD_BEEF, hash_block(None, &[1, 2, 3])] {
+            assert_eq!(h.hash_one(v), v);
+        }
+        let a = h.hash_one("block");
+        assert_eq!(a, h.hash_one("block"));
+        assert_ne!(a, h.hash_one("blocks"));
+        assert_ne!(h.hash_one([1u8, 2, 3]), h.hash_one([1u8, 2, 4]));
+    }
 
     #[test]
     fn salts_differ_from_each_other_and_change_the_first_block() {
