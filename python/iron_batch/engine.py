@@ -95,7 +95,7 @@ class _DepthTuner:
     Measured over windows of ``window`` steps whose wait the pipeline's depth decided: a
     window broken by a drained pipeline (no work) starts over."""
 
-    def __init__(self, depth: int, window: int = 32, waiting_share: float = 0.2,
+    def __init__(self, depth: int, window: int = 16, waiting_share: float = 0.2,
                  gain: float = 1.05, cooldown: int = 8) -> None:
         self.depth = depth
         self.window = window

@@ -367,8 +367,12 @@ def decode_execute(body: bytearray, limits: WorkerLimits) -> ExecuteRequest:
     arrays = decode_arrays(body, _EXECUTE_PREFIX.size, count)
     named: dict[str, np.ndarray] = {}
     for (name, dt), a in zip(EXECUTE_FIELDS, arrays, strict=True):
-        _fail_unless(a.dtype == dt, f"{name}: dtype {a.dtype}, expected {dt}")
-        _fail_unless(a.ndim == _NDIM.get(name, 1), f"{name}: wrong ndim")
+        # Checked before the message is formatted: a dtype's str() is slow Python code,
+        # and this runs for every array of every frame.
+        if a.dtype != dt:
+            raise WireError(f"{name}: dtype {a.dtype}, expected {dt}")
+        if a.ndim != _NDIM.get(name, 1):
+            raise WireError(f"{name}: wrong ndim")
         named[name] = a
 
     bs = limits.kv_block_size

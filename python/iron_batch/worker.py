@@ -234,35 +234,79 @@ class Worker:
             self._previous = None
             replies.send(Kind.ERROR, [message.encode("utf-8", "replace")])
 
-        while True:
+        # The next frame is read, decoded and checked on a thread of its own while this one
+        # runs the current batch (a forward releases the GIL), so a client with steps in
+        # flight finds its next batch ready when the last one ends. Replies keep the order
+        # of the frames. Two frames at most wait decoded: a client that floods the
+        # connection is held back by TCP, as when frames were read one at a time.
+        frames: queue.Queue[_Frame] = queue.Queue(maxsize=2)
+        stop = threading.Event()
+        reader = threading.Thread(target=self._read_frames, args=(conn, frames, stop),
+                                  daemon=True, name="worker-frames")
+        reader.start()
+        try:
+            while True:
+                item = frames.get()
+                if isinstance(item, BaseException):
+                    raise item  # the connection ended: as if read on this thread
+                if isinstance(item, _Refused):
+                    error(item.message)
+                    if item.hang_up:
+                        return
+                    continue
+                req, params = item
+                with self._lock:
+                    if self._session != session:
+                        return  # another connection took over; this client is gone
+                    try:
+                        tokens, extras = self._run(req, params)
+                    except Exception as exc:  # a model error fails one batch, not the worker
+                        logger.exception("execute failed")
+                        error(f"execute failed: {type(exc).__name__}: {exc}")
+                        continue
+                    self._previous = tokens[:, 0].copy()
+                replies.send(Kind.RESULT, wire.encode_result(tokens, extras))
+        finally:
+            stop.set()
+
+    def _read_frames(
+        self, conn: socket.socket, out: queue.Queue[_Frame], stop: threading.Event
+    ) -> None:
+        """Read and decode frames in order into ``out`` until the connection ends (its
+        exception is the last item) or a frame loses the framing (a hang-up refusal)."""
+
+        def put(item: _Frame) -> bool:
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        while not stop.is_set():
             try:
                 kind, body = wire.read_frame(conn, self.max_body)
             except WireError as exc:
                 # The header is bad, so frame boundaries are lost: answer, then hang up.
-                error(f"malformed frame: {exc}")
+                put(_Refused(f"malformed frame: {exc}", hang_up=True))
+                return
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                put(exc)
                 return
             if kind != Kind.EXECUTE:
-                error(f"unexpected frame kind {kind.name}")
-                continue
-            try:
-                req = wire.decode_execute(body, self.limits)
-                params = [SamplingParams(**s) for _, _, s in req.adds]
-                for p in params:
-                    p.validate()
-            except (WireError, ValueError, TypeError) as exc:
-                error(f"malformed EXECUTE: {exc}")
-                continue
-            with self._lock:
-                if self._session != session:
-                    return  # another connection took over; this client is gone
+                item: _Frame = _Refused(f"unexpected frame kind {kind.name}")
+            else:
                 try:
-                    tokens, extras = self._run(req, params)
-                except Exception as exc:  # a model error fails one batch, not the worker
-                    logger.exception("execute failed")
-                    error(f"execute failed: {type(exc).__name__}: {exc}")
-                    continue
-                self._previous = tokens[:, 0].copy()
-            replies.send(Kind.RESULT, wire.encode_result(tokens, extras))
+                    req = wire.decode_execute(body, self.limits)
+                    params = [SamplingParams(**s) for _, _, s in req.adds]
+                    for p in params:
+                        p.validate()
+                    item = (req, params)
+                except (WireError, ValueError, TypeError) as exc:
+                    item = _Refused(f"malformed EXECUTE: {exc}")
+            if not put(item):
+                return
 
     def _run(
         self, req: ExecuteRequest, params: list[SamplingParams]
@@ -275,6 +319,19 @@ class Worker:
             backend.add_request(str(handle), prompt, p)
             self._live.add(handle)
         return run_steps(backend, req, self.limits.kv_block_size, self._previous)
+
+
+class _Refused:
+    """A frame the worker answers with an ERROR (and, with ``hang_up``, closes on)."""
+
+    def __init__(self, message: str, hang_up: bool = False) -> None:
+        self.message = message
+        self.hang_up = hang_up
+
+
+#: What the frame reader hands the batch loop: a decoded batch with its requests' sampling
+#: settings, a refusal, or the exception that ended the connection.
+_Frame = tuple[ExecuteRequest, list[SamplingParams]] | _Refused | BaseException
 
 
 class _DelayedReplies:
