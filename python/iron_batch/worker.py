@@ -284,29 +284,31 @@ class Worker:
                     continue
             return False
 
-        while not stop.is_set():
-            try:
-                kind, body = wire.read_frame(conn, self.max_body)
-            except WireError as exc:
-                # The header is bad, so frame boundaries are lost: answer, then hang up.
-                put(_Refused(f"malformed frame: {exc}", hang_up=True))
-                return
-            except (ConnectionError, TimeoutError, OSError) as exc:
-                put(exc)
-                return
-            if kind != Kind.EXECUTE:
-                item: _Frame = _Refused(f"unexpected frame kind {kind.name}")
-            else:
+        try:
+            while not stop.is_set():
                 try:
-                    req = wire.decode_execute(body, self.limits)
-                    params = [SamplingParams(**s) for _, _, s in req.adds]
-                    for p in params:
-                        p.validate()
-                    item = (req, params)
-                except (WireError, ValueError, TypeError) as exc:
-                    item = _Refused(f"malformed EXECUTE: {exc}")
-            if not put(item):
-                return
+                    kind, body = wire.read_frame(conn, self.max_body)
+                except WireError as exc:
+                    # The header is bad, so frame boundaries are lost: answer, then hang up.
+                    put(_Refused(f"malformed frame: {exc}", hang_up=True))
+                    return
+                if kind != Kind.EXECUTE:
+                    item: _Frame = _Refused(f"unexpected frame kind {kind.name}")
+                else:
+                    try:
+                        req = wire.decode_execute(body, self.limits)
+                        params = [SamplingParams(**s) for _, _, s in req.adds]
+                        for p in params:
+                            p.validate()
+                        item = (req, params)
+                    except (WireError, ValueError, TypeError) as exc:
+                        item = _Refused(f"malformed EXECUTE: {exc}")
+                if not put(item):
+                    return
+        except BaseException as exc:
+            # The connection ended (or reading failed otherwise): the batch loop raises it
+            # after the frames before it, as if it had read the frame itself.
+            put(exc)
 
     def _run(
         self, req: ExecuteRequest, params: list[SamplingParams]
