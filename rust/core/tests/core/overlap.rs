@@ -3,7 +3,7 @@
 //! preemption, chunked prefill, prefix hits and random stop tokens; every invariant holds
 //! after every operation; no block leaks.
 
-mod common;
+use crate::common;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 

@@ -1,7 +1,7 @@
 //! Per-request options: priority (queue and preemption order), cache salt (no prefix
 //! sharing across salts) and skipping the prefix-cache lookup (prompt logprobs).
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 
