@@ -2,7 +2,7 @@
 //! through the block tables), every request's output is identical whether the pool is tiny
 //! (many preemptions, chunked prefill) or huge, and with the prefix cache on or off.
 
-use crate::common;
+mod common;
 
 use common::{run_lookahead, run_to_completion, FakeModel, Outputs};
 use iron_batch_core::{BlockHash, Scheduler, SchedulerConfig};

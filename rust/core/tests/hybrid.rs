@@ -2,7 +2,7 @@
 //! slots follow their sequences, checkpoints serve prefix hits, and every pool is whole
 //! again after every workload.
 
-use crate::common;
+mod common;
 
 use std::collections::{HashMap, VecDeque};
 

@@ -3,7 +3,7 @@
 //! preemption, chunked prefill, prefix hits and random stop tokens; every invariant holds
 //! after every operation; no block leaks.
 
-use crate::common;
+mod common;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 

@@ -1,7 +1,7 @@
 //! Per-request options: priority (queue and preemption order), cache salt (no prefix
 //! sharing across salts) and skipping the prefix-cache lookup (prompt logprobs).
 
-use crate::common;
+mod common;
 
 use std::collections::HashMap;
 

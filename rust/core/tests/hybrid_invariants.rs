@@ -5,7 +5,7 @@
 //! what the context alone gives; every request ends once; every block and slot is free at
 //! the end.
 
-use crate::common;
+mod common;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 

@@ -1,4 +1,4 @@
-use crate::common;
+mod common;
 
 use common::{run_to_completion, FakeModel};
 use iron_batch_core::{FinishReason, Scheduler, SchedulerConfig, SchedulerError};

@@ -1,7 +1,7 @@
 //! Property tests: random add/schedule/commit/abort sequences under tiny KV pools keep every
 //! invariant after every operation, finish every request exactly once and leak no block.
 
-use crate::common;
+mod common;
 
 use std::collections::{HashMap, HashSet};
 
