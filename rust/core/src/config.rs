@@ -291,6 +291,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn speculative_methods_parse_from_their_flag_names_and_nothing_else() {
+        assert_eq!(
+            SpeculativeMethod::parse("ngram"),
+            Some(SpeculativeMethod::Ngram)
+        );
+        assert_eq!(
+            SpeculativeMethod::parse("draft"),
+            Some(SpeculativeMethod::DraftModel)
+        );
+        for bad in ["", "Ngram", "draft-model", "eagle"] {
+            assert_eq!(SpeculativeMethod::parse(bad), None, "{bad:?}");
+        }
+        for m in [SpeculativeMethod::Ngram, SpeculativeMethod::DraftModel] {
+            assert_eq!(SpeculativeMethod::parse(m.name()), Some(m));
+        }
+    }
+
+    #[test]
     fn the_pool_is_split_so_each_group_serves_the_same_sequences() {
         // Gemma-3-like: 5 sliding layers (window 1024) per global one, 8k context, blocks
         // of 16 tokens, one byte per token per layer.
