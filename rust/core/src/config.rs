@@ -291,6 +291,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn speculation_settings_are_checked_at_their_bounds() {
+        let check = |k: usize, lo: usize, hi: usize| {
+            SchedulerConfig {
+                num_speculative_tokens: k,
+                speculative_ngram_min: lo,
+                speculative_ngram_max: hi,
+                ..Default::default()
+            }
+            .validate()
+        };
+        assert_eq!(check(64, 1, 3), Ok(()));
+        assert!(check(65, 1, 3).unwrap_err().contains("at most 64"));
+        assert_eq!(check(4, 2, 2), Ok(()));
+        assert!(check(4, 0, 3).unwrap_err().contains("n-gram"));
+        assert!(check(4, 3, 2).unwrap_err().contains("n-gram"));
+        // Without speculation the n-gram lengths are not read.
+        assert_eq!(check(0, 0, 0), Ok(()));
+    }
+
+    #[test]
     fn speculative_methods_parse_from_their_flag_names_and_nothing_else() {
         assert_eq!(
             SpeculativeMethod::parse("ngram"),
