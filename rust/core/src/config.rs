@@ -311,6 +311,25 @@ mod tests {
     }
 
     #[test]
+    fn speculation_is_refused_only_beside_a_recurrent_state_group() {
+        let with = |groups: Vec<CacheGroup>| {
+            SchedulerConfig {
+                num_speculative_tokens: 4,
+                cache_groups: groups,
+                ..Default::default()
+            }
+            .validate()
+        };
+        assert_eq!(with(vec![]), Ok(()));
+        assert_eq!(
+            with(vec![CacheGroup::sliding(64, 100), CacheGroup::full(100)]),
+            Ok(())
+        );
+        let err = with(vec![CacheGroup::full(100), CacheGroup::state(8)]).unwrap_err();
+        assert!(err.contains("recurrent-state"), "{err}");
+    }
+
+    #[test]
     fn speculative_methods_parse_from_their_flag_names_and_nothing_else() {
         assert_eq!(
             SpeculativeMethod::parse("ngram"),
