@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,12 +38,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+sys.path.insert(0, str(Path(__file__).parent))
+from report import Process, free_port  # noqa: E402
 
 
 def smollm2_folder(dest: Path, dtype: str) -> Path:
@@ -64,37 +59,13 @@ def smollm2_folder(dest: Path, dtype: str) -> Path:
     return dest
 
 
-class Server:
-    """A server subprocess, ready once its /health (or /v1/models) answers."""
+class Server(Process):
+    """A server subprocess (``report.Process``), ready once ``/v1/models`` answers; both
+    iron-batch and vLLM serve it."""
 
-    def __init__(self, name: str, cmd: list[str], url: str, timeout_s: float = 900) -> None:
-        import httpx
-
-        self.name, self.url = name, url
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                self.log.seek(0)
-                tail = self.log.read()[-3000:].decode(errors="replace")
-                raise SystemExit(f"{name} did not start: {' '.join(cmd)}\n{tail}")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def __init__(self, name: str, cmd: list[str], url: str) -> None:
+        self.name = name
+        super().__init__(cmd, url, probe="/v1/models", timeout_s=900)
 
 
 async def _one(client: Any, model: str, prompt: list[int], new: int) -> tuple[int, list[float]]:
