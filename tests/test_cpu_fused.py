@@ -75,7 +75,7 @@ def test_rope_store_kv_refuses_slots_outside_the_cache() -> None:
     assert not cache.any()
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 9, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_linear_matches_f_linear_to_one_rounding(rows: int, bias: bool) -> None:
     if not cpu.select(torch.device("cpu"), torch.bfloat16, switches.read()).gemv:
@@ -89,9 +89,35 @@ def test_gemv_linear_matches_f_linear_to_one_rounding(rows: int, bias: bool) -> 
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 1531)
     # f32 sums, then one rounding to bf16 (relative 2^-8).
     torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-2)
-    # More rows go to F.linear unchanged.
-    x3 = torch.randn(3, 576, generator=g).bfloat16()
-    assert torch.equal(cpu_fused.linear(x3, w, b), torch.nn.functional.linear(x3, w, b))
+    # float32 rows go to F.linear unchanged.
+    x32 = torch.randn(3, 576, generator=g)
+    assert torch.equal(cpu_fused.linear(x32, w.float(), None), F.linear(x32, w.float()))
+
+
+@pytest.mark.parametrize("gemv_rows", [8, 192])
+def test_a_bf16_projection_of_many_rows_is_exact_to_one_rounding(gemv_rows: int) -> None:
+    """A model's projection at every row count a step may have: the GEMV in passes (each
+    row then the value it gets alone, as a one-row decode step), and above the switch's
+    row count torch's GEMM (in f32 over a widened weight where the CPU has no bf16
+    arithmetic)."""
+    from iron_batch.layers.linear import Linear
+
+    kernels = cpu.select(torch.device("cpu"), torch.bfloat16,
+                         switches.read({"IRON_BATCH_CPU_GEMV_ROWS": str(gemv_rows)}))
+    if not kernels.gemv:
+        pytest.fail("the Rust GEMV is not available in this build")
+    g = torch.Generator().manual_seed(gemv_rows)
+    w = torch.randn(700, 320, generator=g).bfloat16()
+    b = torch.randn(700, generator=g).bfloat16()
+    proj = Linear(w, b, kernels=kernels)
+    x = torch.randn(260, 320, generator=g).bfloat16()
+    alone = torch.cat([proj(x[r:r + 1]) for r in range(x.shape[0])])
+    for rows in (1, 8, 9, 33, 192, 193, 260):
+        got = proj(x[:rows])
+        want = x[:rows].double() @ w.double().T + b.double()
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=2e-2)
+        if rows <= max(gemv_rows, 8):
+            assert torch.equal(got, alone[:rows]), f"{rows} rows: a row differs from itself alone"
 
 
 def test_prepacked_linear_equals_f_linear() -> None:

@@ -21,9 +21,10 @@ _ROPE_INT8 = getattr(_core, "_rope_store_kv_int8", None)
 _GEMV = getattr(_core, "_gemv_bf16", None)
 _ACT = getattr(_core, "_gated_activation", None)
 
-#: Most activation rows the bf16 GEMV serves (the Rust kernel's own limit, ``GEMV_MAX_ROWS``):
-#: the weights are read once for all of them, and each row's result is the one it would get
-#: alone (a speculative step's verification rows reproduce one-row decoding bit for bit).
+#: Activation rows one pass of the bf16 GEMV serves (the Rust kernel's ``GEMV_MAX_ROWS``):
+#: the weights are read once for all of them. It takes more rows in passes of that many,
+#: and each row's result is the one it would get alone (a speculative step's verification
+#: rows reproduce one-row decoding bit for bit).
 BF16_GEMV_MAX_ROWS = 8
 
 
@@ -151,11 +152,11 @@ def packed_linear(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` for 1 to ``BF16_GEMV_MAX_ROWS`` bf16 rows by the Rust GEMV: each weight
-    row streamed once by all of torch's threads, f32 sums, one rounding to bf16 (other
-    shapes: ``F.linear``)."""
-    rows = x.shape[0]
-    if x.dim() != 2 or rows > BF16_GEMV_MAX_ROWS or rows == 0 or x.dtype != torch.bfloat16:
+    """``F.linear`` of bf16 rows by the Rust GEMV: each weight row streamed once per pass
+    of ``BF16_GEMV_MAX_ROWS`` rows by all of torch's threads, f32 sums, one rounding to
+    bf16 (other shapes and dtypes: ``F.linear``)."""
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if rows == 0 or x.dtype != torch.bfloat16:
         return torch.nn.functional.linear(x, weight, bias)
     x = x.contiguous()
     n, k = weight.shape

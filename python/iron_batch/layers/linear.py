@@ -4,8 +4,9 @@ rank's tensor-parallel part.
 
 Which kernel runs is the layer's business, decided by its weight and the step's rows:
 quantized weights run the block GEMV (up to ``quant_gemv_rows`` rows) or a dequantized
-GEMM; dense bf16 ones on CPU the Rust GEMV for up to 8 rows, oneDNN's packed layout for
-more; everything else ``F.linear``.
+GEMM; dense bf16 ones on CPU the Rust GEMV for up to 8 rows and, above, oneDNN's packed
+layout where the CPU has bf16 arithmetic, or else the Rust GEMV up to ``wide_gemv_rows``
+and an f32 GEMM over a widened weight above; everything else ``F.linear``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class Linear:
         self.packed: torch.Tensor | None = None
         self.gemv = kernels.gemv and isinstance(weight, torch.Tensor)
         self.gemv_rows = kernels.quant_gemv_rows
+        #: Rows up to which a dense bf16 weight takes the Rust GEMV (see ``CpuKernels``),
+        #: and whether larger steps multiply in f32.
+        self.dense_gemv_rows = max(cpu_kernels.BF16_GEMV_MAX_ROWS, kernels.wide_gemv_rows)
+        self.widen = kernels.wide_gemv_rows > 0
 
     @classmethod
     def load(
@@ -61,10 +66,12 @@ class Linear:
         w, b = self.weight, self.bias
         if isinstance(w, QuantWeight):
             return w.linear(x, b, self.gemv_rows)
-        if self.gemv and x.shape[0] <= cpu_kernels.BF16_GEMV_MAX_ROWS:
+        if self.gemv and x.shape[0] <= self.dense_gemv_rows:
             return cpu_kernels.linear(x, w, b)
         if self.packed is not None:
             return cpu_kernels.packed_linear(x, self.packed, b)
+        if self.widen and self.gemv:
+            return quant.widened_linear(x, w, b)
         return F.linear(x, w, b)
 
     def prepack(self) -> None:

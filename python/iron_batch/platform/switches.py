@@ -40,6 +40,11 @@ SWITCHES: dict[str, Switch] = {
     "cpu_prepack": Switch(
         "IRON_BATCH_CPU_PREPACK", "1", ("1", "0"),
         "bf16 projections keep a oneDNN-packed copy for prompt-sized steps (1), or none (0)."),
+    "cpu_gemv_rows": Switch(
+        "IRON_BATCH_CPU_GEMV_ROWS", "192", (),
+        "On a CPU without bf16 arithmetic (no AVX-512 BF16 or AMX), bf16 projections of up "
+        "to this many rows run the Rust GEMV and larger ones an f32 GEMM over a widened "
+        "copy of the weight; 8 leaves them to torch's bf16 GEMM above 8 rows."),
     "huge_pages": Switch(
         "IRON_BATCH_HUGE_PAGES", "1", ("1", "0"),
         "CPU weights and KV cache on 2 MiB pages where Linux gives them (1), or 4 KiB (0)."),
@@ -66,6 +71,7 @@ class Switches:
     cpu_prefill_attention: str = "kernel"
     cpu_decoder: bool = True
     cpu_prepack: bool = True
+    cpu_gemv_rows: int = 192
     huge_pages: bool = True
     keep_freed_memory: bool = True
     quant_gemv_rows: int = 8

@@ -361,7 +361,7 @@ pub fn _gated_activation(
     })
 }
 
-/// `out = x @ weight.T (+ bias)` for 1-2 bf16 rows (bias 0: none).
+/// `out = x @ weight.T (+ bias)` for any number of bf16 rows (bias 0: none).
 #[pyfunction]
 #[pyo3(signature = (out, x, weight, bias, *, rows, n, k, threads, openmp=None))]
 #[allow(clippy::too_many_arguments)]

@@ -493,7 +493,7 @@ fn bad_inputs_are_errors_and_write_nothing() {
 }
 
 #[test]
-fn gemv_matches_a_plain_product_for_one_to_eight_rows() {
+fn gemv_matches_a_plain_product_for_any_number_of_rows() {
     use iron_batch_kernels::gemv_bf16;
     let mut rng = Rng(11);
     for (rows, n, k) in [
@@ -505,6 +505,12 @@ fn gemv_matches_a_plain_product_for_one_to_eight_rows() {
         (5, 257, 160),
         (8, 600, 576),
         (7, 9, 40),
+        // More rows than one pass takes: passes over cached chunks of weight rows, and
+        // (at k 4112) blocks of activation rows.
+        (9, 300, 48),
+        (37, 513, 96),
+        (130, 260, 576),
+        (21, 40, 4112),
     ] {
         let x: Vec<Bf16> = (0..rows * k).map(|_| Bf16::from_f32(rng.unit())).collect();
         let w: Vec<Bf16> = (0..n * k).map(|_| Bf16::from_f32(rng.unit())).collect();
@@ -542,7 +548,7 @@ fn gemv_matches_a_plain_product_for_one_to_eight_rows() {
     let mut out = vec![Bf16::default(); 9];
     let bad = gemv_bf16(
         &mut out,
-        &[Bf16::default(); 27],
+        &[Bf16::default(); 26],
         &[Bf16::default(); 3],
         None,
         9,
@@ -551,7 +557,10 @@ fn gemv_matches_a_plain_product_for_one_to_eight_rows() {
         1,
         &ScopedThreads,
     );
-    assert!(bad.is_err(), "nine activation rows are refused");
+    assert!(
+        bad.is_err(),
+        "an activation shorter than rows x k is refused"
+    );
 }
 
 /// A row's output is the same, bit for bit, whichever rows share the call: speculative
@@ -561,16 +570,19 @@ fn gemv_rows_do_not_depend_on_the_rows_beside_them() {
     use iron_batch_kernels::gemv_bf16;
     let mut rng = Rng(29);
     // k multiples of 32, of 16 only, and of neither: every vector path this CPU has.
-    for (n, k) in [(300, 576), (260, 48), (70, 40)] {
-        let x: Vec<Bf16> = (0..8 * k).map(|_| Bf16::from_f32(rng.unit())).collect();
+    // k 4112 makes blocks of 8 activation rows; the row counts cover one pass, several,
+    // and a last pass of 1 to 7 rows.
+    for (n, k) in [(300, 576), (260, 48), (70, 40), (20, 4112)] {
+        let most = 27;
+        let x: Vec<Bf16> = (0..most * k).map(|_| Bf16::from_f32(rng.unit())).collect();
         let w: Vec<Bf16> = (0..n * k).map(|_| Bf16::from_f32(rng.unit())).collect();
         let run = |x: &[Bf16], rows: usize| {
             let mut out = vec![Bf16::default(); rows * n];
             gemv_bf16(&mut out, x, &w, None, rows, n, k, 2, &ScopedThreads).unwrap();
             out
         };
-        let alone: Vec<Vec<Bf16>> = (0..8).map(|r| run(&x[r * k..(r + 1) * k], 1)).collect();
-        for rows in 1..=8 {
+        let alone: Vec<Vec<Bf16>> = (0..most).map(|r| run(&x[r * k..(r + 1) * k], 1)).collect();
+        for rows in (1..=12).chain([16, 17, 25, 27]) {
             let together = run(&x[..rows * k], rows);
             for (r, want) in alone.iter().enumerate().take(rows) {
                 let got = &together[r * n..(r + 1) * n];
