@@ -7,11 +7,9 @@ use std::collections::HashMap;
 /// Something that guesses a sequence's next tokens from its tokens so far. One per
 /// sequence; `observe` is told of every committed token before the next `propose`.
 pub trait Proposer {
-    /// Index `tokens` (prompt and output so far) past what was seen before: a proposer
-    /// keeps a cursor, so each token is looked at once.
-    fn observe(&mut self, tokens: &[u32]);
-    /// Append to `out` up to `k` tokens that may follow `tokens` (none when it has no
-    /// guess).
+    /// Append to `out` up to `k` tokens that may follow `tokens` (prompt and output so
+    /// far; none when it has no guess). A proposer that indexes the sequence keeps a
+    /// cursor, so each token is looked at once however often it is asked.
     fn propose(&mut self, tokens: &[u32], k: usize, out: &mut Vec<u32>);
 }
 
@@ -29,8 +27,6 @@ pub const DRAFTED_BY_BACKEND: u32 = u32::MAX;
 pub struct DraftModelProposer;
 
 impl Proposer for DraftModelProposer {
-    fn observe(&mut self, _tokens: &[u32]) {}
-
     fn propose(&mut self, _tokens: &[u32], k: usize, out: &mut Vec<u32>) {
         out.extend(std::iter::repeat_n(DRAFTED_BY_BACKEND, k));
     }
@@ -44,13 +40,6 @@ pub enum SequenceProposer {
 }
 
 impl Proposer for SequenceProposer {
-    fn observe(&mut self, tokens: &[u32]) {
-        match self {
-            SequenceProposer::Ngram(p) => p.observe(tokens),
-            SequenceProposer::DraftModel(p) => p.observe(tokens),
-        }
-    }
-
     fn propose(&mut self, tokens: &[u32], k: usize, out: &mut Vec<u32>) {
         match self {
             SequenceProposer::Ngram(p) => p.propose(tokens, k, out),
@@ -103,10 +92,9 @@ impl NgramProposer {
     pub fn num_seen(&self) -> usize {
         self.seen
     }
-}
 
-impl Proposer for NgramProposer {
-    fn observe(&mut self, tokens: &[u32]) {
+    /// Index `tokens` past what was seen before (`propose` does it first).
+    pub fn observe(&mut self, tokens: &[u32]) {
         // An n-gram ending at `e` is indexed once the token at `e + 1` exists, so that a
         // match always has a continuation (and the sequence's own suffix never matches
         // itself).
@@ -119,7 +107,9 @@ impl Proposer for NgramProposer {
         }
         self.seen = self.seen.max(len);
     }
+}
 
+impl Proposer for NgramProposer {
     fn propose(&mut self, tokens: &[u32], k: usize, out: &mut Vec<u32>) {
         self.observe(tokens);
         let len = tokens.len();
