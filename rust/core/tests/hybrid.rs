@@ -503,3 +503,35 @@ fn a_chunk_cut_at_a_checkpoint_leaves_the_rest_to_the_next_step() {
     assert_exact(&groups, &prompts, &out);
     assert_all_free(&s);
 }
+
+#[test]
+fn a_discarded_step_that_ran_starts_its_sequences_state_over() {
+    // A step left open and executed has folded its token into the state; a plain schedule
+    // then forgets it. KV can be written again, a state cannot, so the sequence must start
+    // over (here from its prompt-end checkpoint) rather than fold that token a second time.
+    let groups = vec![CacheGroup::full(32), CacheGroup::state(4)];
+    let mut s = Scheduler::new(cfg(groups.clone(), 2, 64, 4)).unwrap();
+    let mut m = HybridModel::new(&groups, 2);
+    let mut out = Outputs::new();
+    let prompt = vec![1, 2, 3, 4, 5, 6];
+    s.add_request("a", &prompt, 6, &[]).unwrap();
+    step(&mut s, &mut m, &mut out);
+    step(&mut s, &mut m, &mut out);
+    let open = s.schedule_overlapped(0).unwrap();
+    m.execute(&open);
+    let b = step(&mut s, &mut m, &mut out);
+    assert_eq!(
+        s.stats().preemptions,
+        1,
+        "the discarded step's sequence starts over"
+    );
+    assert_eq!(b.state_restore.len(), 1);
+    assert_ne!(b.state_restore[0], -1, "it resumes from its checkpoint");
+    assert_eq!(b.num_computed_before, [6]);
+    while s.has_work() {
+        step(&mut s, &mut m, &mut out);
+    }
+    assert_eq!(out["a"].0.len(), 6);
+    assert_exact(&groups, &HashMap::from([("a".to_string(), prompt)]), &out);
+    assert_all_free(&s);
+}
