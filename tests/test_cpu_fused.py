@@ -94,12 +94,12 @@ def test_gemv_linear_matches_f_linear_to_one_rounding(rows: int, bias: bool) -> 
     assert torch.equal(cpu_fused.linear(x32, w.float(), None), F.linear(x32, w.float()))
 
 
-@pytest.mark.parametrize("gemv_rows", [8, 192])
+@pytest.mark.parametrize("gemv_rows", [0, 8, 192])
 def test_a_bf16_projection_of_many_rows_is_exact_to_one_rounding(gemv_rows: int) -> None:
     """A model's projection at every row count a step may have: the GEMV in passes (each
     row then the value it gets alone, as a one-row decode step), and above the switch's
     row count torch's GEMM (in f32 over a widened weight where the CPU has no bf16
-    arithmetic)."""
+    arithmetic, unless the switch is 0)."""
     from iron_batch.layers.linear import Linear
 
     kernels = cpu.select(torch.device("cpu"), torch.bfloat16,

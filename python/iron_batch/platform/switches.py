@@ -18,9 +18,10 @@ from dataclasses import dataclass, fields
 class Switch:
     env: str
     default: str
-    #: The values it takes, or () for a positive integer.
+    #: The values it takes, or () for an integer of at least ``minimum``.
     choices: tuple[str, ...]
     doc: str
+    minimum: int = 1
 
 
 #: Every switch, by the attribute of :class:`Switches` that holds its value.
@@ -43,8 +44,9 @@ SWITCHES: dict[str, Switch] = {
     "cpu_gemv_rows": Switch(
         "IRON_BATCH_CPU_GEMV_ROWS", "192", (),
         "On a CPU without bf16 arithmetic (no AVX-512 BF16 or AMX), bf16 projections of up "
-        "to this many rows run the Rust GEMV and larger ones an f32 GEMM over a widened "
-        "copy of the weight; 8 leaves them to torch's bf16 GEMM above 8 rows."),
+        "to this many rows (at least 8) run the Rust GEMV and larger ones an f32 GEMM over "
+        "a widened copy of the weight; 0 leaves them to torch's bf16 GEMM above 8 rows.",
+        minimum=0),
     "huge_pages": Switch(
         "IRON_BATCH_HUGE_PAGES", "1", ("1", "0"),
         "CPU weights and KV cache on 2 MiB pages where Linux gives them (1), or 4 KiB (0)."),
@@ -109,8 +111,10 @@ def read(environ: Mapping[str, str] | None = None) -> Switches:
                 raise SwitchError(f"{switch.env}={raw!r}: takes {' or '.join(switch.choices)}")
             values[f.name] = raw == "1" if switch.choices == ("1", "0") else raw
         else:
-            if not raw.isdigit() or int(raw) < 1:
-                raise SwitchError(f"{switch.env}={raw!r}: takes a positive integer")
+            if not raw.isdigit() or int(raw) < switch.minimum:
+                what = "a positive integer" if switch.minimum == 1 else (
+                    f"an integer of at least {switch.minimum}")
+                raise SwitchError(f"{switch.env}={raw!r}: takes {what}")
             values[f.name] = int(raw)
     return Switches(**values)  # type: ignore[arg-type]
 
