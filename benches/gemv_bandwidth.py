@@ -1,8 +1,8 @@
 """The bf16 GEMV's read bandwidth against a plain copy, in the same run.
 
 Times ``y = x W^T`` for a 8192 x 4096 bf16 matrix (64 MiB, far past the caches) at 1 to 8
-activation rows through the Rust GEMV, and a copy of the same bytes (read + write counted),
-best of 20 after a warm-up of several seconds, three rounds:
+activation rows through the Rust GEMV, a copy of the same bytes (read + write counted) and
+torch's sum over them (read only), best of 20 after a warm-up of several seconds, three rounds:
 
     python benches/gemv_bandwidth.py --rows 1 2 5 8
 """
@@ -47,13 +47,14 @@ def main() -> None:
     nbytes = n * k * 2
     for rnd in range(args.rounds):
         copy = best(lambda: dst.copy_(src))
+        read = best(lambda: src.sum())
         parts = []
         for rows in args.rows:
             x = torch.randn(rows, k).bfloat16()
             s = best(lambda x=x: cpu_kernels.linear(x, w, None))
             parts.append(f"{rows} rows {s * 1e3:.2f} ms ({nbytes / s / 1e9:.1f} GB/s)")
         print(f"round {rnd}: copy {2 * nbytes / copy / 1e9:.1f} GB/s (read + write); "
-              + ", ".join(parts))
+              f"f32 sum {nbytes / read / 1e9:.1f} GB/s (read); " + ", ".join(parts))
 
 
 if __name__ == "__main__":
