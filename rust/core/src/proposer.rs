@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 /// Something that guesses a sequence's next tokens from its tokens so far. One per
-/// sequence; `observe` is told of every committed token before the next `propose`.
+/// sequence, asked with all of its tokens each time.
 pub trait Proposer {
     /// Append to `out` up to `k` tokens that may follow `tokens` (prompt and output so
     /// far; none when it has no guess). A proposer that indexes the sequence keeps a

@@ -36,8 +36,8 @@ pub struct Projection<'a> {
 }
 
 impl Projection<'_> {
-    /// Most activation rows [`Projection::apply`] takes: the bf16 GEMV serves up to
-    /// [`GEMV_MAX_ROWS`], the quantized one any number.
+    /// Most activation rows the decode stack gives this projection: one pass of the bf16
+    /// GEMV ([`GEMV_MAX_ROWS`], the decode rows it is built for), any number quantized.
     pub fn max_rows(&self) -> usize {
         match self.weight {
             Matrix::Bf16(_) => GEMV_MAX_ROWS,

@@ -75,31 +75,12 @@ pub fn gemv_bf16(
         // (rows * n elements) outlives the call.
         unsafe { *(out_addr as *mut Bf16).add(r * n + row) = Bf16::from_f32(dot + b) };
     };
-    if rows <= GEMV_MAX_ROWS {
-        let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
-        let task = |part: usize| {
-            let (lo, hi) = (n * part / parts, n * (part + 1) / parts);
-            for row in lo..hi {
-                // One weight row at a time: a single sequential stream per thread, which
-                // keeps more of its reads in flight than four rows read side by side did.
-                // Each 64-byte line read requests the one a fixed distance ahead (see
-                // `dot_row`).
-                let dots = dot_row(&xf, &weight[row * k..(row + 1) * k], rows, k, simd);
-                for (r, dot) in dots.iter().enumerate().take(rows) {
-                    write(r, row, *dot);
-                }
-            }
-        };
-        if parts == 1 {
-            task(0);
-        } else {
-            parallel.run(parts, &task);
-        }
-        return Ok(());
-    }
-    // Many rows: tasks split the output columns and, when there are more threads than
-    // column parts, the activation rows too. Every pass calls `dot_row` on at most
-    // GEMV_MAX_ROWS rows, so a row's value is the one it gets alone.
+    // Tasks split the output columns and, when there are more threads than column parts,
+    // the activation rows too. Every pass calls `dot_row` on at most GEMV_MAX_ROWS rows,
+    // so a row's value is the one it gets alone. Up to GEMV_MAX_ROWS rows there is one
+    // pass: each thread streams its weight rows once, one after the other (a single
+    // sequential stream keeps more reads in flight than four rows read side by side did;
+    // each 64-byte line read requests the one a fixed distance ahead, see `dot_row`).
     let threads = threads.max(1);
     let col_parts = (n / MIN_ROWS_PER_PART).clamp(1, threads);
     let passes = rows.div_ceil(GEMV_MAX_ROWS);

@@ -17,7 +17,7 @@
 use crate::attention::{KernelError, Parallel};
 use crate::decoder::Activation;
 use crate::element::{Bf16, Element};
-use crate::gemv::{gemv_bf16, GEMV_MAX_ROWS};
+use crate::gemv::gemv_bf16;
 use crate::mxfp4::{gemv_mxfp4, Mxfp4, MXFP4_BLOCK};
 use crate::quant::{gemv_quant, QMatrix, Q4, Q8, QBLOCK};
 
@@ -85,26 +85,7 @@ impl<'a> Experts<'a> {
         match self {
             Experts::Quant(m) => gemv_quant(out, x, *m, bias, rows, n, k, threads, parallel),
             Experts::Mxfp4(m) => gemv_mxfp4(out, x, *m, bias, rows, n, k, threads, parallel),
-            Experts::Bf16(w) => {
-                // The bf16 GEMV serves up to GEMV_MAX_ROWS rows a pass.
-                let mut first = 0;
-                while first < rows {
-                    let take = (rows - first).min(GEMV_MAX_ROWS);
-                    gemv_bf16(
-                        &mut out[first * n..(first + take) * n],
-                        &x[first * k..(first + take) * k],
-                        w,
-                        bias,
-                        take,
-                        n,
-                        k,
-                        threads,
-                        parallel,
-                    )?;
-                    first += take;
-                }
-                Ok(())
-            }
+            Experts::Bf16(w) => gemv_bf16(out, x, w, bias, rows, n, k, threads, parallel),
         }
     }
 }
