@@ -549,7 +549,9 @@ impl Scheduler {
         rows_left: usize,
         draft: &mut Vec<u32>,
     ) {
-        if n != 1 || start + 1 != seq.tokens.len() || seq.num_pending > 0 || seq.num_inflight > 0 {
+        // A pending token is not in `tokens` yet: its placeholder's position is
+        // `tokens.len()`, so `start + 1 != tokens.len()` keeps such a sequence out too.
+        if n != 1 || start + 1 != seq.tokens.len() || seq.num_inflight > 0 {
             return;
         }
         let left = seq.max_new_tokens - seq.num_output();
@@ -557,9 +559,7 @@ impl Scheduler {
             return;
         };
         let k = seq.spec_k.min(left - 1).min(budget_left).min(rows_left);
-        if k > 0 {
-            proposer.propose(&seq.tokens, k, draft);
-        }
+        proposer.propose(&seq.tokens, k, draft);
     }
 
     /// Forget every open step (a plain `schedule` over an uncommitted one): their batches
@@ -712,8 +712,9 @@ impl Scheduler {
         let mut preempted = false;
         let mut need = std::mem::take(&mut self.need);
         let mut draft = std::mem::take(&mut self.draft);
-        // Query rows proposals may still take this step (speculation off: none).
-        let mut spec_rows = if self.cfg.num_speculative_tokens > 0 && lookahead == 0 {
+        // Query rows proposals may still take this step (only sequences that hold a
+        // proposer propose: none where speculation is off).
+        let mut spec_rows = if lookahead == 0 {
             self.cfg
                 .speculative_max_rows
                 .saturating_sub(self.running.len())
@@ -759,24 +760,24 @@ impl Scheduler {
             let seq = self.seqs[slot].as_mut().expect("running slot is live");
             let steps = Self::sample_steps(seq, start + n, lookahead);
             draft.clear();
-            if spec_rows > 0 && save.is_none() {
-                Self::propose(seq, start, n, budget - n, spec_rows, &mut draft);
-                if !draft.is_empty()
-                    && !Self::blocks_needed(
-                        &mut need,
-                        &self.allocs,
-                        seq,
-                        start + n + draft.len(),
-                        steps,
-                        bs,
-                    )
-                {
-                    // Speculation never takes a block that would cost a preemption.
-                    draft.clear();
-                }
-                n += draft.len();
-                spec_rows -= draft.len();
+            // A chunk cut at a checkpoint never proposes: only recurrent-state models save
+            // checkpoints, and they have no proposers (`Scheduler::new` refuses both).
+            Self::propose(seq, start, n, budget - n, spec_rows, &mut draft);
+            if !draft.is_empty()
+                && !Self::blocks_needed(
+                    &mut need,
+                    &self.allocs,
+                    seq,
+                    start + n + draft.len(),
+                    steps,
+                    bs,
+                )
+            {
+                // Speculation never takes a block that would cost a preemption.
+                draft.clear();
             }
+            n += draft.len();
+            spec_rows -= draft.len();
             let mut self_preempted = false;
             let mut wait = false;
             while !Self::blocks_needed(
@@ -1095,7 +1096,7 @@ impl Scheduler {
                     && draft.is_none_or(|d| {
                         d[..count - 1]
                             .iter()
-                            .zip(&tokens[at..at + count - 1])
+                            .zip(&tokens[at..])
                             .all(|(&p, &t)| accepts(p, t))
                     })
             };
@@ -1195,11 +1196,6 @@ impl Scheduler {
             if running {
                 seq.num_computed += entry.num_tokens;
                 seq.num_inflight -= entry.num_tokens;
-                if entry.proposed > 0 {
-                    // The KV of rejected proposals is garbage: those positions count again
-                    // as not computed.
-                    seq.num_computed -= entry.proposed + 1 - toks.len();
-                }
             }
             if entry.proposed > 0 {
                 seq.num_proposed = 0;
@@ -1215,10 +1211,7 @@ impl Scheduler {
                     accepted + 1
                 };
             }
-            for (j, &tok) in toks.iter().enumerate() {
-                if j > 0 && running && entry.proposed == 0 {
-                    seq.num_computed += 1; // the worker computed the previous token's KV
-                }
+            for &tok in toks {
                 seq.tokens.push(tok);
                 let finish = if seq.stop_token_ids.contains(&tok) {
                     Some(FinishReason::Stop)
@@ -1237,9 +1230,16 @@ impl Scheduler {
                     break;
                 }
             }
-            if running && entry.proposed > 0 {
-                // A stop inside the accepted run drops the tokens after it: so does the KV.
-                seq.num_computed = seq.num_computed.min(seq.tokens.len() - 1);
+            if running {
+                // An entry that sampled leaves every known token but the last with its KV:
+                // the worker wrote the KV of each token it sampled before the last (steps
+                // run ahead), while the KV of rejected proposals, and of tokens after a
+                // stop inside the run, is garbage and counts as not computed again.
+                seq.num_computed = if toks.is_empty() {
+                    seq.num_computed
+                } else {
+                    seq.tokens.len() - 1
+                };
             }
             let full = if running { seq.num_computed / bs } else { 0 };
             while seq.block_hashes.len() < full {
@@ -1284,8 +1284,11 @@ impl Scheduler {
                 if let Some((ck, at_step, at)) = seq.pending_save {
                     if at_step == batch.step {
                         seq.pending_save = None;
+                        // `at` is a block boundary after the first block, and the commit
+                        // above hashed every block up to `num_computed >= at`: block `k - 1`
+                        // is hashed. (A sequence preempted since holds no hashes to use.)
                         let k = at / bs;
-                        if running && k >= 1 && seq.block_hashes.len() >= k {
+                        if running {
                             let parent = if k >= 2 {
                                 Some(seq.block_hashes[k - 2])
                             } else {
@@ -1496,7 +1499,7 @@ mod tests {
     /// Blocks of 4. "a" (5 prompt tokens) and "b" (2) run after one step, "c" waits: at
     /// most two sequences run.
     fn healthy() -> Scheduler {
-        let mut s = Scheduler::new(SchedulerConfig {
+        started(SchedulerConfig {
             total_kv_blocks: 16,
             kv_block_size: 4,
             max_batch_tokens: 100,
@@ -1505,7 +1508,11 @@ mod tests {
             max_model_len: None,
             ..Default::default()
         })
-        .unwrap();
+    }
+
+    /// "a", "b" and "c" added and one step run and committed under `cfg`.
+    fn started(cfg: SchedulerConfig) -> Scheduler {
+        let mut s = Scheduler::new(cfg).unwrap();
         s.add_request("a", &[1, 2, 3, 4, 5], 4, &[]).unwrap();
         s.add_request("b", &[6, 7], 4, &[]).unwrap();
         s.add_request("c", &[8], 4, &[]).unwrap();
@@ -1519,6 +1526,77 @@ mod tests {
     fn seq_mut<'a>(s: &'a mut Scheduler, id: &str) -> &'a mut Sequence {
         let k = slot(s, id);
         s.seqs[k].as_mut().unwrap()
+    }
+
+    /// `healthy` with cache groups: a full group, a sliding one (window 8) and a state
+    /// group; "a" and "b" run (each with a state slot), "c" waits.
+    fn hybrid() -> Scheduler {
+        started(SchedulerConfig {
+            kv_block_size: 4,
+            max_batch_tokens: 100,
+            max_running_seqs: 2,
+            // No checkpoints: they would cut "a"'s prompt at 4, so that it samples nothing.
+            enable_prefix_caching: false,
+            cache_groups: vec![
+                crate::CacheGroup::full(16),
+                crate::CacheGroup::sliding(8, 16),
+                crate::CacheGroup::state(6),
+            ],
+            ..Default::default()
+        })
+    }
+
+    fn free_state_slot(s: &mut Scheduler) -> BlockId {
+        s.state.as_mut().unwrap().allocate(1).unwrap()[0]
+    }
+
+    #[test]
+    fn a_state_slot_held_twice_is_reported() {
+        let mut s = hybrid();
+        let own = seq_mut(&mut s, "a").state_slot;
+        seq_mut(&mut s, "c").state_slot = own;
+        assert_eq!(
+            broken(&s),
+            format!("state slot {} is shared by two holders", own.unwrap())
+        );
+    }
+
+    #[test]
+    fn a_waiting_request_that_holds_any_state_slot_is_reported() {
+        for which in 0..3 {
+            let mut s = hybrid();
+            let free = free_state_slot(&mut s);
+            let c = seq_mut(&mut s, "c");
+            match which {
+                0 => c.state_slot = Some(free),
+                1 => c.restore_from = Some(free),
+                _ => c.pending_save = Some((free, 1, 4)),
+            }
+            assert_eq!(broken(&s), "waiting request c holds state slots", "{which}");
+        }
+    }
+
+    #[test]
+    fn a_running_request_without_its_state_slot_is_reported() {
+        let mut s = hybrid();
+        let own = seq_mut(&mut s, "a").state_slot.take().unwrap();
+        s.state.as_mut().unwrap().release(own);
+        assert_eq!(broken(&s), "running request a has no state slot");
+    }
+
+    #[test]
+    fn a_broken_table_of_a_later_cache_group_is_reported_with_its_group() {
+        let mut s = hybrid();
+        // A block of the sliding group that its allocator has free.
+        let free = s.allocs[1].total() as BlockId - 1;
+        seq_mut(&mut s, "a").tables[1].blocks.push(free);
+        let m = broken(&s);
+        assert!(m.starts_with("cache group 1: "), "{m}");
+        let mut s = hybrid();
+        let free = s.allocs[0].total() as BlockId - 1;
+        seq_mut(&mut s, "a").tables[0].blocks.push(free);
+        let m = broken(&s);
+        assert!(!m.starts_with("cache group"), "{m}");
     }
 
     #[test]

@@ -53,6 +53,13 @@ fn assert_exact(groups: &[CacheGroup], prompts: &HashMap<String, Vec<u32>>, out:
     }
 }
 
+/// Steps until nothing is left to do.
+fn drain(s: &mut Scheduler, m: &mut HybridModel, out: &mut Outputs) {
+    while s.has_work() {
+        step(s, m, out);
+    }
+}
+
 fn assert_all_free(s: &Scheduler) {
     let usage = s.group_usage();
     assert_eq!(
@@ -215,6 +222,43 @@ fn a_cached_prefix_serves_a_sliding_group_only_with_the_blocks_of_its_last_windo
         ("b".to_string(), b_prompt),
         ("c".to_string(), c_prompt),
         ("fill".to_string(), vec![9; 30]),
+    ]);
+    assert_exact(&groups, &prompts, &out);
+    assert_all_free(&s);
+}
+
+#[test]
+fn a_prefix_hit_needs_the_window_of_its_first_position_to_compute_and_no_more() {
+    // Window 5, blocks of 4: resuming at 12, the first position to compute (12) reads 8..12,
+    // so the sliding group needs logical block 2 only, not block 1 (4..7), which lies one
+    // position outside that window.
+    let groups = vec![CacheGroup::full(32), CacheGroup::sliding(5, 6)];
+    let mut s = Scheduler::new(cfg(groups.clone(), 4, 64, 4)).unwrap();
+    let mut m = HybridModel::new(&groups, 4);
+    let mut out = Outputs::new();
+    let a: Vec<u32> = (1..=13).collect();
+    s.add_request("a", &a, 3, &[]).unwrap();
+    drain(&mut s, &mut m, &mut out);
+    // "a" released its sliding blocks 0 and 1 as it decoded, then 3 and 2 at its end. A
+    // 13-token prompt of other tokens takes four sliding blocks at once: the two never
+    // used and, least recently released first, a's blocks 0 and 1.
+    let fill: Vec<u32> = (100..113).collect();
+    s.add_request("fill", &fill, 1, &[]).unwrap();
+    drain(&mut s, &mut m, &mut out);
+    let mut b_prompt = a.clone();
+    b_prompt.extend([50, 51]);
+    s.add_request("b", &b_prompt, 2, &[]).unwrap();
+    let b = step(&mut s, &mut m, &mut out);
+    assert_eq!(
+        b.num_computed_before,
+        [12],
+        "a's first three blocks serve b"
+    );
+    drain(&mut s, &mut m, &mut out);
+    let prompts = HashMap::from([
+        ("a".to_string(), a),
+        ("fill".to_string(), fill),
+        ("b".to_string(), b_prompt),
     ]);
     assert_exact(&groups, &prompts, &out);
     assert_all_free(&s);

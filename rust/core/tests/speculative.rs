@@ -409,6 +409,89 @@ fn proposals_are_query_rows_after_the_last_token() {
 }
 
 #[test]
+fn a_sequence_whose_open_step_verifies_proposals_waits_for_its_commit() {
+    // Overlapped steps (`schedule_overlapped(0)`): a sequence proposes when nothing of it is
+    // in flight, and the step after that one cannot name its next token (how many of the
+    // proposals are accepted is known only at the commit), so that step leaves it out.
+    let mut s = Scheduler::new(cfg(64, 4, 64, 3)).unwrap();
+    s.add_request("a", &repeating(7), 10, &[]).unwrap();
+    let b1 = s.schedule_overlapped(0).unwrap();
+    s.commit(&b1, &[0]).unwrap();
+    let b2 = s.schedule_overlapped(0).unwrap();
+    assert_eq!(b2.num_proposed, [1], "tokens 0 1 2 0 1 2 0 | 0 propose 0");
+    let b3 = s.schedule_overlapped(0).unwrap();
+    assert!(
+        b3.is_empty(),
+        "a step over open proposals scheduled {:?}",
+        b3.entries
+    );
+    s.check_invariants().unwrap();
+    // Once they are committed, it decodes again from the accepted tokens.
+    s.commit_accepted(&b2, &[0, 1], &[2]).unwrap();
+    s.commit(&b3, &[]).unwrap();
+    let b4 = s.schedule_overlapped(0).unwrap();
+    assert_eq!(b4.num_seqs(), 1);
+    assert_eq!(
+        b4.positions[0], 9,
+        "after the prompt, its first token and two accepted"
+    );
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn the_proposal_count_follows_the_last_acceptance() {
+    // Up to 8 proposals, over a prompt that repeats 15 distinct tokens: the last three
+    // tokens always recur a period back, with 15 tokens after them to propose. After a
+    // run with rejections the count is one more than what was accepted; after a run
+    // accepted whole it doubles (up to the setting).
+    let period = |p: usize| (p % 15) as u32;
+    let mut s = Scheduler::new(cfg(256, 4, 256, 8)).unwrap();
+    s.add_request("a", &(0..30).map(period).collect::<Vec<_>>(), 60, &[])
+        .unwrap();
+    let b = s.schedule();
+    s.commit(&b, &[period(30)]).unwrap();
+    let mut proposed = Vec::new();
+    // Accept none, then all, then all, then one of four, then all.
+    for accept in [Some(0), None, None, Some(1), None] {
+        let b = s.schedule();
+        let k = b.num_proposed[0] as usize;
+        proposed.push(k);
+        // The target agrees with the first `n` proposals and then samples the token the
+        // period has next (the model chose to stop there, as sampling may).
+        let n = accept.unwrap_or(k);
+        let start = b.positions[0] as usize;
+        let toks: Vec<u32> = (1..=n + 1).map(|i| period(start + i)).collect();
+        s.commit_accepted(&b, &toks, &[toks.len()]).unwrap();
+        s.check_invariants().unwrap();
+    }
+    assert_eq!(proposed, [8, 1, 2, 4, 2]);
+    let st = s.stats();
+    assert_eq!(st.spec_rows, 5, "every verifying row counted");
+    assert_eq!(st.spec_drafted_tokens, 17);
+    assert_eq!(st.spec_accepted_tokens, 6);
+}
+
+#[test]
+fn a_lookahead_step_carries_no_proposals() {
+    // With lookahead each sampled row runs several decode steps before the next commit;
+    // proposals would need their verdict first, so such a step proposes nothing, where the
+    // same state without lookahead proposes.
+    let mut s = Scheduler::new(cfg(64, 4, 64, 3)).unwrap();
+    s.add_request("a", &repeating(7), 10, &[]).unwrap();
+    let b = s.schedule();
+    s.commit(&b, &[0]).unwrap();
+    let b = s.schedule_lookahead(2);
+    assert_eq!(b.num_proposed, [0]);
+    assert_eq!(
+        (b.positions.clone(), b.sample_max_steps.clone()),
+        (vec![7], vec![3])
+    );
+    let b = s.schedule();
+    assert_eq!(b.num_proposed, [1], "the same state, without lookahead");
+    s.check_invariants().unwrap();
+}
+
+#[test]
 fn rejected_proposals_give_back_the_blocks_taken_for_them() {
     // Blocks of 2; prompt of 7 + 1 sampled = 8 tokens, 4 blocks of KV for 7 computed.
     let mut s = Scheduler::new(cfg(64, 2, 64, 6)).unwrap();
