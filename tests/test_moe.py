@@ -154,9 +154,10 @@ def test_tied_router_scores_pick_the_experts_transformers_picks(
 def test_bf16_and_quantized_experts_stay_close_to_float32(
     name: str, quantization: str | None, tolerance: float
 ) -> None:
-    """The decode kernel (1-8 rows, the selected experts' rows only) and the grouped GEMM
-    path (more rows) against transformers' float32 block, and against each other: a row's
-    output does not depend on how many rows share its step."""
+    """The experts kernel (the selected experts' rows only, in one call) and the grouped
+    path from Python (one GEMM per expert) against transformers' float32 block, and
+    against each other: a row's output does not depend on how many rows share its step,
+    nor on which path serves them."""
     be = TorchBackend.from_model(str(checkpoint(name)), device="cpu", dtype="bfloat16",
                                  total_kv_blocks=16, kv_block_size=4,
                                  quantization=quantization)
@@ -166,10 +167,18 @@ def test_bf16_and_quantized_experts_stay_close_to_float32(
     x = torch.randn(24, moe.router.weight.shape[1]).bfloat16()
     want = _reference_block(name, i, x)
     weights, ids = moe.router(x)
-    grouped = moe.experts(x, weights, ids).float()  # 24 rows: grouped by expert
-    for rows in (1, 2, 5, DECODE_MAX_ROWS):
-        got = moe.experts(x[:rows].contiguous(), weights[:rows], ids[:rows]).float()
-        torch.testing.assert_close(got, grouped[:rows], rtol=0.02, atol=0.02)
+    grouped = moe._grouped(x, weights, ids).float()  # 24 rows grouped by expert in Python
+    # The kernel itself at any row count (a step takes it where no expert has more rows
+    # than its GEMV takes): each row exactly what it gets alone.
+    alone = torch.cat([moe._decode(x[r:r + 1], weights[r:r + 1], ids[r:r + 1])
+                       for r in range(x.shape[0])])
+    for rows in (1, 2, 5, DECODE_MAX_ROWS, 24):
+        got = moe._decode(x[:rows].contiguous(), weights[:rows], ids[:rows])
+        assert torch.equal(got, alone[:rows]), f"{rows} rows: a row differs from itself alone"
+        torch.testing.assert_close(got.float(), grouped[:rows], rtol=0.02, atol=0.02)
+        torch.testing.assert_close(moe.experts(x[:rows].contiguous(), weights[:rows],
+                                               ids[:rows]).float(), grouped[:rows],
+                                   rtol=0.02, atol=0.02)
     if moe.shared is not None:
         grouped = moe(x).float()
     err = (grouped - want).norm() / want.norm()

@@ -5,9 +5,11 @@ per token and weights their outputs, and optionally a shared expert every token 
 The experts' weights are stacked, one matrix per projection for the whole layer
 (:class:`StackedLinear`: expert ``e``'s gate/up rows are rows ``e * 2I .. (e + 1) * 2I``,
 its down rows ``e * H .. (e + 1) * H``), dense or quantized like any projection, so that
-the decode kernel (``rust/kernels/src/moe.rs``) reads only the rows of the experts a step
-selected. Steps of more rows group the tokens by expert: one GEMM per expert that some row
-chose, on the gathered rows, scattered back weighted.
+the experts kernel (``rust/kernels/src/moe.rs``) reads only the rows of the experts a step
+selected, each expert's GEMV on the rows that chose it, in one call. A step where some
+expert has more rows than its GEMV takes (:func:`kernel_rows`) groups the tokens by expert
+from Python instead: one GEMM per expert that some row chose, on the gathered rows,
+scattered back weighted.
 
 Routing follows transformers' modeling files: softmax over the router logits in float32,
 ``torch.topk`` over the probabilities (its order and its tie-breaking), renormalised over
@@ -39,8 +41,11 @@ from iron_batch.platform.openmp import entry_points
 
 _EXPERTS = getattr(_core, "_moe_experts", None)
 
-#: Most rows the selected-experts decode kernel takes; above it, tokens are grouped by
-#: expert and each expert's rows run as one GEMM.
+#: Rows up to which the selected-experts kernel always serves a step (a decode step's).
+#: A larger step takes it too when no expert gets more rows than its projections give the
+#: GEMV (:func:`kernel_rows`): the grouped path would run the same GEMVs, one Python call
+#: per expert. Otherwise tokens are grouped by expert from Python and each expert's rows
+#: run as one GEMM.
 DECODE_MAX_ROWS = 8
 
 
@@ -169,8 +174,10 @@ class MoE:
             self.activation = functools.partial(clamped_swiglu, alpha=alpha, limit=limit)
         self.shared = shared
         self.shared_gate = shared_gate
-        #: Whether decode steps run the Rust kernel over the selected experts' rows.
+        #: Whether steps may run the Rust kernel over the selected experts' rows, and the
+        #: most rows of one expert it takes in a step of more than DECODE_MAX_ROWS rows.
         self.decode_kernel = _EXPERTS is not None and _decodable(gate_up, down)
+        self.kernel_rows = min(kernel_rows(gate_up), kernel_rows(down))
 
     @property
     def num_experts(self) -> int:
@@ -195,10 +202,17 @@ class MoE:
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for each row ``t``."""
         rows = x.shape[0]
-        if (self.decode_kernel and 0 < rows <= DECODE_MAX_ROWS and x.dtype == torch.bfloat16
-                and x.is_contiguous()):
+        if (self.decode_kernel and rows > 0 and x.dtype == torch.bfloat16
+                and x.is_contiguous() and (rows <= DECODE_MAX_ROWS or self._few_per_expert(ids))):
             return self._decode(x, weights, ids)
         return self._grouped(x, weights, ids)
+
+    def _few_per_expert(self, ids: torch.Tensor) -> bool:
+        """Whether no expert is chosen by more rows than :attr:`kernel_rows`."""
+        if ids.shape[0] <= self.kernel_rows:  # a row chooses an expert once at most
+            return True
+        counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+        return int(counts.max()) <= self.kernel_rows
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows gathered by expert (stable: in row order within each), one GEMM per chosen
@@ -266,6 +280,15 @@ def _addresses(w: torch.Tensor | QuantWeight) -> tuple[int, int, int]:
     if isinstance(w, QuantWeight):
         return w.addresses
     return (w.data_ptr(), 0, 0)
+
+
+def kernel_rows(linear: StackedLinear) -> int:
+    """The most rows of one expert for which its projection in ``linear`` takes the Rust
+    GEMV (what the grouped path runs for it too), at least :data:`DECODE_MAX_ROWS`."""
+    w = linear.weight
+    if isinstance(w, QuantWeight):
+        return DECODE_MAX_ROWS if w.kind == "mxfp4" else max(DECODE_MAX_ROWS, linear.gemv_rows)
+    return max(DECODE_MAX_ROWS, linear.dense_gemv_rows) if linear.gemv else DECODE_MAX_ROWS
 
 
 def _decodable(gate_up: StackedLinear, down: StackedLinear) -> bool:

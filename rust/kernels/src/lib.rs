@@ -35,9 +35,7 @@ pub use kv_int8::{
     dequantize_int8_row, int8_row_len, int8_row_scale, paged_decode_attention_int8,
     quantize_int8_row, rope_store_kv_int8, store_kv_int8, INT8_SCALE_BYTES,
 };
-pub use moe::{
-    moe_experts, moe_experts_with, ExpertActivation, ExpertExtras, Experts, MoeShape, MOE_MAX_ROWS,
-};
+pub use moe::{moe_experts, moe_experts_with, ExpertActivation, ExpertExtras, Experts, MoeShape};
 pub use mxfp4::{
     dequantize_mxfp4, gemv_mxfp4, gemv_mxfp4_on, Mxfp4, Mxfp4Path, MXFP4_BLOCK, MXFP4_MAX_ROWS,
 };

@@ -1,5 +1,6 @@
-//! A mixture-of-experts MLP for a decode step's few rows: only the experts the router
-//! selected are read, each once for all the rows that chose it.
+//! A mixture-of-experts MLP over a step's rows, grouped by expert: only the experts the
+//! router selected are read, each once per GEMV pass for all the rows that chose it (a
+//! decode step's few rows, or the gathered rows of a larger step).
 //!
 //! The experts' weights are stacked, one matrix per projection for the whole layer:
 //! expert `e`'s gate rows then up rows are rows `e * 2I .. (e + 1) * 2I` of `gate_up`
@@ -20,10 +21,6 @@ use crate::element::{Bf16, Element};
 use crate::gemv::gemv_bf16;
 use crate::mxfp4::{gemv_mxfp4, Mxfp4, MXFP4_BLOCK};
 use crate::quant::{gemv_quant, QMatrix, Q4, Q8, QBLOCK};
-
-/// Most rows one call takes (a decode step's; larger steps group tokens by expert and run
-/// one GEMM per expert).
-pub const MOE_MAX_ROWS: usize = 8;
 
 /// One stacked projection of every expert.
 #[derive(Clone, Copy)]
@@ -197,7 +194,7 @@ pub fn moe_experts_with(
         hidden,
         inter,
     } = shape;
-    let sizes_ok = (1..=MOE_MAX_ROWS).contains(&rows)
+    let sizes_ok = rows > 0
         && top_k > 0
         && hidden > 0
         && inter > 0
@@ -213,7 +210,7 @@ pub fn moe_experts_with(
         && extras.down_bias.is_none_or(|b| b.len() == experts * hidden);
     if !sizes_ok {
         return Err(KernelError(format!(
-            "moe_experts: buffers do not fit {shape:?} (at most {MOE_MAX_ROWS} rows)"
+            "moe_experts: buffers do not fit {shape:?}"
         )));
     }
     if let Some(bad) = ids.iter().find(|&&e| e < 0 || e as usize >= experts) {
@@ -231,10 +228,12 @@ pub fn moe_experts_with(
     let mut sums = vec![0f32; rows * hidden];
     {
         let team = parallel;
-        let mut xs = vec![Bf16::from_f32(0.0); MOE_MAX_ROWS * hidden];
-        let mut gu = vec![Bf16::from_f32(0.0); MOE_MAX_ROWS * 2 * inter];
-        let mut act = vec![Bf16::from_f32(0.0); MOE_MAX_ROWS * inter];
-        let mut h = vec![Bf16::from_f32(0.0); MOE_MAX_ROWS * hidden];
+        // Scratch for the expert with the most rows; the others use its leading part.
+        let most = chosen.iter().map(Vec::len).max().unwrap_or(0);
+        let mut xs = vec![Bf16::from_f32(0.0); most * hidden];
+        let mut gu = vec![Bf16::from_f32(0.0); most * 2 * inter];
+        let mut act = vec![Bf16::from_f32(0.0); most * inter];
+        let mut h = vec![Bf16::from_f32(0.0); most * hidden];
         for (e, picks) in chosen.iter().enumerate() {
             let m = picks.len();
             if m == 0 {
@@ -376,7 +375,8 @@ mod tests {
 
     #[test]
     fn bf16_experts_match_the_float64_reference() {
-        for rows in [1, 2, 3, 8] {
+        // 37 rows: expert 0 takes every row, more than one GEMV pass over its weights.
+        for rows in [1, 2, 3, 8, 37] {
             let s = shape(rows);
             let mut r = rng(7);
             let gu: Vec<f32> = (0..s.experts * 2 * s.inter * s.hidden)
@@ -719,7 +719,9 @@ mod tests {
         };
         assert!(run(&[0, 6], &mut out, s).is_err());
         assert!(run(&[0, -1], &mut out, s).is_err());
-        assert!(run(&[0, 1], &mut out, MoeShape { rows: 9, ..s }).is_err());
+        // Buffers of one row called for two, or for none.
+        assert!(run(&[0, 1], &mut out, MoeShape { rows: 2, ..s }).is_err());
+        assert!(run(&[], &mut out, MoeShape { rows: 0, ..s }).is_err());
         assert!(run(&[0, 1], &mut out, s).is_ok());
     }
 }
