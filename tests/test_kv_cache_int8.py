@@ -89,7 +89,9 @@ def test_int8_cache_logits_stay_within_the_bound_of_the_bf16_cache(name: str) ->
     assert got.shape == ref.shape
     error = (got - ref).abs().max().item() / ref.std().item()
     assert 0 < error <= MAX_LOGIT_ERROR_STD, error
-    agreement = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    # A count over a count: in float32, 19 of 20 would read 0.94999999 and fail 0.95.
+    same = got.argmax(-1) == ref.argmax(-1)
+    agreement = same.sum().item() / same.numel()
     assert agreement >= MIN_ARGMAX_AGREEMENT, agreement
 
 
