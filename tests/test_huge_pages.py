@@ -4,6 +4,8 @@ memory is in huge pages wherever this Linux offers them (``madvise`` or ``always
 
 from __future__ import annotations
 
+import mmap
+import re
 from pathlib import Path
 
 import pytest
@@ -14,16 +16,27 @@ from iron_batch.platform import huge_pages
 from test_cpu_decoder import _logits_run
 from tiny_models import FAMILIES, checkpoint, random_prompts
 
-_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_THP = Path("/sys/kernel/mm/transparent_hugepage")
+
+
+def _mode() -> str:
+    """The kernel's mode for 2 MiB pages of anonymous memory: the size's own setting where
+    the kernel has one (``inherit`` defers to the global one), else the global one."""
+    try:
+        own = (_THP / "hugepages-2048kB" / "enabled").read_text()
+        mode = own if "[inherit]" not in own else (_THP / "enabled").read_text()
+    except OSError:
+        try:
+            mode = (_THP / "enabled").read_text()
+        except OSError:
+            return "never"
+    found = re.search(r"\[(\w+)\]", mode)
+    return found.group(1) if found else "never"
 
 
 def _system_gives_huge_pages() -> bool:
-    """What the kernel says it does for an madvised range (the bracketed mode)."""
-    try:
-        mode = _THP.read_text()
-    except OSError:
-        return False
-    return "[always]" in mode or "[madvise]" in mode
+    """What the kernel does for an madvised range."""
+    return _mode() in ("always", "madvise")
 
 
 def _place(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -60,10 +73,16 @@ def test_memory_is_on_huge_pages_where_the_system_offers_them() -> None:
     t = huge_pages.zeros((3, 2 << 20), torch.bfloat16)  # 12 MiB: whole huge pages inside
     assert t.shape == (3, 2 << 20) and int(t.count_nonzero()) == 0
     assert huge_pages.backed_by_huge_pages(t) == _system_gives_huge_pages()
-    if _system_gives_huge_pages() and "[madvise]" in _THP.read_text():
-        # In this mode an ordinary tensor is not: the marking is what makes the difference.
-        plain = torch.ones(6 << 20, dtype=torch.bfloat16)
-        assert not huge_pages.backed_by_huge_pages(plain)
+    if _mode() == "madvise":
+        # In this mode memory mapped the same way but not marked is not: the marking is what
+        # makes the difference. (A fresh mapping, not a heap block: what backs the heap
+        # depends on everything the process did before.)
+        plain = mmap.mmap(-1, 12 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        unmarked = torch.frombuffer(plain, dtype=torch.uint8)
+        unmarked.fill_(1)
+        assert not huge_pages.backed_by_huge_pages(unmarked)
+        del unmarked
+        plain.close()
 
 
 @pytest.mark.parametrize("quantization", [None, "int4"])
