@@ -69,7 +69,38 @@ class StackLayer(Protocol):
     def mlp(self) -> _MLP: ...
 
 
-class DecoderStack:
+class TensorAddresses:
+    """Checked tensors handed to a Rust stack by address, kept alive with it."""
+
+    def __init__(self) -> None:
+        self._keep: list[torch.Tensor] = []
+
+    def _address(self, t: torch.Tensor | None, shape: tuple[int, ...],
+                 dtype: torch.dtype = torch.bfloat16) -> int:
+        """The address of a checked contiguous CPU tensor of ``shape`` and ``dtype`` (0 for
+        None)."""
+        if t is None:
+            return 0
+        if (t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous()
+                or tuple(t.shape) != shape):
+            raise ValueError(f"decoder stack: need a contiguous {dtype} CPU tensor {shape}, "
+                             f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _projection(
+        self, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None
+    ) -> tuple[str, int, int, int, int, int, int]:
+        """(kind, weight or quants, scale, min, bias, n, k) of a projection."""
+        n, k = weight.shape
+        bias_at = self._address(bias, (n,))
+        if isinstance(weight, QuantWeight):
+            self._keep.extend(t for t in (weight.quants, weight.scale, weight.min) if t is not None)
+            return (weight.kind, *weight.addresses, bias_at, n, k)
+        return ("bf16", self._address(weight, (n, k)), 0, 0, bias_at, n, k)
+
+
+class DecoderStack(TensorAddresses):
     """A model's decoder layers for one-call decode steps. Holds the tensors whose
     addresses the Rust stack keeps, so they live as long as it does.
 
@@ -92,7 +123,7 @@ class DecoderStack:
         eps: float,
         quant_gemv_rows: int = GEMV_MAX_ROWS,
     ) -> None:
-        self._keep: list[torch.Tensor] = []
+        super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.hidden = hidden
         self.eps = float(eps)
@@ -144,17 +175,6 @@ class DecoderStack:
         self._stack = _STACK(specs, hidden=hidden, heads=heads, kv_heads=kv_heads,
                              head_dim=head_dim)
 
-    def _address(self, t: torch.Tensor | None, shape: tuple[int, ...]) -> int:
-        """The address of a checked bf16 CPU tensor of ``shape`` (0 for None)."""
-        if t is None:
-            return 0
-        if (t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous()
-                or tuple(t.shape) != shape):
-            raise ValueError(f"decoder stack: need a contiguous bf16 CPU tensor {shape}, got "
-                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
-        self._keep.append(t)
-        return t.data_ptr()
-
     def _norm(self, norm: RMSNorm | None, name: str) -> int:
         """A ``hidden``-wide RMSNorm's weight address (0: no norm)."""
         if norm is None:
@@ -171,16 +191,6 @@ class DecoderStack:
             return (0, 0)
         w = norm.weight
         return (self._address(w, (w.numel(),)), w.numel())
-
-    def _projection(
-        self, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None
-    ) -> tuple[str, int, int, int, int, int, int]:
-        n, k = weight.shape
-        bias_at = self._address(bias, (n,))
-        if isinstance(weight, QuantWeight):
-            self._keep.extend(t for t in (weight.quants, weight.scale, weight.min) if t is not None)
-            return (weight.kind, *weight.addresses, bias_at, n, k)
-        return ("bf16", self._address(weight, (n, k)), 0, 0, bias_at, n, k)
 
     def set_caches(self, caches: list[torch.Tensor], block_size: int) -> None:
         """The layers' caches, each ``[2, blocks, block_size, kv_heads, head_dim]`` bf16 (or all

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from iron_batch.attention import paged
+from iron_batch.layers import hybrid_stack
 from iron_batch.layers.embedding import Embedding, LMHead, VocabParallel
 from iron_batch.layers.gated_delta import GatedDeltaNet, StepRows
 from iron_batch.layers.linear import Linear
@@ -216,6 +217,16 @@ class Qwen3_5ForCausalLM(DecoderModel):
         self.delta_states: torch.Tensor | None = None
         super().__init__(config, source, device=device, dtype=dtype,
                          quantization=quantization, shard=shard)
+        # Decode steps with few rows: every layer in one Rust call (see hybrid_stack).
+        self.hybrid: hybrid_stack.HybridStack | None = None
+        kernels = self.kernels
+        if (shard is None and kernels.decoder and dtype == torch.bfloat16
+                and hybrid_stack.available()):
+            self.hybrid = hybrid_stack.HybridStack(
+                self.layers, hidden=config.hidden_size, heads=self.num_heads,
+                kv_heads=self.num_kv_heads, head_dim=config.head_dim,
+                rotary_dim=config.rotary_dim or config.head_dim, eps=config.rms_norm_eps,
+                quant_gemv_rows=kernels.quant_gemv_rows)
 
     # ---------------------------------------------------------------- loading
 
@@ -371,6 +382,9 @@ class Qwen3_5ForCausalLM(DecoderModel):
             dtype=torch.float32, device=self.device)
         self.block_size = block_size
         self.num_blocks_per_group = per_group
+        if self.hybrid is not None:
+            self.hybrid.set_caches(self.kv_caches, self.conv_states, self.delta_states,
+                                   block_size)
 
     def kv_bytes_per_token(self) -> list[int]:
         """K/V bytes a token takes in the full group; none in the state group."""
@@ -455,6 +469,14 @@ class Qwen3_5ForCausalLM(DecoderModel):
         assert state_slots is not None
         ids, ropes = self._ids_and_ropes(input_ids, positions)
         cos, sin = ropes[0]
+        hybrid = self.hybrid
+        if hybrid is not None and 0 < len(ids) <= hybrid.max_rows and np.all(
+                np.diff(np.asarray(query_start_loc)) == 1):
+            # Every row one sequence's next token: the whole stack in one call.
+            h = self._embed(ids).contiguous()
+            hybrid.decode(h, cos, sin, slot_mapping, block_tables, seq_lens, state_slots)
+            self._state_saves(state_slots, state_save)
+            return h
         heads, kv_heads, hd = self.num_heads, self.num_kv_heads, c.head_dim
         attn = self.attention
         plan = attn.plan(

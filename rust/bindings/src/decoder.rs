@@ -17,7 +17,7 @@ use crate::kernels::{qmatrix, run_kernel, slice, slice_mut};
 /// A projection as Python describes it: (kind "bf16" | "q4" | "q8" | a GGUF block format
 /// such as "q4_k" (the bindings' `qmatrix`), weight or quants,
 /// scale, min, bias, n, k); unused addresses and "no bias" are 0.
-type ProjectionSpec = (String, usize, usize, usize, usize, usize, usize);
+pub(crate) type ProjectionSpec = (String, usize, usize, usize, usize, usize, usize);
 /// A layer: (norms, q_norm, k_norm, [qkv, o, gate_up, down], activation, attention,
 /// residual_scale).
 ///
@@ -46,7 +46,7 @@ type GroupSpec<'py> = (
 );
 
 #[derive(Clone)]
-struct ProjectionAddrs {
+pub(crate) struct ProjectionAddrs {
     kind: String,
     weight: usize,
     scale: usize,
@@ -57,8 +57,27 @@ struct ProjectionAddrs {
 }
 
 impl ProjectionAddrs {
+    /// A projection spec whose weight kind the kernels know.
+    pub(crate) fn parse(spec: ProjectionSpec) -> PyResult<Self> {
+        let (kind, weight, scale, min, bias, n, k) = spec;
+        if !matches!(kind.as_str(), "bf16" | "q4" | "q8") && parse_layout(&kind, n).is_none() {
+            return Err(PyValueError::new_err(format!(
+                "unknown weight kind {kind:?}"
+            )));
+        }
+        Ok(Self {
+            kind,
+            weight,
+            scale,
+            min,
+            bias,
+            n,
+            k,
+        })
+    }
+
     /// SAFETY: the addresses are live tensors of the sizes `n`, `k` and `kind` imply.
-    unsafe fn view<'a>(&self) -> Result<Projection<'a>, KernelError> {
+    pub(crate) unsafe fn view<'a>(&self) -> Result<Projection<'a>, KernelError> {
         let weight = match self.kind.as_str() {
             "bf16" => Matrix::Bf16(slice(self.weight, self.n * self.k)),
             kind => Matrix::Quant(qmatrix(
@@ -137,24 +156,7 @@ impl DecoderStack {
             })?;
             let projections: Vec<ProjectionAddrs> = projections
                 .into_iter()
-                .map(|(kind, weight, scale, min, bias, n, k)| {
-                    if !matches!(kind.as_str(), "bf16" | "q4" | "q8")
-                        && parse_layout(&kind, n).is_none()
-                    {
-                        return Err(PyValueError::new_err(format!(
-                            "unknown weight kind {kind:?}"
-                        )));
-                    }
-                    Ok(ProjectionAddrs {
-                        kind,
-                        weight,
-                        scale,
-                        min,
-                        bias,
-                        n,
-                        k,
-                    })
-                })
+                .map(ProjectionAddrs::parse)
                 .collect::<PyResult<_>>()?;
             let projections: [ProjectionAddrs; 4] = projections
                 .try_into()

@@ -7,6 +7,7 @@ mod decoder;
 mod delta_rule;
 mod errors;
 mod events;
+mod hybrid_decoder;
 mod kernels;
 mod kv_int8;
 mod scheduler;
@@ -40,6 +41,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add_class::<allocator::BlockAllocator>()?;
     m.add_class::<decoder::DecoderStack>()?;
+    m.add_class::<hybrid_decoder::HybridStack>()?;
     m.add_function(wrap_pyfunction!(kernels::_paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_dequantize_mxfp4_f32, m)?)?;
     m.add_function(wrap_pyfunction!(delta_rule::_delta_rule_decode, m)?)?;

@@ -7,6 +7,7 @@ mod delta_rule;
 mod element;
 mod elementwise;
 mod gemv;
+mod hybrid_decoder;
 mod kquant;
 mod kv_int8;
 mod moe;
@@ -30,6 +31,10 @@ pub use delta_rule::{
 pub use element::{Bf16, Element, F16};
 pub use elementwise::{add_rms_norm, rope_store_kv};
 pub use gemv::{gemv_bf16, GEMV_MAX_ROWS};
+pub use hybrid_decoder::{
+    decode_hybrid_layers, GatedAttention, GatedDelta, HybridInputs, HybridLayer, HybridShape,
+    LayerState, Mixer,
+};
 pub use kquant::{parse_layout, BlockFormat, Blocks, Segment, MAX_SEGMENTS};
 pub use kv_int8::{
     dequantize_int8_row, int8_row_len, int8_row_scale, paged_decode_attention_int8,

@@ -1,0 +1,320 @@
+//! `_HybridStack`: a stack of Gated DeltaNet and gated attention layers for one-call decode
+//! steps (see the kernels crate's `decode_hybrid_layers`). `iron_batch.layers.hybrid_stack`
+//! is the only caller: it checks every tensor (device, dtype, contiguity, shape) when it
+//! builds the stack and keeps them alive as long as the stack, which holds their addresses.
+
+use iron_batch_kernels::{
+    decode_hybrid_layers, run_in_team, Activation, CacheGroup, GatedAttention, GatedDelta,
+    HybridInputs, HybridLayer, HybridShape, KernelError, LayerCache, LayerState, Mixer, RopeTable,
+};
+use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::decoder::{ProjectionAddrs, ProjectionSpec};
+use crate::kernels::{run_kernel, slice, slice_mut};
+
+/// One layer as Python describes it (a dict with these keys). `kind` is "attention" or
+/// "delta"; `mix_in` / `mix_out` are the attention's qkv and o or the delta layer's input
+/// and output projections. Norm weights are addresses of f32 `1 + w` (`hidden` values;
+/// the attention's q/k norms `head_dim`); the delta layer's `norm` is bf16 (`value_dim`),
+/// `conv_weight` bf16 `[channels, kernel]`, `neg_a` and `dt_bias` f32 (one per value
+/// head). Fields of the other kind are 0.
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+struct LayerSpec {
+    kind: String,
+    input_norm: usize,
+    post_norm: usize,
+    mix_in: ProjectionSpec,
+    mix_out: ProjectionSpec,
+    gate_up: ProjectionSpec,
+    down: ProjectionSpec,
+    activation: String,
+    q_norm: usize,
+    k_norm: usize,
+    rotary_dim: usize,
+    scale: f32,
+    cache: usize,
+    conv_weight: usize,
+    kernel: usize,
+    neg_a: usize,
+    dt_bias: usize,
+    norm: usize,
+    state: usize,
+}
+
+struct LayerAddrs {
+    attention: bool,
+    input_norm: usize,
+    post_norm: usize,
+    /// mix_in, mix_out, gate_up, down.
+    projections: [ProjectionAddrs; 4],
+    activation: Activation,
+    q_norm: usize,
+    k_norm: usize,
+    rotary_dim: usize,
+    scale: f32,
+    cache: usize,
+    conv_weight: usize,
+    kernel: usize,
+    neg_a: usize,
+    dt_bias: usize,
+    norm: usize,
+    state: usize,
+}
+
+/// The layers of one hybrid model, by address, with their KV caches and state pools.
+#[pyclass(name = "_HybridStack", module = "iron_batch._core")]
+pub struct HybridStack {
+    layers: Vec<LayerAddrs>,
+    hidden: usize,
+    shape: HybridShape,
+    /// (K, V) address per attention layer, each `[num_blocks * block_size, kv_heads *
+    /// head_dim]` bf16.
+    caches: Vec<(usize, usize)>,
+    num_blocks: usize,
+    /// (convolution windows, delta matrices) address per delta layer, `num_slots` each.
+    states: Vec<(usize, usize)>,
+    num_slots: usize,
+}
+
+#[pymethods]
+impl HybridStack {
+    #[new]
+    #[pyo3(signature = (
+        layers, *, hidden, heads, kv_heads, head_dim, key_heads, value_heads, key_dim,
+        value_dim
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        layers: Vec<LayerSpec>,
+        hidden: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        key_heads: usize,
+        value_heads: usize,
+        key_dim: usize,
+        value_dim: usize,
+    ) -> PyResult<Self> {
+        let mut parsed = Vec::with_capacity(layers.len());
+        for l in layers {
+            let attention = match l.kind.as_str() {
+                "attention" => true,
+                "delta" => false,
+                kind => {
+                    return Err(PyValueError::new_err(format!(
+                        "unknown hybrid layer kind {kind:?} (attention, delta)"
+                    )))
+                }
+            };
+            let activation = Activation::from_name(&l.activation).ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "the hybrid stack has no activation {:?}",
+                    l.activation
+                ))
+            })?;
+            parsed.push(LayerAddrs {
+                attention,
+                input_norm: l.input_norm,
+                post_norm: l.post_norm,
+                projections: [
+                    ProjectionAddrs::parse(l.mix_in)?,
+                    ProjectionAddrs::parse(l.mix_out)?,
+                    ProjectionAddrs::parse(l.gate_up)?,
+                    ProjectionAddrs::parse(l.down)?,
+                ],
+                activation,
+                q_norm: l.q_norm,
+                k_norm: l.k_norm,
+                rotary_dim: l.rotary_dim,
+                scale: l.scale,
+                cache: l.cache,
+                conv_weight: l.conv_weight,
+                kernel: l.kernel,
+                neg_a: l.neg_a,
+                dt_bias: l.dt_bias,
+                norm: l.norm,
+                state: l.state,
+            });
+        }
+        Ok(Self {
+            layers: parsed,
+            hidden,
+            shape: HybridShape {
+                heads,
+                kv_heads,
+                head_dim,
+                block_size: 0,
+                key_heads,
+                value_heads,
+                key_dim,
+                value_dim,
+            },
+            caches: Vec::new(),
+            num_blocks: 0,
+            states: Vec::new(),
+            num_slots: 0,
+        })
+    }
+
+    /// The attention layers' (K, V) caches of `num_blocks` blocks, and the delta layers'
+    /// (convolution windows, delta matrices) pools of `num_slots` slots, in layer order.
+    fn set_caches(
+        &mut self,
+        caches: Vec<(usize, usize)>,
+        num_blocks: usize,
+        block_size: usize,
+        states: Vec<(usize, usize)>,
+        num_slots: usize,
+    ) -> PyResult<()> {
+        let attention = self.layers.iter().filter(|l| l.attention).count();
+        if caches.len() != attention || states.len() != self.layers.len() - attention {
+            return Err(PyValueError::new_err(
+                "one cache per attention layer and one state per delta layer",
+            ));
+        }
+        self.caches = caches;
+        self.num_blocks = num_blocks;
+        self.shape.block_size = block_size;
+        self.states = states;
+        self.num_slots = num_slots;
+        Ok(())
+    }
+
+    /// One decode step over the residual rows at `h` (`[rows, hidden]` bf16, in place):
+    /// `rope` the attention layers' rotary table (cos, sin, dim), each `[rows, dim]` bf16;
+    /// one KV slot, block-table row, length (with the new token) and state slot per row.
+    #[pyo3(signature = (
+        h, rope, slots, block_tables, seq_lens, state_slots, *, eps, threads, openmp=None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn decode(
+        &self,
+        py: Python<'_>,
+        h: usize,
+        rope: (usize, usize, usize),
+        slots: PyReadonlyArray1<'_, i64>,
+        block_tables: PyReadonlyArray2<'_, i32>,
+        seq_lens: PyReadonlyArray1<'_, i32>,
+        state_slots: PyReadonlyArray1<'_, i64>,
+        eps: f32,
+        threads: usize,
+        openmp: Option<(usize, usize, usize)>,
+    ) -> PyResult<()> {
+        let attention = self.layers.iter().filter(|l| l.attention).count();
+        if self.caches.len() != attention || self.states.len() != self.layers.len() - attention {
+            return Err(PyValueError::new_err("decode before set_caches"));
+        }
+        let rows = state_slots.len();
+        let dims = block_tables.shape();
+        if slots.len() != rows || dims[0] != rows || seq_lens.len() != rows {
+            return Err(PyValueError::new_err(
+                "one KV slot, block-table row, length and state slot per row",
+            ));
+        }
+        let kv = CacheGroup {
+            slots: slots.as_slice()?,
+            block_tables: block_tables.as_slice()?,
+            seq_lens: seq_lens.as_slice()?,
+            max_blocks: dims[1],
+            num_blocks: self.num_blocks,
+        };
+        let state_slots = state_slots.as_slice()?;
+        let s = self.shape;
+        let hidden = self.hidden;
+        let kv_len = self.num_blocks * s.block_size * s.kv_heads * s.head_dim;
+        let channels = 2 * s.key_heads * s.key_dim + s.value_heads * s.value_dim;
+        let delta_len = self.num_slots * s.value_heads * s.key_dim * s.value_dim;
+        run_kernel(py, openmp, |parallel| {
+            // SAFETY: the caller (layers/hybrid_stack.py) checked every tensor behind these
+            // addresses and keeps them alive; the sizes are the ones it checked.
+            unsafe {
+                let layers = self
+                    .layers
+                    .iter()
+                    .map(|l| {
+                        let [mix_in, mix_out, gate_up, down] = &l.projections;
+                        let mixer = if l.attention {
+                            Mixer::Attention(GatedAttention {
+                                qkv: mix_in.view()?,
+                                q_norm: slice(l.q_norm, s.head_dim),
+                                k_norm: slice(l.k_norm, s.head_dim),
+                                o: mix_out.view()?,
+                                rotary_dim: l.rotary_dim,
+                                scale: l.scale,
+                                cache: l.cache,
+                            })
+                        } else {
+                            Mixer::Delta(GatedDelta {
+                                in_proj: mix_in.view()?,
+                                conv_weight: slice(l.conv_weight, channels * l.kernel),
+                                kernel: l.kernel,
+                                neg_a: slice(l.neg_a, s.value_heads),
+                                dt_bias: slice(l.dt_bias, s.value_heads),
+                                norm: slice(l.norm, s.value_dim),
+                                out_proj: mix_out.view()?,
+                                state: l.state,
+                            })
+                        };
+                        Ok(HybridLayer {
+                            input_norm: slice(l.input_norm, hidden),
+                            mixer,
+                            post_norm: slice(l.post_norm, hidden),
+                            gate_up: gate_up.view()?,
+                            down: down.view()?,
+                            activation: l.activation,
+                        })
+                    })
+                    .collect::<Result<Vec<_>, KernelError>>()?;
+                let mut caches: Vec<LayerCache<'_>> = self
+                    .caches
+                    .iter()
+                    .map(|&(k, v)| LayerCache {
+                        k: slice_mut(k, kv_len),
+                        v: slice_mut(v, kv_len),
+                    })
+                    .collect();
+                let mut states: Vec<LayerState<'_>> = self
+                    .layers
+                    .iter()
+                    .filter(|l| !l.attention)
+                    .zip(&self.states)
+                    .map(|(l, &(conv, delta))| LayerState {
+                        conv: slice_mut(
+                            conv,
+                            self.num_slots * channels * l.kernel.saturating_sub(1),
+                        ),
+                        delta: slice_mut(delta, delta_len),
+                    })
+                    .collect();
+                let (cos, sin, dim) = rope;
+                let inputs = HybridInputs {
+                    rope: RopeTable {
+                        cos: slice(cos, rows * dim),
+                        sin: slice(sin, rows * dim),
+                        dim,
+                    },
+                    kv,
+                    state_slots,
+                    shape: s,
+                    eps,
+                };
+                let h = slice_mut(h, rows * hidden);
+                // One parallel region for the whole step (see `run_in_team`).
+                run_in_team(threads, parallel, |team| {
+                    decode_hybrid_layers(
+                        h,
+                        &layers,
+                        &mut caches,
+                        &mut states,
+                        &inputs,
+                        threads,
+                        team,
+                    )
+                })
+            }
+        })
+    }
+}
