@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--parts", default="w,b1", help="w (throughput), b1 (batch 1) or both")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="start each build's server for its turn and stop it after (a model "
+                         "too large for two servers in memory at once); warm-up every turn")
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
     builds = [tuple(b.split("=", 1)) for b in args.build]
@@ -61,30 +64,43 @@ def main() -> None:
     else:
         raise SystemExit("give --model or --shape")
     extra = ["--quantization", args.quantization] if args.quantization else []
-    servers = {name: tt.Server(model, args.dtype, vocab, args, extra, python=python)
-               for name, python in builds}
+    pythons = dict(builds)
+
+    def warm(name: str, server: tt.Server) -> None:
+        end = time.monotonic() + args.warmup_s
+        seed = 10_000
+        while time.monotonic() < end:
+            if "w" in parts:
+                server.throughput(seed)
+            else:
+                server.ms_per_token(seed)
+            seed += 1
+        print(f"warmed up {name}", flush=True)
+
+    servers: dict[str, tt.Server] = {}
     try:
-        for name, server in servers.items():
-            end = time.monotonic() + args.warmup_s
-            seed = 10_000
-            while time.monotonic() < end:
-                if "w" in parts:
-                    server.throughput(seed)
-                else:
-                    server.ms_per_token(seed)
-                seed += 1
-            print(f"warmed up {name}", flush=True)
+        if not args.one_at_a_time:
+            for name, python in builds:
+                servers[name] = tt.Server(model, args.dtype, vocab, args, extra, python=python)
+            for name, server in servers.items():
+                warm(name, server)
         (a, _), (b, _) = builds
         rows = []
         for r in range(args.rounds):
             order = [a, b] if r % 2 == 0 else [b, a]
             got: dict[str, dict[str, float]] = {}
             for name in order:
+                if args.one_at_a_time:
+                    servers[name] = tt.Server(model, args.dtype, vocab, args, extra,
+                                              python=pythons[name])
+                    warm(name, servers[name])
                 s = servers[name]
                 got[name] = {
                     "w_tok_s": s.throughput(100 + r) if "w" in parts else float("nan"),
                     "b1_ms": s.ms_per_token(200 + r) if "b1" in parts else float("nan"),
                 }
+                if args.one_at_a_time:
+                    servers.pop(name).stop()
             row = {"round": r, "order": order, **{f"{n}_{k}": v for n, d in got.items()
                                                   for k, v in d.items()},
                    "w_ratio": got[b]["w_tok_s"] / got[a]["w_tok_s"],
