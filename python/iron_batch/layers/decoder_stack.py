@@ -72,6 +72,9 @@ class StackLayer(Protocol):
 class TensorAddresses:
     """Checked tensors handed to a Rust stack by address, kept alive with it."""
 
+    #: How errors name the stack.
+    _name = "decoder stack"
+
     def __init__(self) -> None:
         self._keep: list[torch.Tensor] = []
 
@@ -83,7 +86,7 @@ class TensorAddresses:
             return 0
         if (t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous()
                 or tuple(t.shape) != shape):
-            raise ValueError(f"decoder stack: need a contiguous {dtype} CPU tensor {shape}, "
+            raise ValueError(f"{self._name}: need a contiguous {dtype} CPU tensor {shape}, "
                              f"got {tuple(t.shape)} {t.dtype} on {t.device}")
         self._keep.append(t)
         return t.data_ptr()

@@ -54,6 +54,8 @@ class HybridStack(TensorAddresses):
     (:class:`CentredNorm` of ``head_dim``), ``o``, ``scale`` and ``cache`` (the layer's
     index among the attention layers)."""
 
+    _name = "hybrid stack"
+
     def __init__(
         self,
         layers: Sequence[Any],

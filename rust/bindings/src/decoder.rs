@@ -45,6 +45,15 @@ type GroupSpec<'py> = (
     PyReadonlyArray1<'py, i32>,
 );
 
+/// The MLP activation a layer names, if the decode stacks have it.
+pub(crate) fn parse_activation(name: &str) -> PyResult<Activation> {
+    Activation::from_name(name).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "the decode stack has no activation {name:?} (it has: silu, gelu_pytorch_tanh)"
+        ))
+    })
+}
+
 #[derive(Clone)]
 pub(crate) struct ProjectionAddrs {
     kind: String,
@@ -148,12 +157,7 @@ impl DecoderStack {
         let mut parsed = Vec::with_capacity(layers.len());
         for (norms, q_norm, k_norm, projections, activation, attention, residual_scale) in layers {
             let (sliding_window, rotary_dim, rope_table, scale, softcap, cache_group) = attention;
-            let activation = Activation::from_name(&activation).ok_or_else(|| {
-                PyValueError::new_err(format!(
-                    "the decode stack has no activation {activation:?} (it has: silu, \
-                     gelu_pytorch_tanh)"
-                ))
-            })?;
+            let activation = parse_activation(&activation)?;
             let projections: Vec<ProjectionAddrs> = projections
                 .into_iter()
                 .map(ProjectionAddrs::parse)

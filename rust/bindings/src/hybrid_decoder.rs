@@ -11,26 +11,33 @@ use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::decoder::{ProjectionAddrs, ProjectionSpec};
+use crate::decoder::{parse_activation, ProjectionAddrs, ProjectionSpec};
 use crate::kernels::{run_kernel, slice, slice_mut};
 
 /// One layer as Python describes it (a dict with these keys). `kind` is "attention" or
 /// "delta"; `mix_in` / `mix_out` are the attention's qkv and o or the delta layer's input
-/// and output projections. Norm weights are addresses of f32 `1 + w` (`hidden` values;
-/// the attention's q/k norms `head_dim`); the delta layer's `norm` is bf16 (`value_dim`),
-/// `conv_weight` bf16 `[channels, kernel]`, `neg_a` and `dt_bias` f32 (one per value
-/// head). Fields of the other kind are 0.
+/// and output projections (`ProjectionSpec`s). Norm weights are addresses of f32 `1 + w`
+/// (`hidden` values; the attention's q/k norms `head_dim`); the delta layer's `norm` is
+/// bf16 (`value_dim`), `conv_weight` bf16 `[channels, kernel]`, `neg_a` and `dt_bias` f32
+/// (one per value head). Fields of the other kind are 0.
 #[derive(FromPyObject)]
 #[pyo3(from_item_all)]
-struct LayerSpec {
-    kind: String,
+struct LayerAddrs {
+    /// The dict's `kind`: "attention" (true) or "delta".
+    #[pyo3(item("kind"), from_py_with = is_attention)]
+    attention: bool,
     input_norm: usize,
     post_norm: usize,
-    mix_in: ProjectionSpec,
-    mix_out: ProjectionSpec,
-    gate_up: ProjectionSpec,
-    down: ProjectionSpec,
-    activation: String,
+    #[pyo3(from_py_with = projection)]
+    mix_in: ProjectionAddrs,
+    #[pyo3(from_py_with = projection)]
+    mix_out: ProjectionAddrs,
+    #[pyo3(from_py_with = projection)]
+    gate_up: ProjectionAddrs,
+    #[pyo3(from_py_with = projection)]
+    down: ProjectionAddrs,
+    #[pyo3(from_py_with = activation)]
+    activation: Activation,
     q_norm: usize,
     k_norm: usize,
     rotary_dim: usize,
@@ -44,24 +51,23 @@ struct LayerSpec {
     state: usize,
 }
 
-struct LayerAddrs {
-    attention: bool,
-    input_norm: usize,
-    post_norm: usize,
-    /// mix_in, mix_out, gate_up, down.
-    projections: [ProjectionAddrs; 4],
-    activation: Activation,
-    q_norm: usize,
-    k_norm: usize,
-    rotary_dim: usize,
-    scale: f32,
-    cache: usize,
-    conv_weight: usize,
-    kernel: usize,
-    neg_a: usize,
-    dt_bias: usize,
-    norm: usize,
-    state: usize,
+/// `kind`: true for "attention", false for "delta".
+fn is_attention(kind: &Bound<'_, PyAny>) -> PyResult<bool> {
+    match kind.extract::<String>()?.as_str() {
+        "attention" => Ok(true),
+        "delta" => Ok(false),
+        other => Err(PyValueError::new_err(format!(
+            "unknown hybrid layer kind {other:?} (attention, delta)"
+        ))),
+    }
+}
+
+fn projection(spec: &Bound<'_, PyAny>) -> PyResult<ProjectionAddrs> {
+    ProjectionAddrs::parse(spec.extract::<ProjectionSpec>()?)
+}
+
+fn activation(name: &Bound<'_, PyAny>) -> PyResult<Activation> {
+    parse_activation(&name.extract::<String>()?)
 }
 
 /// The layers of one hybrid model, by address, with their KV caches and state pools.
@@ -88,7 +94,7 @@ impl HybridStack {
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        layers: Vec<LayerSpec>,
+        layers: Vec<LayerAddrs>,
         hidden: usize,
         heads: usize,
         kv_heads: usize,
@@ -98,49 +104,8 @@ impl HybridStack {
         key_dim: usize,
         value_dim: usize,
     ) -> PyResult<Self> {
-        let mut parsed = Vec::with_capacity(layers.len());
-        for l in layers {
-            let attention = match l.kind.as_str() {
-                "attention" => true,
-                "delta" => false,
-                kind => {
-                    return Err(PyValueError::new_err(format!(
-                        "unknown hybrid layer kind {kind:?} (attention, delta)"
-                    )))
-                }
-            };
-            let activation = Activation::from_name(&l.activation).ok_or_else(|| {
-                PyValueError::new_err(format!(
-                    "the hybrid stack has no activation {:?}",
-                    l.activation
-                ))
-            })?;
-            parsed.push(LayerAddrs {
-                attention,
-                input_norm: l.input_norm,
-                post_norm: l.post_norm,
-                projections: [
-                    ProjectionAddrs::parse(l.mix_in)?,
-                    ProjectionAddrs::parse(l.mix_out)?,
-                    ProjectionAddrs::parse(l.gate_up)?,
-                    ProjectionAddrs::parse(l.down)?,
-                ],
-                activation,
-                q_norm: l.q_norm,
-                k_norm: l.k_norm,
-                rotary_dim: l.rotary_dim,
-                scale: l.scale,
-                cache: l.cache,
-                conv_weight: l.conv_weight,
-                kernel: l.kernel,
-                neg_a: l.neg_a,
-                dt_bias: l.dt_bias,
-                norm: l.norm,
-                state: l.state,
-            });
-        }
         Ok(Self {
-            layers: parsed,
+            layers,
             hidden,
             shape: HybridShape {
                 heads,
@@ -235,26 +200,25 @@ impl HybridStack {
                     .layers
                     .iter()
                     .map(|l| {
-                        let [mix_in, mix_out, gate_up, down] = &l.projections;
                         let mixer = if l.attention {
                             Mixer::Attention(GatedAttention {
-                                qkv: mix_in.view()?,
+                                qkv: l.mix_in.view()?,
                                 q_norm: slice(l.q_norm, s.head_dim),
                                 k_norm: slice(l.k_norm, s.head_dim),
-                                o: mix_out.view()?,
+                                o: l.mix_out.view()?,
                                 rotary_dim: l.rotary_dim,
                                 scale: l.scale,
                                 cache: l.cache,
                             })
                         } else {
                             Mixer::Delta(GatedDelta {
-                                in_proj: mix_in.view()?,
+                                in_proj: l.mix_in.view()?,
                                 conv_weight: slice(l.conv_weight, channels * l.kernel),
                                 kernel: l.kernel,
                                 neg_a: slice(l.neg_a, s.value_heads),
                                 dt_bias: slice(l.dt_bias, s.value_heads),
                                 norm: slice(l.norm, s.value_dim),
-                                out_proj: mix_out.view()?,
+                                out_proj: l.mix_out.view()?,
                                 state: l.state,
                             })
                         };
@@ -262,8 +226,8 @@ impl HybridStack {
                             input_norm: slice(l.input_norm, hidden),
                             mixer,
                             post_norm: slice(l.post_norm, hidden),
-                            gate_up: gate_up.view()?,
-                            down: down.view()?,
+                            gate_up: l.gate_up.view()?,
+                            down: l.down.view()?,
                             activation: l.activation,
                         })
                     })

@@ -311,6 +311,16 @@ pub struct RopeTable<'a> {
     pub dim: usize,
 }
 
+impl RopeTable<'_> {
+    /// Whether the table is `[rows, dim]` for an even `dim` up to `head_dim`.
+    pub(crate) fn fits(&self, rows: usize, head_dim: usize) -> bool {
+        self.dim.is_multiple_of(2)
+            && self.dim <= head_dim
+            && self.cos.len() == rows * self.dim
+            && self.sin.len() == rows * self.dim
+    }
+}
+
 /// Where one cache group's layers keep this step's K/V and read their context: the
 /// group's own block ids (hybrid memory gives sliding-window layers blocks of their own).
 #[derive(Clone, Copy)]
@@ -323,6 +333,40 @@ pub struct CacheGroup<'a> {
     pub max_blocks: usize,
     /// Blocks in each cache of this group's layers.
     pub num_blocks: usize,
+}
+
+impl CacheGroup<'_> {
+    /// Whether the group's step inputs fit `rows` rows and its caches: one slot and one
+    /// length per row, every slot and every block a row's length uses inside the caches
+    /// (a layer writes K/V before the attention would notice a bad block id).
+    pub(crate) fn check(&self, rows: usize, block_size: usize) -> Result<(), String> {
+        if self.slots.len() != rows || self.seq_lens.len() != rows {
+            return Err("slots and lengths need one entry per row".into());
+        }
+        let slots = self.num_blocks * block_size;
+        if let Some(bad) = self.slots.iter().find(|&&t| t < 0 || t as usize >= slots) {
+            return Err(format!("slot {bad} outside 0..{slots}"));
+        }
+        if self.block_tables.len() != rows * self.max_blocks {
+            return Err("block tables must be [rows, max_blocks]".into());
+        }
+        for (r, &len) in self.seq_lens.iter().enumerate() {
+            let used = (len.max(0) as usize).div_ceil(block_size.max(1));
+            if len <= 0 || used > self.max_blocks {
+                return Err(format!(
+                    "sequence length {len} does not fit its block table"
+                ));
+            }
+            let table = &self.block_tables[r * self.max_blocks..][..used];
+            if let Some(bad) = table
+                .iter()
+                .find(|&&b| b < 0 || b as usize >= self.num_blocks)
+            {
+                return Err(format!("block {bad} outside 0..{}", self.num_blocks));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What the step's rows need beyond the layers: one row per decoding sequence.
@@ -374,11 +418,7 @@ fn check(
         )));
     }
     for (t, rope) in inputs.ropes.iter().enumerate() {
-        let ok = rope.dim.is_multiple_of(2)
-            && rope.dim <= hd
-            && rope.cos.len() == rows * rope.dim
-            && rope.sin.len() == rows * rope.dim;
-        if !ok {
+        if !rope.fits(rows, hd) {
             return Err(invalid(format!(
                 "rotary table {t} must be [rows, an even dim up to head_dim]"
             )));
@@ -389,40 +429,9 @@ fn check(
         if !layers.iter().any(|l| l.cache_group == g) {
             continue;
         }
-        if group.slots.len() != rows || group.seq_lens.len() != rows {
-            return Err(invalid(format!(
-                "group {g}: slots and lengths need one entry per row"
-            )));
-        }
-        // Every slot and every block the step touches lies in the cache: a layer writes
-        // K/V before the attention would notice a bad block id.
-        let slots = group.num_blocks * s.block_size;
-        if let Some(bad) = group.slots.iter().find(|&&t| t < 0 || t as usize >= slots) {
-            return Err(invalid(format!("group {g}: slot {bad} outside 0..{slots}")));
-        }
-        if group.block_tables.len() != rows * group.max_blocks {
-            return Err(invalid(format!(
-                "group {g}: block tables must be [rows, max_blocks]"
-            )));
-        }
-        for (r, &len) in group.seq_lens.iter().enumerate() {
-            let used = (len.max(0) as usize).div_ceil(s.block_size.max(1));
-            if len <= 0 || used > group.max_blocks {
-                return Err(invalid(format!(
-                    "group {g}: sequence length {len} does not fit its block table"
-                )));
-            }
-            let table = &group.block_tables[r * group.max_blocks..][..used];
-            if let Some(bad) = table
-                .iter()
-                .find(|&&b| b < 0 || b as usize >= group.num_blocks)
-            {
-                return Err(invalid(format!(
-                    "group {g}: block {bad} outside 0..{}",
-                    group.num_blocks
-                )));
-            }
-        }
+        group
+            .check(rows, s.block_size)
+            .map_err(|what| invalid(format!("group {g}: {what}")))?;
     }
     let inter = first.gate_up.n / 2;
     let norm_fits = |w: Option<&[Bf16]>, len: usize| w.is_none_or(|w| w.len() == len);

@@ -164,46 +164,19 @@ fn check(
         .iter()
         .any(|l| matches!(l.mixer, Mixer::Attention(_)));
     if uses_kv {
-        let rope = inputs.rope;
-        if !rope.dim.is_multiple_of(2)
-            || rope.dim > hd
-            || rope.cos.len() != rows * rope.dim
-            || rope.sin.len() != rows * rope.dim
-        {
+        if !inputs.rope.fits(rows, hd) {
             return Err(invalid(
                 "the rotary table must be [rows, an even dim up to head_dim]".into(),
             ));
         }
-        if kv.slots.len() != rows || kv.seq_lens.len() != rows {
-            return Err(invalid("one KV slot and length per row".into()));
-        }
-        let slots = kv.num_blocks * s.block_size;
-        if let Some(bad) = kv.slots.iter().find(|&&t| t < 0 || t as usize >= slots) {
-            return Err(invalid(format!("KV slot {bad} outside 0..{slots}")));
-        }
-        if kv.block_tables.len() != rows * kv.max_blocks {
-            return Err(invalid("block tables must be [rows, max_blocks]".into()));
-        }
-        for (r, &len) in kv.seq_lens.iter().enumerate() {
-            let used = (len.max(0) as usize).div_ceil(s.block_size.max(1));
-            if len <= 0 || used > kv.max_blocks {
-                return Err(invalid(format!(
-                    "sequence length {len} does not fit its block table"
-                )));
-            }
-            let table = &kv.block_tables[r * kv.max_blocks..][..used];
-            if let Some(bad) = table
-                .iter()
-                .find(|&&b| b < 0 || b as usize >= kv.num_blocks)
-            {
-                return Err(invalid(format!("block {bad} outside 0..{}", kv.num_blocks)));
-            }
-        }
+        kv.check(rows, s.block_size)
+            .map_err(|what| invalid(format!("KV {what}")))?;
     }
     let channels = s.conv_channels();
     let conv_per = |kernel: usize| channels * kernel.saturating_sub(1);
     let delta_per = hv * dk * dv;
-    let mut seen_slots = Vec::new();
+    // The fewest state slots of any delta layer's pools.
+    let mut total = usize::MAX;
     for (i, l) in layers.iter().enumerate() {
         let inter = l.gate_up.n / 2;
         let mut fits = l.input_norm.len() == hidden
@@ -243,7 +216,7 @@ fn check(
                     ok.then_some(n)
                 });
                 match pools {
-                    Some(n) => seen_slots.push(n),
+                    Some(n) => total = total.min(n),
                     None => fits = false,
                 }
             }
@@ -253,13 +226,10 @@ fn check(
         }
     }
     // The state slots: distinct, and inside every delta layer's pools.
-    let total = seen_slots.iter().copied().min().unwrap_or(usize::MAX);
     let mut sorted: Vec<i64> = inputs.state_slots.to_vec();
     sorted.sort_unstable();
     if sorted.windows(2).any(|w| w[0] == w[1])
-        || sorted
-            .iter()
-            .any(|&t| t < 0 || (!seen_slots.is_empty() && t as usize >= total))
+        || sorted.iter().any(|&t| t < 0 || t as usize >= total)
     {
         return Err(invalid(format!(
             "state slots must be distinct and below {total}"
@@ -281,39 +251,36 @@ fn centred_norm(out: &mut [Bf16], x: &[Bf16], w: &[f32], eps: f32) {
     }
 }
 
-/// `1 / sqrt(mean(x^2) + eps)` of one row, the squares summed in 16 lanes.
-fn inv_rms(x: &[Bf16], eps: f32) -> f32 {
+/// The sum of `value(i)^2` over `0..len`, in 16 lanes and then the tail, as the RMSNorm
+/// kernel adds its squares.
+#[inline(always)]
+fn sum_of_squares(len: usize, value: impl Fn(usize) -> f32) -> f32 {
     let mut lanes = [0f32; 16];
-    let whole = x.len() / 16 * 16;
-    for chunk in x[..whole].chunks_exact(16) {
-        for i in 0..16 {
-            let v = chunk[i].to_f32();
-            lanes[i] += v * v;
+    let whole = len / 16 * 16;
+    for start in (0..whole).step_by(16) {
+        for (i, lane) in lanes.iter_mut().enumerate() {
+            let v = value(start + i);
+            *lane += v * v;
         }
     }
     let mut sum: f32 = lanes.iter().sum();
-    for v in &x[whole..] {
-        let v = v.to_f32();
+    for i in whole..len {
+        let v = value(i);
         sum += v * v;
     }
+    sum
+}
+
+/// `1 / sqrt(mean(x^2) + eps)` of one row.
+fn inv_rms(x: &[Bf16], eps: f32) -> f32 {
+    let sum = sum_of_squares(x.len(), |i| x[i].to_f32());
     1.0 / (sum / x.len() as f32 + eps).sqrt()
 }
 
 /// `x * rsqrt(sum(x^2) + 1e-6) * scale` in place (the reference's `l2norm`, then q's scale;
 /// a scale of 1 changes nothing).
 fn l2_normalize(x: &mut [f32], scale: f32) {
-    let mut lanes = [0f32; 16];
-    let whole = x.len() / 16 * 16;
-    for chunk in x[..whole].chunks_exact(16) {
-        for i in 0..16 {
-            lanes[i] += chunk[i] * chunk[i];
-        }
-    }
-    let mut sum: f32 = lanes.iter().sum();
-    for v in &x[whole..] {
-        sum += v * v;
-    }
-    let inv = 1.0 / (sum + 1e-6).sqrt();
+    let inv = 1.0 / (sum_of_squares(x.len(), |i| x[i]) + 1e-6).sqrt();
     for v in x.iter_mut() {
         *v = *v * inv * scale;
     }
