@@ -18,7 +18,7 @@ from typing import Any
 from iron_batch._core import SchedulerConfig
 from iron_batch.backends.mock import DEFAULT_PREFILL_TOKEN_LATENCY_US, DEFAULT_TOKEN_LATENCY_US
 from iron_batch.cli_args import non_negative_float, positive_int
-from iron_batch.layers import KV_CACHE_DTYPES, QUANTIZATION_MODES
+from iron_batch.layers import KV_CACHE_DTYPES, QUANTIZATION_MODES, STATE_DTYPES
 
 _CORE = SchedulerConfig()
 
@@ -71,6 +71,13 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
         "or int8 (int8 values with a float32 scale per token and head: about half the "
         "bytes, so about twice the tokens in the same --kv-cache-memory-gb; default "
         "auto)")),
+    Flag("--recurrent-state-dtype", dict(
+        choices=STATE_DTYPES, default=None,
+        help="torch, models with recurrent-state layers (Qwen3.5's Gated DeltaNet): how "
+        "each sequence's delta-rule matrices are kept between steps: float32 (default) or "
+        "bfloat16 (half the bytes per state slot, so about twice the sequences in the same "
+        "memory and half the state traffic per decode step; computed in float32, rounded "
+        "when stored); convolution windows stay float32")),
     Flag("--mock-token-latency-us", dict(
         type=non_negative_float, default=DEFAULT_TOKEN_LATENCY_US,
         help="mock: time of one decode step in microseconds, whatever the batch size "
@@ -84,7 +91,8 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
 #: The flags that say which model runs and how its KV pool is laid out (what a spawned
 #: tensor-parallel rank needs from rank 0).
 MODEL_FLAGS = ("--model", "--device", "--dtype", "--quantization", "--total-kv-blocks",
-               "--kv-block-size", "--kv-cache-memory-gb", "--kv-cache-dtype")
+               "--kv-block-size", "--kv-cache-memory-gb", "--kv-cache-dtype",
+               "--recurrent-state-dtype")
 
 
 def add(parser: argparse.ArgumentParser | Any, names: Iterable[str], **overrides: Any) -> None:

@@ -47,7 +47,9 @@ class LLM:
     ``model`` is a checkpoint directory, GGUF file or short name for the torch backend
     (``device``, ``dtype``, ``total_kv_blocks``, ``kv_cache_memory_gb``,
     ``kv_cache_dtype`` ("auto" or "int8": int8 K/V with a float scale per token and head,
-    about twice the tokens in the same memory) and ``quantization`` go to it;
+    about twice the tokens in the same memory), ``recurrent_state_dtype`` ("float32" or
+    "bfloat16": how a model with recurrent-state layers, Qwen3.5's, keeps each sequence's
+    state) and ``quantization`` go to it;
     ``tensor_parallel_size`` > 1 splits the model over that many local processes, or over
     torchrun's ranks, ``tp_timeout`` bounding each collective;
     see ``iron_batch.parallel``); or
@@ -73,6 +75,7 @@ class LLM:
         kv_cache_memory_gb: float | None = None,
         quantization: str | None = None,
         kv_cache_dtype: str | None = None,
+        recurrent_state_dtype: str | None = None,
         tensor_parallel_size: int = 1,
         tp_timeout: float | None = None,
         overlap_depth: int | None = None,
@@ -100,6 +103,7 @@ class LLM:
                 kv_cache_memory_gb=kv_cache_memory_gb,
                 quantization=quantization,
                 kv_cache_dtype=kv_cache_dtype,
+                recurrent_state_dtype=recurrent_state_dtype,
                 tensor_parallel_size=tensor_parallel_size,
                 tp_timeout=tp_timeout,
                 speculative_model=speculative_model,

@@ -13,7 +13,7 @@ from iron_batch._core import CacheGroup, SchedulerConfig
 from iron_batch.backends.base import Backend
 from iron_batch.backends.mock import DEFAULT_PREFILL_TOKEN_LATENCY_US, DEFAULT_TOKEN_LATENCY_US
 from iron_batch.backends.remote import DEFAULT_TIMEOUT_S
-from iron_batch.layers import KV_CACHE_DTYPES
+from iron_batch.layers import KV_CACHE_DTYPES, STATE_DTYPES
 
 # ``--quantization`` modes of the torch backend (``iron_batch.layers.quant``).
 from iron_batch.layers import QUANTIZATION_MODES as QUANTIZATION_MODES
@@ -22,7 +22,8 @@ from iron_batch.layers import QUANTIZATION_MODES as QUANTIZATION_MODES
 BACKEND_KINDS = ("mock", "torch", "remote")
 ALIASES = {"real": "remote"}
 _TORCH_ONLY = ("model", "device", "dtype", "kv_cache_memory_gb", "quantization",
-               "tensor_parallel_size", "kv_cache_dtype", "speculative_model")
+               "tensor_parallel_size", "kv_cache_dtype", "speculative_model",
+               "recurrent_state_dtype")
 
 #: The Rust core's scheduler defaults.
 DEFAULTS = SchedulerConfig()
@@ -53,6 +54,7 @@ def build_backend(
     kv_cache_memory_gb: float | None = None,
     quantization: str | None = None,
     kv_cache_dtype: str | None = None,
+    recurrent_state_dtype: str | None = None,
     mock_token_latency_us: float = DEFAULT_TOKEN_LATENCY_US,
     mock_prefill_token_latency_us: float = DEFAULT_PREFILL_TOKEN_LATENCY_US,
     url: str | None = None,
@@ -68,17 +70,23 @@ def build_backend(
     ``tensor_parallel_size`` > 1 splits the model over that many ranks (see
     ``iron_batch.parallel``); under torchrun, ranks >= 1 never return from here.
     ``speculative_model``: a draft model the torch backend runs beside ``model``
-    (``--speculative-method draft``), quantized as ``speculative_quantization`` says."""
+    (``--speculative-method draft``), quantized as ``speculative_quantization`` says.
+    ``recurrent_state_dtype``: how a model with recurrent-state layers keeps its states
+    (float32 by default, or bfloat16)."""
     kind = ALIASES.get(kind, kind)
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
         raise BackendConfigError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of "
                                  f"{', '.join(KV_CACHE_DTYPES)}")
+    if recurrent_state_dtype is not None and recurrent_state_dtype not in STATE_DTYPES:
+        raise BackendConfigError(f"--recurrent-state-dtype {recurrent_state_dtype!r} is not "
+                                 f"one of {', '.join(STATE_DTYPES)}")
     if kind != "torch":
         given = {"model": model, "device": device, "dtype": dtype,
                  "kv_cache_memory_gb": kv_cache_memory_gb, "quantization": quantization,
                  "tensor_parallel_size": tensor_parallel_size > 1,
                  "kv_cache_dtype": kv_cache_dtype not in (None, "auto"),
-                 "speculative_model": speculative_model}
+                 "speculative_model": speculative_model,
+                 "recurrent_state_dtype": recurrent_state_dtype not in (None, "float32")}
         for name in _TORCH_ONLY:
             if given[name]:
                 raise BackendConfigError(f"--{name.replace('_', '-')} only applies to "
@@ -103,7 +111,8 @@ def build_backend(
                 model, tensor_parallel_size, device=device, dtype=dtype,
                 total_kv_blocks=total_kv_blocks, kv_block_size=kv_block_size,
                 kv_cache_memory_gb=kv_cache_memory_gb, quantization=quantization,
-                timeout=tp_timeout, kv_cache_dtype=kv_cache_dtype)
+                timeout=tp_timeout, kv_cache_dtype=kv_cache_dtype,
+                recurrent_state_dtype=recurrent_state_dtype)
         # Imported lazily: the mock server must not need (or pay for) torch.
         from iron_batch.backends.torch_backend import TorchBackend
         from iron_batch.draft_model import DraftModelError
@@ -118,6 +127,7 @@ def build_backend(
                 kv_cache_memory_gb=kv_cache_memory_gb or None,
                 quantization=quantization or None,
                 kv_cache_dtype=kv_cache_dtype or "auto",
+                recurrent_state_dtype=recurrent_state_dtype or "float32",
                 speculative_model=speculative_model or None,
                 speculative_quantization=speculative_quantization or None,
             )
@@ -143,6 +153,7 @@ def _tensor_parallel_backend(
     total_kv_blocks: int | None, kv_block_size: int | None,
     kv_cache_memory_gb: float | None, quantization: str | None, timeout: float | None,
     kv_cache_dtype: str | None = None,
+    recurrent_state_dtype: str | None = None,
 ) -> Backend:
     from iron_batch.models.partition import TensorParallelError
     from iron_batch.parallel.backend import TensorParallelTorchBackend
@@ -159,6 +170,7 @@ def _tensor_parallel_backend(
             kv_cache_memory_gb=kv_cache_memory_gb or None,
             quantization=quantization or None,
             kv_cache_dtype=kv_cache_dtype or "auto",
+            recurrent_state_dtype=recurrent_state_dtype or "float32",
             timeout_s=timeout or DEFAULT_TIMEOUT_S,
         )
     except TensorParallelError as exc:

@@ -170,11 +170,13 @@ class TorchBackend(BackendBase):
         kv_cache_memory_gb: float | None = None,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        recurrent_state_dtype: str = "float32",
         speculative_model: str | None = None,
         speculative_quantization: str | None = None,
     ) -> TorchBackend:
         """``kv_cache_dtype``: "auto" (K/V in the model's dtype) or "int8" (see
-        ``attention/kv_int8.py``); the memory budget counts the bytes of that layout.
+        ``attention/kv_int8.py``); the memory budget counts the bytes of that layout, and
+        of the recurrent states in ``recurrent_state_dtype`` (float32 or bfloat16).
         ``speculative_model``: a draft model (same tokenizer) for speculative decoding,
         quantized as ``speculative_quantization`` says; its KV counts in the budget."""
         source = resolve(model)
@@ -182,6 +184,7 @@ class TorchBackend(BackendBase):
         net = load_model(source, device=dev, dtype=pick_dtype(dtype, dev, quantization),
                          quantization=quantization)
         net.set_kv_cache_dtype(kv_cache_dtype)
+        net.set_state_dtype(recurrent_state_dtype)
         draft = None
         if speculative_model is not None:
             draft_source = resolve(speculative_model)

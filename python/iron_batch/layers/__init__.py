@@ -13,3 +13,7 @@ QUANTIZATION_MODES = ("gguf", "int8", "int4")
 #: reason: ``auto`` keeps K/V in the model's dtype (bf16 on CPU), ``int8`` stores int8
 #: values with a float32 scale per token and head.
 KV_CACHE_DTYPES = ("auto", "int8")
+
+#: ``--recurrent-state-dtype`` values (see ``layers/gated_delta.py``): how a model with
+#: recurrent-state layers keeps each sequence's delta-rule matrices between steps.
+STATE_DTYPES = ("float32", "bfloat16")

@@ -27,6 +27,12 @@ def _check(dtype: torch.dtype, *tensors: torch.Tensor) -> None:
             raise ValueError(f"delta-rule kernels need contiguous CPU {dtype} tensors")
 
 
+def _state_dtype(state: torch.Tensor) -> torch.dtype:
+    if state.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"delta-rule states are float32 or bf16, not {state.dtype}")
+    return state.dtype
+
+
 def _slot_array(slots: torch.Tensor, total: int) -> np.ndarray:
     arr = np.ascontiguousarray(slots.cpu().numpy(), dtype=np.int64)
     if arr.size and (arr.min() < 0 or arr.max() >= total or len(np.unique(arr)) != arr.size):
@@ -38,10 +44,12 @@ def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor
                       ) -> torch.Tensor:
     """One token per sequence: q, k [B, H, dk], v [B, H, dv], g, beta [B, H] (float32);
-    ``states`` [slots, H, dk, dv] updated in place at ``slots``; returns o [B, H, dv]."""
+    ``states`` [slots, H, dk, dv] (float32 or bf16) updated in place at ``slots``; returns
+    o [B, H, dv]."""
     b, heads, dk = q.shape
     dv = v.shape[-1]
-    _check(torch.float32, q, k, v, g, beta, states)
+    _check(torch.float32, q, k, v, g, beta)
+    _check(_state_dtype(states), states)
     if (k.shape != q.shape or v.shape != (b, heads, dv) or g.shape != (b, heads)
             or beta.shape != g.shape or states.shape[1:] != (heads, dk, dv)):
         raise ValueError("delta_rule_decode: mismatched shapes")
@@ -52,17 +60,20 @@ def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     assert _DECODE is not None
     _DECODE(states.data_ptr(), idx, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(),
             beta.data_ptr(), out.data_ptr(), num_slots=states.shape[0], heads=heads,
-            key_dim=dk, value_dim=dv, threads=torch.get_num_threads(), openmp=entry_points())
+            key_dim=dk, value_dim=dv, threads=torch.get_num_threads(),
+            state_bf16=states.dtype == torch.bfloat16, openmp=entry_points())
     return out
 
 
 def delta_rule_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """T tokens of one sequence (q, k [T, H, dk], v [T, H, dv], g, beta [T, H], float32),
-    ``state`` [H, dk, dv] carried through them in place; returns o [T, H, dv]."""
+    ``state`` [H, dk, dv] (float32 or bf16) carried through them in place; returns o
+    [T, H, dv]."""
     t, heads, dk = q.shape
     dv = v.shape[-1]
-    _check(torch.float32, q, k, v, g, beta, state)
+    _check(torch.float32, q, k, v, g, beta)
+    _check(_state_dtype(state), state)
     if (k.shape != q.shape or v.shape != (t, heads, dv) or g.shape != (t, heads)
             or beta.shape != g.shape or state.shape != (heads, dk, dv)):
         raise ValueError("delta_rule_chunk: mismatched shapes")
@@ -70,7 +81,8 @@ def delta_rule_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     assert _CHUNK is not None
     _CHUNK(state.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(),
            beta.data_ptr(), out.data_ptr(), tokens=t, heads=heads, key_dim=dk,
-           value_dim=dv, threads=torch.get_num_threads(), openmp=entry_points())
+           value_dim=dv, threads=torch.get_num_threads(),
+           state_bf16=state.dtype == torch.bfloat16, openmp=entry_points())
     return out
 
 

@@ -13,8 +13,10 @@ A prompt chunk takes the same recurrence in blocks of ``CHUNK`` tokens (the WY f
 triangular solve per block gives every ``u`` of the block at once), the state carried from
 block to block and from step to step. Decoding rows of a step update their states together.
 
-The states are float32 whatever the compute dtype; inputs and outputs are in the compute
-dtype, rounded where transformers' reference rounds.
+The convolution windows are float32; the delta matrices float32 (the default) or bf16
+(``--recurrent-state-dtype``), in either case read into and computed in float32 and
+stored back rounded. Inputs and outputs are in the compute dtype, rounded where
+transformers' reference rounds.
 """
 
 from __future__ import annotations
@@ -225,9 +227,10 @@ class GatedDeltaNet:
                 core[r] = delta_kernels.delta_rule_decode(q[r], k[r], v[r], g[r], beta[r],
                                                           state, slots)
             else:
-                o, s = delta_rule_step(q[r], k[r], v[r], g[r], beta[r], state[slots])
+                o, s = delta_rule_step(q[r], k[r], v[r], g[r], beta[r],
+                                       state[slots].float())
                 core[r] = o
-                state[slots] = s
+                state[slots] = s.to(state.dtype)
         for start, end, slot in rows.chunks:
             span = slice(start, end)
             if kernels:
@@ -235,9 +238,9 @@ class GatedDeltaNet:
                                                             g[span], beta[span], state[slot])
                 continue
             o, s = delta_rule_chunked(q[span], k[span], v[span], g[span], beta[span],
-                                      state[slot])
+                                      state[slot].float())
             core[span] = o
-            state[slot] = s
+            state[slot] = s.to(state.dtype)
         return self.out_proj(self._gated_norm(core.to(x.dtype), z.view(n, hv, dv)))
 
     def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

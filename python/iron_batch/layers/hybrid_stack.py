@@ -134,7 +134,8 @@ class HybridStack(TensorAddresses):
                    delta_states: torch.Tensor, block_size: int) -> None:
         """The attention layers' caches (each ``[2, blocks, block_size, kv_heads,
         head_dim]`` bf16) and the delta layers' pools (``[layers, slots, channels, kernel
-        - 1]`` and ``[layers, slots, value_heads, key_dim, value_dim]`` float32)."""
+        - 1]`` float32 and ``[layers, slots, value_heads, key_dim, value_dim]`` float32
+        or bf16)."""
         kv_heads, hd, hv, dk, dv = self._shape
         blocks = kv_caches[0].shape[1] if kv_caches else 0
         for c in kv_caches:
@@ -143,11 +144,15 @@ class HybridStack(TensorAddresses):
                 raise ValueError("hybrid stack: every KV cache must be contiguous bf16 "
                                  f"{(2, blocks, block_size, kv_heads, hd)}")
         layers, slots = delta_states.shape[:2]
-        for t, tail in ((conv_states, conv_states.shape[2:]), (delta_states, (hv, dk, dv))):
-            if (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+        if delta_states.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("hybrid stack: delta states must be float32 or bf16, not "
+                             f"{delta_states.dtype}")
+        for t, tail, dtype in ((conv_states, conv_states.shape[2:], torch.float32),
+                               (delta_states, (hv, dk, dv), delta_states.dtype)):
+            if (t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous()
                     or tuple(t.shape[:2]) != (layers, slots) or tuple(t.shape[2:]) != tuple(tail)):
-                raise ValueError("hybrid stack: state pools must be contiguous float32 "
-                                 "[layers, slots, ...]")
+                raise ValueError("hybrid stack: state pools must be contiguous "
+                                 "[layers, slots, ...] (windows float32)")
         if layers and conv_states.shape[2] != self.channels:
             raise ValueError(f"hybrid stack: {conv_states.shape[2]} convolution channels, "
                              f"the layers have {self.channels}")
@@ -155,7 +160,7 @@ class HybridStack(TensorAddresses):
         self._stack.set_caches(
             [(c[0].data_ptr(), c[1].data_ptr()) for c in kv_caches], blocks, block_size,
             [(conv_states[i].data_ptr(), delta_states[i].data_ptr()) for i in range(layers)],
-            slots)
+            slots, state_bf16=delta_states.dtype == torch.bfloat16)
 
     def decode(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                slots: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,

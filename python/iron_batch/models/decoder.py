@@ -19,7 +19,7 @@ import torch
 
 from iron_batch.attention import backend as attention_backends
 from iron_batch.attention import kv_int8
-from iron_batch.layers import cpu_kernels, decoder_stack, quant
+from iron_batch.layers import STATE_DTYPES, cpu_kernels, decoder_stack, quant
 from iron_batch.layers.embedding import Embedding, LMHead, VocabParallel
 from iron_batch.layers.linear import Linear
 from iron_batch.layers.mlp import GatedMLP
@@ -142,6 +142,14 @@ GGUF_NAMES = {
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
+
+
+def check_state_dtype(state_dtype: str) -> str:
+    """``state_dtype`` if it is one of :data:`STATE_DTYPES`; ValueError otherwise."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"recurrent state dtype {state_dtype!r} is not one of "
+                         f"{', '.join(STATE_DTYPES)}")
+    return state_dtype
 
 
 class DecoderModel:
@@ -466,6 +474,15 @@ class DecoderModel:
     def state_slot_bytes(self) -> int:
         """Bytes of one sequence's recurrent state (models with a "state" cache group)."""
         return 0
+
+    def set_state_dtype(self, state_dtype: str) -> None:
+        """Keep recurrent states as ``state_dtype`` (one of :data:`STATE_DTYPES`) in pools
+        allocated from now on. Only models with a "state" cache group have a choice; for
+        the others "float32" (the default) is accepted and anything else refused."""
+        check_state_dtype(state_dtype)
+        if state_dtype != "float32":
+            raise ValueError(f"--recurrent-state-dtype {state_dtype}: "
+                             f"{type(self).__name__} keeps no recurrent state")
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one block in every layer (every group's block of that index)."""

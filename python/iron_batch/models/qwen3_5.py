@@ -40,7 +40,7 @@ from iron_batch.layers.rotary import apply_rope
 from iron_batch.layers.weights import LoadContext, Part, WeightSource
 from iron_batch.models import qwen3_5_gguf
 from iron_batch.models.config import ModelConfig
-from iron_batch.models.decoder import DecoderModel, Shard
+from iron_batch.models.decoder import DecoderModel, Shard, check_state_dtype
 from iron_batch.models.partition import ShardPlan, TensorParallelError, even_ranges
 from iron_batch.platform import heap
 
@@ -215,6 +215,8 @@ class Qwen3_5ForCausalLM(DecoderModel):
             raise TypeError("Qwen3_5ForCausalLM needs the config its config_from_hf reads")
         self.conv_states: torch.Tensor | None = None
         self.delta_states: torch.Tensor | None = None
+        #: How the delta matrices are kept (:meth:`set_state_dtype`).
+        self.state_dtype = "float32"
         super().__init__(config, source, device=device, dtype=dtype,
                          quantization=quantization, shard=shard)
         # Decode steps with few rows: every layer in one Rust call (see hybrid_stack).
@@ -379,7 +381,7 @@ class Qwen3_5ForCausalLM(DecoderModel):
         value_heads = m.value_heads if m else 0
         self.delta_states = torch.zeros(
             (len(mixers), slots, value_heads, c.linear_key_dim, c.linear_value_dim),
-            dtype=torch.float32, device=self.device)
+            dtype=self._delta_dtype(), device=self.device)
         self.block_size = block_size
         self.num_blocks_per_group = per_group
         if self.hybrid is not None:
@@ -392,18 +394,29 @@ class Qwen3_5ForCausalLM(DecoderModel):
         per_layer = 2 * self.num_kv_heads * self.config.head_dim * self.dtype.itemsize
         return [attention * per_layer, 0]
 
+    def set_state_dtype(self, state_dtype: str) -> None:
+        """The delta-rule matrices in ``state_dtype`` ("float32", the default, or
+        "bfloat16": half the bytes per slot, rounded once per decode token and once per
+        block of a prompt chunk); the convolution windows stay float32."""
+        self.state_dtype = check_state_dtype(state_dtype)
+
+    def _delta_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.state_dtype == "bfloat16" else torch.float32
+
     def state_slot_bytes(self) -> int:
-        """Bytes of one sequence's state over every linear layer (float32): of this
-        rank's heads under tensor parallelism."""
+        """Bytes of one sequence's state over every linear layer (float32 windows, the
+        delta matrices in :meth:`set_state_dtype`'s dtype): of this rank's heads under
+        tensor parallelism."""
         c = self.config
         assert isinstance(c, Qwen3_5Config)
         mixers = self._mixers()
         if not mixers:
             return 0
         m = mixers[0]
-        per_layer = (m.conv_channels * (c.linear_conv_kernel - 1)
-                     + m.value_heads * c.linear_key_dim * c.linear_value_dim)
-        return 4 * per_layer * len(mixers)
+        conv = 4 * m.conv_channels * (c.linear_conv_kernel - 1)
+        delta = (self._delta_dtype().itemsize * m.value_heads * c.linear_key_dim
+                 * c.linear_value_dim)
+        return (conv + delta) * len(mixers)
 
     def _state_ops(self, state_slots: np.ndarray | None, state_fresh: np.ndarray | None,
                    state_restore: np.ndarray | None) -> None:

@@ -90,6 +90,7 @@ class TensorParallelTorchBackend(TorchBackend):
         quantization: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         kv_cache_dtype: str = "auto",
+        recurrent_state_dtype: str = "float32",
     ) -> TensorParallelTorchBackend:
         """Rank 0's backend. Outside torchrun the other ranks are spawned here, as
         subprocesses of this one; under torchrun this call on a rank >= 1 runs that rank's
@@ -119,6 +120,7 @@ class TensorParallelTorchBackend(TorchBackend):
                     "kv_block_size": kv_block_size, "total_kv_blocks": total_kv_blocks,
                     "kv_cache_memory_gb": kv_cache_memory_gb, "quantization": quantization,
                     "kv_cache_dtype": kv_cache_dtype,
+                    "recurrent_state_dtype": recurrent_state_dtype,
                 })
         dev = rank_device(dev, rendezvous)
         threads_before = share_cores(rendezvous.local_world)
@@ -129,7 +131,7 @@ class TensorParallelTorchBackend(TorchBackend):
                 source, config, rendezvous, device=dev, dtype=dt, timeout_s=timeout_s,
                 total_kv_blocks=total_kv_blocks, kv_block_size=kv_block_size,
                 kv_cache_memory_gb=kv_cache_memory_gb, quantization=quantization, store=store,
-                kv_cache_dtype=kv_cache_dtype)
+                kv_cache_dtype=kv_cache_dtype, recurrent_state_dtype=recurrent_state_dtype)
         except BaseException:
             _stop(local_ranks, 0)
             torch.set_num_threads(threads_before)

@@ -74,6 +74,7 @@ def load_rank(
     quantization: str | None = None,
     store: Any = None,
     kv_cache_dtype: str = "auto",
+    recurrent_state_dtype: str = "float32",
 ) -> LoadedRank:
     """Join the group, load this rank's shard, and agree on the KV pool: each rank sizes it
     from its own memory and KV heads, the pool is the smallest of them (block ids are the
@@ -92,6 +93,7 @@ def load_rank(
         model = load_model(source, device=device, dtype=dtype, quantization=quantization,
                            shard=RankShard(plan, group))
         model.set_kv_cache_dtype(kv_cache_dtype)
+        model.set_state_dtype(recurrent_state_dtype)
         blocks: int | list[int]
         groups = model.cache_groups
         if any(kind == "state" for kind, _ in groups):

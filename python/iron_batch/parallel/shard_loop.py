@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         total_kv_blocks=args.total_kv_blocks, kv_block_size=args.kv_block_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb, store=store,
         kv_cache_dtype=args.kv_cache_dtype or "auto",
+        recurrent_state_dtype=args.recurrent_state_dtype or "float32",
     )
     sys.exit(serve(loaded, args.kv_block_size))
 

@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(model, ("--model", "--device", "--dtype", "--quantization",
                       "--mock-token-latency-us", "--mock-prefill-token-latency-us"))
     flags.add(memory, ("--total-kv-blocks", "--kv-block-size", "--kv-cache-memory-gb",
-                       "--kv-cache-dtype"))
+                       "--kv-cache-dtype", "--recurrent-state-dtype"))
     server.add_argument("--addr", type=parse_addr, default="0.0.0.0:8080",
                    help="HOST:PORT to listen on (default 0.0.0.0:8080)")
     scheduling.add_argument("--max-batch-tokens", type=positive_int, default=None,

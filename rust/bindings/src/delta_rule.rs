@@ -12,12 +12,12 @@ use pyo3::prelude::*;
 use crate::kernels::{run_kernel, slice, slice_mut};
 
 /// One token of each sequence: q, k `[B, H, dk]`, v and out `[B, H, dv]`, g and beta
-/// `[B, H]` (float32); `states` the layer's pool `[num_slots, H, dk, dv]`, updated in
-/// place at `slots`.
+/// `[B, H]` (float32); `states` the layer's pool `[num_slots, H, dk, dv]` (bf16 if
+/// `state_bf16`, else float32), updated in place at `slots`.
 #[pyfunction]
 #[pyo3(signature = (
     states, slots, q, k, v, g, beta, out, *, num_slots, heads, key_dim, value_dim, threads,
-    openmp=None
+    state_bf16=false, openmp=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn _delta_rule_decode(
@@ -35,6 +35,7 @@ pub fn _delta_rule_decode(
     key_dim: usize,
     value_dim: usize,
     threads: usize,
+    state_bf16: bool,
     openmp: Option<(usize, usize, usize)>,
 ) -> PyResult<()> {
     let slots = slots.as_slice()?;
@@ -44,11 +45,11 @@ pub fn _delta_rule_decode(
         key_dim,
         value_dim,
     };
+    let pool_len = num_slots * heads * key_dim * value_dim;
     run_kernel(py, openmp, |parallel| {
         // SAFETY: see `kernels::slice`.
-        let (pool, q, k, v, g, beta, out) = unsafe {
+        let (q, k, v, g, beta, out) = unsafe {
             (
-                slice_mut::<f32>(states, num_slots * heads * key_dim * value_dim),
                 slice::<f32>(q, b * heads * key_dim),
                 slice::<f32>(k, b * heads * key_dim),
                 slice::<f32>(v, b * heads * value_dim),
@@ -57,15 +58,25 @@ pub fn _delta_rule_decode(
                 slice_mut::<f32>(out, b * heads * value_dim),
             )
         };
-        delta_rule_decode(pool, slots, q, k, v, g, beta, out, shape, threads, parallel)
+        if state_bf16 {
+            // SAFETY: as above.
+            let pool = unsafe { slice_mut::<Bf16>(states, pool_len) };
+            delta_rule_decode(pool, slots, q, k, v, g, beta, out, shape, threads, parallel)
+        } else {
+            // SAFETY: as above.
+            let pool = unsafe { slice_mut::<f32>(states, pool_len) };
+            delta_rule_decode(pool, slots, q, k, v, g, beta, out, shape, threads, parallel)
+        }
     })
 }
 
 /// `tokens` tokens of one sequence, float32: q, k `[T, H, dk]`, v and out `[T, H, dv]`,
-/// g and beta `[T, H]`; `state` `[H, dk, dv]`, carried through them in place.
+/// g and beta `[T, H]`; `state` `[H, dk, dv]` (bf16 if `state_bf16`, else float32),
+/// carried through them in place.
 #[pyfunction]
 #[pyo3(signature = (
-    state, q, k, v, g, beta, out, *, tokens, heads, key_dim, value_dim, threads, openmp=None
+    state, q, k, v, g, beta, out, *, tokens, heads, key_dim, value_dim, threads,
+    state_bf16=false, openmp=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn _delta_rule_chunk(
@@ -82,6 +93,7 @@ pub fn _delta_rule_chunk(
     key_dim: usize,
     value_dim: usize,
     threads: usize,
+    state_bf16: bool,
     openmp: Option<(usize, usize, usize)>,
 ) -> PyResult<()> {
     let shape = DeltaShape {
@@ -92,9 +104,8 @@ pub fn _delta_rule_chunk(
     let t = tokens;
     run_kernel(py, openmp, |parallel| {
         // SAFETY: see `kernels::slice`.
-        let (s, q, k, v, g, beta, out) = unsafe {
+        let (q, k, v, g, beta, out) = unsafe {
             (
-                slice_mut::<f32>(state, heads * key_dim * value_dim),
                 slice::<f32>(q, t * heads * key_dim),
                 slice::<f32>(k, t * heads * key_dim),
                 slice::<f32>(v, t * heads * value_dim),
@@ -103,7 +114,16 @@ pub fn _delta_rule_chunk(
                 slice_mut::<f32>(out, t * heads * value_dim),
             )
         };
-        delta_rule_chunk(s, q, k, v, g, beta, out, shape, threads, parallel)
+        let len = heads * key_dim * value_dim;
+        if state_bf16 {
+            // SAFETY: as above.
+            let s = unsafe { slice_mut::<Bf16>(state, len) };
+            delta_rule_chunk(s, q, k, v, g, beta, out, shape, threads, parallel)
+        } else {
+            // SAFETY: as above.
+            let s = unsafe { slice_mut::<f32>(state, len) };
+            delta_rule_chunk(s, q, k, v, g, beta, out, shape, threads, parallel)
+        }
     })
 }
 

@@ -4,7 +4,7 @@
 //! builds the stack and keeps them alive as long as the stack, which holds their addresses.
 
 use iron_batch_kernels::{
-    decode_hybrid_layers, run_in_team, Activation, CacheGroup, GatedAttention, GatedDelta,
+    decode_hybrid_layers, run_in_team, Activation, Bf16, CacheGroup, GatedAttention, GatedDelta,
     HybridInputs, HybridLayer, HybridShape, KernelError, LayerCache, LayerState, Mixer, RopeTable,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
@@ -83,6 +83,8 @@ pub struct HybridStack {
     /// (convolution windows, delta matrices) address per delta layer, `num_slots` each.
     states: Vec<(usize, usize)>,
     num_slots: usize,
+    /// The delta matrices are bf16 (else f32).
+    state_bf16: bool,
 }
 
 #[pymethods]
@@ -121,11 +123,14 @@ impl HybridStack {
             num_blocks: 0,
             states: Vec::new(),
             num_slots: 0,
+            state_bf16: false,
         })
     }
 
     /// The attention layers' (K, V) caches of `num_blocks` blocks, and the delta layers'
-    /// (convolution windows, delta matrices) pools of `num_slots` slots, in layer order.
+    /// (convolution windows, delta matrices) pools of `num_slots` slots, in layer order;
+    /// the windows f32, the matrices bf16 if `state_bf16`, else f32.
+    #[pyo3(signature = (caches, num_blocks, block_size, states, num_slots, *, state_bf16=false))]
     fn set_caches(
         &mut self,
         caches: Vec<(usize, usize)>,
@@ -133,6 +138,7 @@ impl HybridStack {
         block_size: usize,
         states: Vec<(usize, usize)>,
         num_slots: usize,
+        state_bf16: bool,
     ) -> PyResult<()> {
         let attention = self.layers.iter().filter(|l| l.attention).count();
         if caches.len() != attention || states.len() != self.layers.len() - attention {
@@ -145,6 +151,7 @@ impl HybridStack {
         self.shape.block_size = block_size;
         self.states = states;
         self.num_slots = num_slots;
+        self.state_bf16 = state_bf16;
         Ok(())
     }
 
@@ -240,19 +247,6 @@ impl HybridStack {
                         v: slice_mut(v, kv_len),
                     })
                     .collect();
-                let mut states: Vec<LayerState<'_>> = self
-                    .layers
-                    .iter()
-                    .filter(|l| !l.attention)
-                    .zip(&self.states)
-                    .map(|(l, &(conv, delta))| LayerState {
-                        conv: slice_mut(
-                            conv,
-                            self.num_slots * channels * l.kernel.saturating_sub(1),
-                        ),
-                        delta: slice_mut(delta, delta_len),
-                    })
-                    .collect();
                 let (cos, sin, dim) = rope;
                 let inputs = HybridInputs {
                     rope: RopeTable {
@@ -266,18 +260,52 @@ impl HybridStack {
                     eps,
                 };
                 let h = slice_mut(h, rows * hidden);
-                // One parallel region for the whole step (see `run_in_team`).
-                run_in_team(threads, parallel, |team| {
-                    decode_hybrid_layers(
-                        h,
-                        &layers,
-                        &mut caches,
-                        &mut states,
-                        &inputs,
-                        threads,
-                        team,
-                    )
-                })
+                let conv_len =
+                    |l: &LayerAddrs| self.num_slots * channels * l.kernel.saturating_sub(1);
+                let delta_layers = || {
+                    self.layers
+                        .iter()
+                        .filter(|l| !l.attention)
+                        .zip(&self.states)
+                };
+                if self.state_bf16 {
+                    let mut states: Vec<LayerState<'_, Bf16>> = delta_layers()
+                        .map(|(l, &(conv, delta))| LayerState {
+                            conv: slice_mut(conv, conv_len(l)),
+                            delta: slice_mut(delta, delta_len),
+                        })
+                        .collect();
+                    // One parallel region for the whole step (see `run_in_team`).
+                    run_in_team(threads, parallel, |team| {
+                        decode_hybrid_layers(
+                            h,
+                            &layers,
+                            &mut caches,
+                            &mut states,
+                            &inputs,
+                            threads,
+                            team,
+                        )
+                    })
+                } else {
+                    let mut states: Vec<LayerState<'_, f32>> = delta_layers()
+                        .map(|(l, &(conv, delta))| LayerState {
+                            conv: slice_mut(conv, conv_len(l)),
+                            delta: slice_mut(delta, delta_len),
+                        })
+                        .collect();
+                    run_in_team(threads, parallel, |team| {
+                        decode_hybrid_layers(
+                            h,
+                            &layers,
+                            &mut caches,
+                            &mut states,
+                            &inputs,
+                            threads,
+                            team,
+                        )
+                    })
+                }
             }
         })
     }

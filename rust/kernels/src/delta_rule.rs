@@ -1,5 +1,8 @@
 //! The gated delta rule of Gated DeltaNet linear attention (Qwen3.5's linear layers) and
-//! its short causal convolution, over float32 states kept per sequence in state slots.
+//! its short causal convolution, over states kept per sequence in state slots: the delta
+//! matrices in f32 or bf16 (the caller's [`Element`]; arithmetic is f32 either way, a bf16
+//! state is rounded once per token in decode and once per block in a chunk), the
+//! convolution windows in f32.
 //!
 //! Per value head, with the state `S` a `[dk, dv]` matrix, one token does
 //! `S <- exp(g) S`, `u = beta (v - S^T k)`, `S <- S + k u^T`, `o = S^T q`.
@@ -42,49 +45,49 @@ impl DeltaShape {
 }
 
 macro_rules! dispatch {
-    ($name:ident, $body:ident, ($($arg:ident: $ty:ty),*)) => {
+    ($name:ident<$g:ident>, $body:ident, ($($arg:ident: $ty:ty),*)) => {
         #[allow(clippy::too_many_arguments)]
-        fn $name($($arg: $ty),*) {
+        fn $name<$g: Element>($($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
-                unsafe fn wide($($arg: $ty),*) {
-                    $body($($arg),*)
+                unsafe fn wide<$g: Element>($($arg: $ty),*) {
+                    $body::<$g>($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
-                unsafe fn avx2($($arg: $ty),*) {
-                    $body($($arg),*)
+                unsafe fn avx2<$g: Element>($($arg: $ty),*) {
+                    $body::<$g>($($arg),*)
                 }
                 if std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512bw")
                     && std::arch::is_x86_feature_detected!("avx512vl")
                 {
                     // SAFETY: the CPU has the features `wide` is compiled for.
-                    unsafe { wide($($arg),*) };
+                    unsafe { wide::<$g>($($arg),*) };
                     return;
                 }
                 if std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("fma")
                 {
                     // SAFETY: as above, for `avx2`.
-                    unsafe { avx2($($arg),*) };
+                    unsafe { avx2::<$g>($($arg),*) };
                     return;
                 }
             }
-            $body($($arg),*)
+            $body::<$g>($($arg),*)
         }
     };
 }
 
-dispatch!(decode_head, decode_head_body, (
-    s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: f32, beta: f32, out: &mut [f32],
+dispatch!(decode_head<S>, decode_head_body, (
+    s: &mut [S], q: &[f32], k: &[f32], v: &[f32], g: f32, beta: f32, out: &mut [f32],
     scratch: &mut [f32]
 ));
 
-dispatch!(chunk_head, chunk_head_body, (
-    s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32],
+dispatch!(chunk_head<S>, chunk_head_body, (
+    s: &mut [S], q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32],
     out: &mut [f32], t_len: usize, shape: DeltaShape
 ));
 
@@ -97,8 +100,8 @@ fn parts(items: usize, threads: usize) -> usize {
 /// `g`, `beta` `[B, H]`; `states` is the pool `[slots, H, dk, dv]`, sequence `b`'s state at
 /// slot `slots[b]` (distinct), updated in place; `out` `[B, H, dv]`.
 #[allow(clippy::too_many_arguments)]
-pub fn delta_rule_decode(
-    states: &mut [f32],
+pub fn delta_rule_decode<S: Element>(
+    states: &mut [S],
     slots: &[i64],
     q: &[f32],
     k: &[f32],
@@ -155,7 +158,7 @@ pub fn delta_rule_decode(
             // written by one part only.
             let (s, o) = unsafe {
                 (
-                    std::slice::from_raw_parts_mut((states_addr as *mut f32).add(base), dk * dv),
+                    std::slice::from_raw_parts_mut((states_addr as *mut S).add(base), dk * dv),
                     std::slice::from_raw_parts_mut((out_addr as *mut f32).add(item * dv), dv),
                 )
             };
@@ -177,8 +180,8 @@ pub fn delta_rule_decode(
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn decode_head_body(
-    s: &mut [f32],
+fn decode_head_body<S: Element>(
+    s: &mut [S],
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -195,8 +198,9 @@ fn decode_head_body(
     for (i, row) in s.chunks_exact(dv).enumerate() {
         let (ki, qi) = (k[i], q[i]);
         for j in 0..dv {
-            sk[j] += row[j] * ki;
-            sq[j] += row[j] * qi;
+            let x = row[j].to_f32();
+            sk[j] += x * ki;
+            sq[j] += x * qi;
         }
     }
     let decay = g.exp();
@@ -211,7 +215,7 @@ fn decode_head_body(
     for (i, row) in s.chunks_exact_mut(dv).enumerate() {
         let ki = k[i];
         for j in 0..dv {
-            row[j] = decay * row[j] + ki * sk[j];
+            row[j] = S::from_f32(decay * row[j].to_f32() + ki * sk[j]);
         }
     }
 }
@@ -220,8 +224,8 @@ fn decode_head_body(
 /// `[T, H]`; `state` `[H, dk, dv]` holds the state before the first token and is left
 /// holding the state after the last; `out` `[T, H, dv]`.
 #[allow(clippy::too_many_arguments)]
-pub fn delta_rule_chunk(
-    state: &mut [f32],
+pub fn delta_rule_chunk<S: Element>(
+    state: &mut [S],
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -263,7 +267,7 @@ pub fn delta_rule_chunk(
         for h in heads * p / n_parts..heads * (p + 1) / n_parts {
             // SAFETY: each head's state is touched by one part only.
             let s = unsafe {
-                std::slice::from_raw_parts_mut((state_addr as *mut f32).add(h * dk * dv), dk * dv)
+                std::slice::from_raw_parts_mut((state_addr as *mut S).add(h * dk * dv), dk * dv)
             };
             chunk_head(
                 s,
@@ -296,8 +300,8 @@ pub fn delta_rule_chunk(
 /// from the head's first element; its output goes to row `t` of `out` `[t_len, dv]`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn chunk_head_body(
-    s: &mut [f32],
+fn chunk_head_body<S: Element>(
+    s: &mut [S],
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -319,6 +323,7 @@ fn chunk_head_body(
     let mut sk = vec![0.0f32; c * dv];
     let mut sq = vec![0.0f32; c * dv];
     let mut u = vec![0.0f32; c * dv];
+    let mut row_sum = vec![0.0f32; dv];
     let key = |t: usize| &k[t * heads * dk..t * heads * dk + dk];
     let query = |t: usize| &q[t * heads * dk..t * heads * dk + dk];
     let mut start = 0;
@@ -338,8 +343,9 @@ fn chunk_head_body(
                 let (kr, qr) = (key(start + i)[r], query(start + i)[r]);
                 let (a, b) = (&mut sk[i * dv..(i + 1) * dv], &mut sq[i * dv..(i + 1) * dv]);
                 for j in 0..dv {
-                    a[j] += row[j] * kr;
-                    b[j] += row[j] * qr;
+                    let x = row[j].to_f32();
+                    a[j] += x * kr;
+                    b[j] += x * qr;
                 }
             }
         }
@@ -398,16 +404,20 @@ fn chunk_head_body(
         // One write of the state: S = e^{G_n} S + sum_i e^{G_n - G_i} k_i u_i^T.
         let last = cum[n - 1];
         let total = last.exp();
+        // Each row is summed in f32 and stored once (a bf16 state rounds once per block).
         for (r, row) in s.chunks_exact_mut(dv).enumerate() {
-            for x in row.iter_mut() {
-                *x *= total;
+            for (a, x) in row_sum.iter_mut().zip(row.iter()) {
+                *a = x.to_f32() * total;
             }
             for i in 0..n {
                 let w = (last - cum[i]).exp() * key(start + i)[r];
                 let ui = &u[i * dv..(i + 1) * dv];
                 for j in 0..dv {
-                    row[j] += w * ui[j];
+                    row_sum[j] += w * ui[j];
                 }
+            }
+            for (x, a) in row.iter_mut().zip(&row_sum) {
+                *x = S::from_f32(*a);
             }
         }
         start += n;

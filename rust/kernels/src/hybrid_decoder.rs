@@ -88,10 +88,11 @@ pub struct HybridLayer<'a> {
 }
 
 /// One Gated DeltaNet layer's state pools: the convolution windows `[slots, C, kernel - 1]`
-/// and the delta-rule matrices `[slots, value_heads, key_dim, value_dim]`, f32.
-pub struct LayerState<'a> {
+/// (f32) and the delta-rule matrices `[slots, value_heads, key_dim, value_dim]`, f32 or
+/// bf16 (`S`: every delta layer of a step keeps its matrices in the same type).
+pub struct LayerState<'a, S: Element = f32> {
     pub conv: &'a mut [f32],
-    pub delta: &'a mut [f32],
+    pub delta: &'a mut [S],
 }
 
 /// The head counts and sizes of both layer kinds.
@@ -133,11 +134,11 @@ fn invalid(what: String) -> KernelError {
 
 /// Checks every size before anything is written, so a bad call changes nothing. Returns
 /// `hidden`.
-fn check(
+fn check<S: Element>(
     h: &[Bf16],
     layers: &[HybridLayer<'_>],
     caches: &[impl LayerKv],
-    states: &[LayerState<'_>],
+    states: &[LayerState<'_, S>],
     inputs: &HybridInputs<'_>,
 ) -> Result<usize, KernelError> {
     let s = inputs.shape;
@@ -331,11 +332,11 @@ struct Scratch {
 /// entry) for one decode step, each row one sequence's next token: attention layers store
 /// the row's K/V in their cache, delta layers advance the row's state in its slot, and `h`
 /// ends as the last layer's output (before the final norm).
-pub fn decode_hybrid_layers(
+pub fn decode_hybrid_layers<S: Element>(
     h: &mut [Bf16],
     layers: &[HybridLayer<'_>],
     caches: &mut [impl LayerKv],
-    states: &mut [LayerState<'_>],
+    states: &mut [LayerState<'_, S>],
     inputs: &HybridInputs<'_>,
     threads: usize,
     parallel: &dyn Parallel,
