@@ -212,7 +212,9 @@ fn a_bf16_state_stays_near_the_recurrence_in_decode_and_in_chunks() {
     let (dk, dv, h) = (s.key_dim, s.value_dim, s.heads);
     let per = h * dk * dv;
     let mut rng = Rng(0xbf16);
-    let initial: Vec<Bf16> = (0..3 * per).map(|_| Bf16::from_f32(0.3 * rng.unit())).collect();
+    let initial: Vec<Bf16> = (0..3 * per)
+        .map(|_| Bf16::from_f32(0.3 * rng.unit()))
+        .collect();
     let slots = [2i64, 0];
     let mut pool = initial.clone();
     let mut want_states: Vec<Vec<f64>> = slots
@@ -256,7 +258,11 @@ fn a_bf16_state_stays_near_the_recurrence_in_decode_and_in_chunks() {
             track(&out[b * h * dv..(b + 1) * h * dv], &want);
         }
     }
-    assert_eq!(pool[per..2 * per], initial[per..2 * per], "slot 1 has no sequence");
+    assert_eq!(
+        pool[per..2 * per],
+        initial[per..2 * per],
+        "slot 1 has no sequence"
+    );
     // Then a prompt chunk of the first sequence, split across and inside blocks.
     let t_len = DELTA_CHUNK + 30;
     let x = tokens(&mut rng, t_len, s);
