@@ -153,6 +153,7 @@ def test_the_offline_engine_and_the_server_flag_take_it() -> None:
     prompts = random_prompts(32, [12, 40, 3, 25])
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [10] * 4
+    assert llm.backend.model.delta_states.dtype == torch.bfloat16
     _all_free(llm.engine.scheduler)
 
     from iron_batch.server.cli import build_engine, build_parser

@@ -4,8 +4,9 @@
 //! builds the stack and keeps them alive as long as the stack, which holds their addresses.
 
 use iron_batch_kernels::{
-    decode_hybrid_layers, run_in_team, Activation, Bf16, CacheGroup, GatedAttention, GatedDelta,
-    HybridInputs, HybridLayer, HybridShape, KernelError, LayerCache, LayerState, Mixer, RopeTable,
+    decode_hybrid_layers, run_in_team, Activation, Bf16, CacheGroup, Element, GatedAttention,
+    GatedDelta, HybridInputs, HybridLayer, HybridShape, KernelError, LayerCache, LayerState, Mixer,
+    Parallel, RopeTable,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -268,45 +269,63 @@ impl HybridStack {
                         .filter(|l| !l.attention)
                         .zip(&self.states)
                 };
+                let pools: Vec<(usize, usize, usize)> = delta_layers()
+                    .map(|(l, &(conv, delta))| (conv, conv_len(l), delta))
+                    .collect();
                 if self.state_bf16 {
-                    let mut states: Vec<LayerState<'_, Bf16>> = delta_layers()
-                        .map(|(l, &(conv, delta))| LayerState {
-                            conv: slice_mut(conv, conv_len(l)),
-                            delta: slice_mut(delta, delta_len),
-                        })
-                        .collect();
-                    // One parallel region for the whole step (see `run_in_team`).
-                    run_in_team(threads, parallel, |team| {
-                        decode_hybrid_layers(
-                            h,
-                            &layers,
-                            &mut caches,
-                            &mut states,
-                            &inputs,
-                            threads,
-                            team,
-                        )
-                    })
+                    step::<Bf16>(
+                        &pools,
+                        delta_len,
+                        h,
+                        &layers,
+                        &mut caches,
+                        &inputs,
+                        threads,
+                        parallel,
+                    )
                 } else {
-                    let mut states: Vec<LayerState<'_, f32>> = delta_layers()
-                        .map(|(l, &(conv, delta))| LayerState {
-                            conv: slice_mut(conv, conv_len(l)),
-                            delta: slice_mut(delta, delta_len),
-                        })
-                        .collect();
-                    run_in_team(threads, parallel, |team| {
-                        decode_hybrid_layers(
-                            h,
-                            &layers,
-                            &mut caches,
-                            &mut states,
-                            &inputs,
-                            threads,
-                            team,
-                        )
-                    })
+                    step::<f32>(
+                        &pools,
+                        delta_len,
+                        h,
+                        &layers,
+                        &mut caches,
+                        &inputs,
+                        threads,
+                        parallel,
+                    )
                 }
             }
         })
     }
+}
+
+/// One step with the delta layers' pools at `pools` (windows, their length, matrices of
+/// `delta_len` elements `S` each).
+///
+/// # Safety
+/// Every address is a live pool of that length that nothing else touches during the step.
+#[allow(clippy::too_many_arguments)]
+unsafe fn step<S: Element>(
+    pools: &[(usize, usize, usize)],
+    delta_len: usize,
+    h: &mut [Bf16],
+    layers: &[HybridLayer<'_>],
+    caches: &mut [LayerCache<'_>],
+    inputs: &HybridInputs<'_>,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
+    let mut states: Vec<LayerState<'_, S>> = pools
+        .iter()
+        .map(|&(conv, conv_len, delta)| LayerState {
+            // SAFETY: the caller's.
+            conv: unsafe { slice_mut(conv, conv_len) },
+            delta: unsafe { slice_mut(delta, delta_len) },
+        })
+        .collect();
+    // One parallel region for the whole step (see `run_in_team`).
+    run_in_team(threads, parallel, |team| {
+        decode_hybrid_layers(h, layers, caches, &mut states, inputs, threads, team)
+    })
 }

@@ -293,7 +293,6 @@ fn a_bf16_state_stays_near_the_recurrence_in_decode_and_in_chunks() {
     // do not pile up (4.3e-4 measured). A state not written back, or written to the wrong
     // slot, is off by the size of the values themselves.
     assert!(worst < 3e-3, "worst relative error {worst}");
-    assert!(worst > 0.0);
 }
 
 #[test]
