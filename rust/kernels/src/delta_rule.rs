@@ -26,6 +26,9 @@
 use crate::attention::{KernelError, Parallel};
 use crate::element::Element;
 
+/// The value-head width [`delta_rule_decode`] has an unrolled path for (every Qwen3.5).
+const DECODE_DV: usize = 128;
+
 /// Tokens per block of [`delta_rule_chunk`].
 pub const DELTA_CHUNK: usize = 64;
 
@@ -89,6 +92,15 @@ dispatch!(decode_head<S>, decode_head_body, (
 dispatch!(chunk_head<S>, chunk_head_body, (
     s: &mut [S], q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32],
     out: &mut [f32], t_len: usize, shape: DeltaShape
+));
+
+dispatch!(conv_chunk_part<T>, conv_chunk_part_body, (
+    x: &[T], window: &mut [f32], weight: &[T], kernel: usize, out_addr: usize, ch: usize,
+    lo: usize, hi: usize, t_len: usize
+));
+
+dispatch!(conv_decode_seq<T>, conv_decode_seq_body, (
+    x: &[T], window: &mut [f32], weight: &[T], kernel: usize, out: &mut [T], sums: &mut [f32]
 ));
 
 /// Parts of a call over `items` units: at most `threads`, at least one.
@@ -192,30 +204,49 @@ fn decode_head_body<S: Element>(
 ) {
     let dv = v.len();
     let (sk, sq) = scratch.split_at_mut(dv);
-    sk.fill(0.0);
-    sq.fill(0.0);
+    let sq = &mut sq[..dv];
     // One read of the state: S^T k and S^T q.
-    for (i, row) in s.chunks_exact(dv).enumerate() {
-        let (ki, qi) = (k[i], q[i]);
-        for j in 0..dv {
-            let x = row[j].to_f32();
-            sk[j] += x * ki;
-            sq[j] += x * qi;
+    if dv == DECODE_DV {
+        // Qwen3.5's value heads: both sums stay in registers across the rows.
+        let mut a = [0.0f32; DECODE_DV];
+        let mut b = [0.0f32; DECODE_DV];
+        for ((row, &ki), &qi) in s.chunks_exact(DECODE_DV).zip(k).zip(q) {
+            for j in 0..DECODE_DV {
+                let x = row[j].to_f32();
+                a[j] += x * ki;
+                b[j] += x * qi;
+            }
+        }
+        sk.copy_from_slice(&a);
+        sq.copy_from_slice(&b);
+    } else {
+        sk.fill(0.0);
+        sq.fill(0.0);
+        // Zipped slices of one length: vector code without bounds checks.
+        for ((row, &ki), &qi) in s.chunks_exact(dv).zip(k).zip(q) {
+            for ((x, a), b) in row.iter().zip(sk.iter_mut()).zip(sq.iter_mut()) {
+                let x = x.to_f32();
+                *a += x * ki;
+                *b += x * qi;
+            }
         }
     }
     let decay = g.exp();
     let kq: f32 = k.iter().zip(q).map(|(a, b)| a * b).sum();
     // u = beta (v - decay S^T k); o = decay S^T q + (k . q) u. `sk` becomes u.
-    for j in 0..dv {
-        let u = beta * (v[j] - decay * sk[j]);
-        sk[j] = u;
-        out[j] = decay * sq[j] + kq * u;
+    for ((u, o), (&vj, &qj)) in sk
+        .iter_mut()
+        .zip(out.iter_mut())
+        .zip(v.iter().zip(sq.iter()))
+    {
+        let uj = beta * (vj - decay * *u);
+        *u = uj;
+        *o = decay * qj + kq * uj;
     }
     // One write: S = decay S + k u^T.
-    for (i, row) in s.chunks_exact_mut(dv).enumerate() {
-        let ki = k[i];
-        for j in 0..dv {
-            row[j] = S::from_f32(decay * row[j].to_f32() + ki * sk[j]);
+    for (row, &ki) in s.chunks_exact_mut(dv).zip(k) {
+        for (x, &u) in row.iter_mut().zip(sk.iter()) {
+            *x = S::from_f32(decay * x.to_f32() + ki * u);
         }
     }
 }
@@ -296,8 +327,16 @@ pub fn delta_rule_chunk<S: Element>(
     Ok(())
 }
 
+/// Tokens (state read) or state rows (state write) per register tile of a chunk.
+const TILE_ROWS: usize = 4;
+/// Value columns per register tile of a chunk (two AVX-512 vectors).
+const TILE_COLS: usize = 32;
+
 /// One head over every block of the chunk. Token `t`'s vectors are at `t * heads * d`
 /// from the head's first element; its output goes to row `t` of `out` `[t_len, dv]`.
+///
+/// Every sum adds its terms in the order of the plain loops (over the key dimension, or
+/// over the block's tokens, from the first), so tiling changes no value.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn chunk_head_body<S: Element>(
@@ -318,50 +357,62 @@ fn chunk_head_body<S: Element>(
     } = shape;
     let c = DELTA_CHUNK;
     let mut cum = vec![0.0f32; c];
+    // Within-block decays exp(G_t - G_i), and exp(G_last - G_i).
+    let mut decay = vec![0.0f32; c * c];
+    let mut to_last = vec![0.0f32; c];
     let mut kk = vec![0.0f32; c * c];
     let mut qk = vec![0.0f32; c * c];
+    // The block's keys and queries, token-major and (keys) key-dimension-major.
+    let mut kb = vec![0.0f32; c * dk];
+    let mut qb = vec![0.0f32; c * dk];
+    let mut kt = vec![0.0f32; dk * c];
     let mut sk = vec![0.0f32; c * dv];
     let mut sq = vec![0.0f32; c * dv];
     let mut u = vec![0.0f32; c * dv];
-    let mut row_sum = vec![0.0f32; dv];
-    let key = |t: usize| &k[t * heads * dk..t * heads * dk + dk];
-    let query = |t: usize| &q[t * heads * dk..t * heads * dk + dk];
+    // The state in f32 while a block works on it (read widened, stored rounded at its end).
+    let mut wide = vec![0.0f32; dk * dv];
     let mut start = 0;
     while start < t_len {
         let n = c.min(t_len - start);
+        for (a, e) in wide.iter_mut().zip(s.iter()) {
+            *a = e.to_f32();
+        }
         // Cumulative log decay within the block.
         let mut acc = 0.0f32;
         for i in 0..n {
             acc += g[(start + i) * heads];
             cum[i] = acc;
         }
-        // One read of the state for the whole block: S^T k_t and S^T q_t.
-        sk[..n * dv].fill(0.0);
-        sq[..n * dv].fill(0.0);
-        for (r, row) in s.chunks_exact(dv).enumerate() {
-            for i in 0..n {
-                let (kr, qr) = (key(start + i)[r], query(start + i)[r]);
-                let (a, b) = (&mut sk[i * dv..(i + 1) * dv], &mut sq[i * dv..(i + 1) * dv]);
-                for j in 0..dv {
-                    let x = row[j].to_f32();
-                    a[j] += x * kr;
-                    b[j] += x * qr;
-                }
+        for t in 0..n {
+            for i in 0..=t {
+                decay[t * c + i] = (cum[t] - cum[i]).exp();
             }
         }
-        // Key-key and query-key products within the block (i <= t).
+        let last = cum[n - 1];
+        for i in 0..n {
+            to_last[i] = (last - cum[i]).exp();
+        }
+        for i in 0..n {
+            let at = (start + i) * heads * dk;
+            kb[i * dk..(i + 1) * dk].copy_from_slice(&k[at..at + dk]);
+            qb[i * dk..(i + 1) * dk].copy_from_slice(&q[at..at + dk]);
+            for d in 0..dk {
+                kt[d * c + i] = k[at + d];
+            }
+        }
+        // One read of the state for the whole block: S^T k_t and S^T q_t.
+        read_state(&wide, &kb, &qb, n, dk, dv, &mut sk, &mut sq);
+        // Key-key and query-key products within the block (i <= t), across i at once.
         for t in 0..n {
-            let (kt, qt) = (key(start + t), query(start + t));
-            for i in 0..=t {
-                let ki = key(start + i);
-                let mut a = 0.0f32;
-                let mut b = 0.0f32;
-                for d in 0..dk {
-                    a += kt[d] * ki[d];
-                    b += qt[d] * ki[d];
+            let (kr, qr) = (&mut kk[t * c..t * c + t + 1], &mut qk[t * c..t * c + t + 1]);
+            kr.fill(0.0);
+            qr.fill(0.0);
+            for d in 0..dk {
+                let (kd, qd) = (kb[t * dk + d], qb[t * dk + d]);
+                for ((a, b), &ki) in kr.iter_mut().zip(qr.iter_mut()).zip(&kt[d * c..]) {
+                    *a += kd * ki;
+                    *b += qd * ki;
                 }
-                kk[t * c + i] = a;
-                qk[t * c + i] = b;
             }
         }
         // Forward substitution: u_t = beta_t (v_t - e^{G_t} S^T k_t
@@ -372,55 +423,158 @@ fn chunk_head_body<S: Element>(
             let vt = &v[(start + t) * heads * dv..(start + t) * heads * dv + dv];
             let (done, rest) = u.split_at_mut(t * dv);
             let ut = &mut rest[..dv];
-            for j in 0..dv {
-                ut[j] = vt[j] - et * sk[t * dv + j];
+            for ((x, &vj), &sj) in ut.iter_mut().zip(vt).zip(&sk[t * dv..(t + 1) * dv]) {
+                *x = vj - et * sj;
             }
-            for i in 0..t {
-                let w = (cum[t] - cum[i]).exp() * kk[t * c + i];
-                let ui = &done[i * dv..(i + 1) * dv];
-                for j in 0..dv {
-                    ut[j] -= w * ui[j];
+            for (i, ui) in done.chunks_exact(dv).enumerate() {
+                let w = decay[t * c + i] * kk[t * c + i];
+                for (x, &e) in ut.iter_mut().zip(ui) {
+                    *x -= w * e;
                 }
             }
             for x in ut.iter_mut() {
                 *x *= bt;
             }
             let ot = &mut out[(start + t) * dv..(start + t + 1) * dv];
-            for j in 0..dv {
-                ot[j] = et * sq[t * dv + j];
+            for (o, &sj) in ot.iter_mut().zip(&sq[t * dv..(t + 1) * dv]) {
+                *o = et * sj;
             }
-            for i in 0..=t {
-                let w = (cum[t] - cum[i]).exp() * qk[t * c + i];
-                let ui = if i < t {
-                    &done[i * dv..(i + 1) * dv]
-                } else {
-                    &*ut
-                };
-                for j in 0..dv {
-                    ot[j] += w * ui[j];
+            for (i, ui) in done.chunks_exact(dv).chain([&*ut]).enumerate() {
+                let w = decay[t * c + i] * qk[t * c + i];
+                for (o, &e) in ot.iter_mut().zip(ui) {
+                    *o += w * e;
                 }
             }
         }
-        // One write of the state: S = e^{G_n} S + sum_i e^{G_n - G_i} k_i u_i^T.
-        let last = cum[n - 1];
-        let total = last.exp();
-        // Each row is summed in f32 and stored once (a bf16 state rounds once per block).
-        for (r, row) in s.chunks_exact_mut(dv).enumerate() {
-            for (a, x) in row_sum.iter_mut().zip(row.iter()) {
-                *a = x.to_f32() * total;
-            }
-            for i in 0..n {
-                let w = (last - cum[i]).exp() * key(start + i)[r];
-                let ui = &u[i * dv..(i + 1) * dv];
-                for j in 0..dv {
-                    row_sum[j] += w * ui[j];
-                }
-            }
-            for (x, a) in row.iter_mut().zip(&row_sum) {
-                *x = S::from_f32(*a);
-            }
+        // One write of the state: S = e^{G_n} S + sum_i e^{G_n - G_i} k_i u_i^T, each
+        // element summed in f32 and stored once (a bf16 state rounds once per block).
+        write_state(&mut wide, &kb, &u, &to_last[..n], last.exp(), dk, dv);
+        for (e, &a) in s.iter_mut().zip(wide.iter()) {
+            *e = S::from_f32(a);
         }
         start += n;
+    }
+}
+
+/// `sk[i] = S^T k_i`, `sq[i] = S^T q_i` for the block's `n` tokens (`kb`, `qb` `[n, dk]`),
+/// in register tiles of [`TILE_ROWS`] tokens by [`TILE_COLS`] columns: each state element
+/// read from cache once per tile of tokens, not once per token.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn read_state(
+    s: &[f32],
+    kb: &[f32],
+    qb: &[f32],
+    n: usize,
+    dk: usize,
+    dv: usize,
+    sk: &mut [f32],
+    sq: &mut [f32],
+) {
+    const R: usize = TILE_ROWS;
+    const C: usize = TILE_COLS;
+    for i0 in (0..n).step_by(R) {
+        for j0 in (0..dv).step_by(C) {
+            if i0 + R <= n && j0 + C <= dv {
+                let mut ak = [[0.0f32; C]; R];
+                let mut aq = [[0.0f32; C]; R];
+                for r in 0..dk {
+                    let mut x = [0.0f32; C];
+                    for (xj, e) in x.iter_mut().zip(&s[r * dv + j0..r * dv + j0 + C]) {
+                        *xj = *e;
+                    }
+                    for t in 0..R {
+                        let (kr, qr) = (kb[(i0 + t) * dk + r], qb[(i0 + t) * dk + r]);
+                        for j in 0..C {
+                            ak[t][j] += x[j] * kr;
+                            aq[t][j] += x[j] * qr;
+                        }
+                    }
+                }
+                for t in 0..R {
+                    let at = (i0 + t) * dv + j0;
+                    sk[at..at + C].copy_from_slice(&ak[t]);
+                    sq[at..at + C].copy_from_slice(&aq[t]);
+                }
+            } else {
+                let (ti, tj) = (R.min(n - i0), C.min(dv - j0));
+                for t in i0..i0 + ti {
+                    let (a, b) = (&mut sk[t * dv + j0..], &mut sq[t * dv + j0..]);
+                    a[..tj].fill(0.0);
+                    b[..tj].fill(0.0);
+                    for r in 0..dk {
+                        let (kr, qr) = (kb[t * dk + r], qb[t * dk + r]);
+                        for j in 0..tj {
+                            let x = s[r * dv + j0 + j];
+                            a[j] += x * kr;
+                            b[j] += x * qr;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `S[r] = total S[r] + sum_i (to_last[i] k_i[r]) u_i` over the block's tokens in order,
+/// in register tiles of [`TILE_ROWS`] state rows by [`TILE_COLS`] columns.
+#[inline(always)]
+fn write_state(
+    s: &mut [f32],
+    kb: &[f32],
+    u: &[f32],
+    to_last: &[f32],
+    total: f32,
+    dk: usize,
+    dv: usize,
+) {
+    const R: usize = TILE_ROWS;
+    const C: usize = TILE_COLS;
+    let n = to_last.len();
+    for r0 in (0..dk).step_by(R) {
+        for j0 in (0..dv).step_by(C) {
+            if r0 + R <= dk && j0 + C <= dv {
+                let mut acc = [[0.0f32; C]; R];
+                for (t, row) in acc.iter_mut().enumerate() {
+                    let at = (r0 + t) * dv + j0;
+                    for (a, e) in row.iter_mut().zip(&s[at..at + C]) {
+                        *a = e * total;
+                    }
+                }
+                for i in 0..n {
+                    let ui = &u[i * dv + j0..i * dv + j0 + C];
+                    for (t, row) in acc.iter_mut().enumerate() {
+                        let w = to_last[i] * kb[i * dk + r0 + t];
+                        for (a, &e) in row.iter_mut().zip(ui) {
+                            *a += w * e;
+                        }
+                    }
+                }
+                for (t, row) in acc.iter().enumerate() {
+                    let at = (r0 + t) * dv + j0;
+                    for (x, &a) in s[at..at + C].iter_mut().zip(row) {
+                        *x = a;
+                    }
+                }
+            } else {
+                let tj = C.min(dv - j0);
+                for r in r0..(r0 + R).min(dk) {
+                    let mut acc = [0.0f32; C];
+                    for (a, e) in acc.iter_mut().zip(&s[r * dv + j0..r * dv + j0 + tj]) {
+                        *a = e * total;
+                    }
+                    for i in 0..n {
+                        let w = to_last[i] * kb[i * dk + r];
+                        for (a, &e) in acc.iter_mut().zip(&u[i * dv + j0..i * dv + j0 + tj]) {
+                            *a += w * e;
+                        }
+                    }
+                    for (x, &a) in s[r * dv + j0..r * dv + j0 + tj].iter_mut().zip(&acc) {
+                        *x = a;
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -471,6 +625,7 @@ pub fn causal_conv_decode<T: Element>(
     let win_addr = windows.as_mut_ptr() as usize;
     let out_addr = out.as_mut_ptr() as usize;
     parallel.run(n_parts, &|p| {
+        let mut sums = vec![0.0f32; ch];
         for seq in b * p / n_parts..b * (p + 1) / n_parts {
             // SAFETY: distinct slots and sequences: one part per window and output row.
             let (win, o) = unsafe {
@@ -482,22 +637,67 @@ pub fn causal_conv_decode<T: Element>(
                     std::slice::from_raw_parts_mut((out_addr as *mut T).add(seq * ch), ch),
                 )
             };
-            for c in 0..ch {
-                let wc = &mut win[c * w..(c + 1) * w];
-                let kc = &weight[c * kernel..(c + 1) * kernel];
-                let xn = x[seq * ch + c].to_f32();
-                let mut sum = 0.0f32;
-                for j in 0..w {
-                    sum += wc[j] * kc[j].to_f32();
-                }
-                sum += xn * kc[w].to_f32();
-                o[c] = conv_out::<T>(sum);
-                wc.copy_within(1.., 0);
-                wc[w - 1] = xn;
-            }
+            conv_decode_seq(
+                &x[seq * ch..(seq + 1) * ch],
+                win,
+                weight,
+                kernel,
+                o,
+                &mut sums,
+            );
         }
     });
     Ok(())
+}
+
+/// One sequence's step of [`causal_conv_decode`]: every channel's sum (oldest input
+/// first, the new one last), its window shifted, then the SiLUs over the whole row.
+#[inline(always)]
+fn conv_decode_seq_body<T: Element>(
+    x: &[T],
+    window: &mut [f32],
+    weight: &[T],
+    kernel: usize,
+    out: &mut [T],
+    sums: &mut [f32],
+) {
+    let w = kernel - 1;
+    let rows = x
+        .iter()
+        .zip(window.chunks_exact_mut(w))
+        .zip(weight.chunks_exact(kernel))
+        .zip(sums.iter_mut());
+    if w == 3 {
+        // Qwen3.5's kernel of 4, unrolled: no call to shift three values.
+        for (((xc, wc), kc), sum) in rows {
+            let xn = xc.to_f32();
+            let (w0, w1, w2) = (wc[0], wc[1], wc[2]);
+            *sum = 0.0
+                + w0 * kc[0].to_f32()
+                + w1 * kc[1].to_f32()
+                + w2 * kc[2].to_f32()
+                + xn * kc[3].to_f32();
+            wc[0] = w1;
+            wc[1] = w2;
+            wc[2] = xn;
+        }
+    } else {
+        for (((xc, wc), kc), sum) in rows {
+            let xn = xc.to_f32();
+            let mut acc = 0.0f32;
+            for (a, b) in wc.iter().zip(kc) {
+                acc += a * b.to_f32();
+            }
+            *sum = acc + xn * kc[w].to_f32();
+            for j in 1..w {
+                wc[j - 1] = wc[j];
+            }
+            wc[w - 1] = xn;
+        }
+    }
+    for (o, &sum) in out.iter_mut().zip(sums.iter()) {
+        *o = conv_out::<T>(sum);
+    }
 }
 
 /// `T` new inputs of one sequence: `x` `[T, C]`, `window` `[C, K - 1]` (the inputs before
@@ -529,26 +729,88 @@ pub fn causal_conv_chunk<T: Element>(
     let win_addr = window.as_mut_ptr() as usize;
     let out_addr = out.as_mut_ptr() as usize;
     parallel.run(n_parts, &|p| {
-        let mut hist = vec![0.0f32; w + t_len];
-        for c in ch * p / n_parts..ch * (p + 1) / n_parts {
-            // SAFETY: channel ranges are disjoint: each window row is touched by one part.
-            let wc =
-                unsafe { std::slice::from_raw_parts_mut((win_addr as *mut f32).add(c * w), w) };
-            hist[..w].copy_from_slice(wc);
-            for t in 0..t_len {
-                hist[w + t] = x[t * ch + c].to_f32();
-            }
-            let kc = &weight[c * kernel..(c + 1) * kernel];
-            for t in 0..t_len {
-                let mut sum = 0.0f32;
-                for j in 0..kernel {
-                    sum += hist[t + j] * kc[j].to_f32();
-                }
-                // SAFETY: element (t, c) is inside `out`, and channel c is this part's.
-                unsafe { *(out_addr as *mut T).add(t * ch + c) = conv_out::<T>(sum) };
-            }
-            wc.copy_from_slice(&hist[t_len..t_len + w]);
-        }
+        let (lo, hi) = (ch * p / n_parts, ch * (p + 1) / n_parts);
+        // SAFETY: channel ranges are disjoint: each part touches its own window rows and
+        // its own columns of `out`.
+        let win = unsafe {
+            std::slice::from_raw_parts_mut((win_addr as *mut f32).add(lo * w), (hi - lo) * w)
+        };
+        conv_chunk_part(x, win, weight, kernel, out_addr, ch, lo, hi, t_len);
     });
     Ok(())
+}
+
+/// Channels per block of [`conv_chunk_part_body`]: a block's weights, window and sums stay
+/// in L1 while its tokens pass.
+const CONV_BLOCK: usize = 256;
+
+/// Channels `lo..hi` of [`causal_conv_chunk`] (`window` holds their windows), token by
+/// token over contiguous runs of channels so that the loops are vector code: each sum
+/// adds the products oldest input first, as the per-channel form does.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn conv_chunk_part_body<T: Element>(
+    x: &[T],
+    window: &mut [f32],
+    weight: &[T],
+    kernel: usize,
+    out_addr: usize,
+    ch: usize,
+    lo: usize,
+    hi: usize,
+    t_len: usize,
+) {
+    let w = kernel - 1;
+    let mut taps = vec![0.0f32; kernel * CONV_BLOCK];
+    let mut before = vec![0.0f32; w * CONV_BLOCK];
+    let mut sums = vec![0.0f32; CONV_BLOCK];
+    for b0 in (lo..hi).step_by(CONV_BLOCK) {
+        let nb = CONV_BLOCK.min(hi - b0);
+        // The block's taps and window, one row per tap / per earlier input.
+        for c in 0..nb {
+            for j in 0..kernel {
+                taps[j * CONV_BLOCK + c] = weight[(b0 + c) * kernel + j].to_f32();
+            }
+            for j in 0..w {
+                before[j * CONV_BLOCK + c] = window[(b0 - lo + c) * w + j];
+            }
+        }
+        for t in 0..t_len {
+            let sums = &mut sums[..nb];
+            sums.fill(0.0);
+            for j in 0..kernel {
+                let tap = &taps[j * CONV_BLOCK..j * CONV_BLOCK + nb];
+                // The input at time t + j - w: an earlier one from the window, else x's.
+                if t + j < w {
+                    let row = &before[(t + j) * CONV_BLOCK..(t + j) * CONV_BLOCK + nb];
+                    for ((s, &a), &b) in sums.iter_mut().zip(row).zip(tap) {
+                        *s += a * b;
+                    }
+                } else {
+                    let at = (t + j - w) * ch + b0;
+                    for ((s, a), &b) in sums.iter_mut().zip(&x[at..at + nb]).zip(tap) {
+                        *s += a.to_f32() * b;
+                    }
+                }
+            }
+            // SAFETY: row t's columns b0..b0 + nb are inside `out` and this part's.
+            let o = unsafe {
+                std::slice::from_raw_parts_mut((out_addr as *mut T).add(t * ch + b0), nb)
+            };
+            for (o, &sum) in o.iter_mut().zip(sums.iter()) {
+                *o = conv_out::<T>(sum);
+            }
+        }
+        // The new window: the last w inputs, from x where the chunk reaches back that far.
+        for c in 0..nb {
+            for j in 0..w {
+                let value = if t_len + j >= w {
+                    x[(t_len + j - w) * ch + b0 + c].to_f32()
+                } else {
+                    before[(t_len + j) * CONV_BLOCK + c]
+                };
+                window[(b0 - lo + c) * w + j] = value;
+            }
+        }
+    }
 }

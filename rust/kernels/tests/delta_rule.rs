@@ -94,9 +94,30 @@ const SHAPE: DeltaShape = DeltaShape {
     value_dim: 8,
 };
 
+/// Shapes the kernels' tiled and unrolled paths take: Qwen3.5's 128-wide value heads (a
+/// key dimension that the 4-row tiles do not divide), and 40 columns (one 32-column tile
+/// and a remainder).
+const WIDE: [DeltaShape; 2] = [
+    DeltaShape {
+        heads: 2,
+        key_dim: 18,
+        value_dim: 128,
+    },
+    DeltaShape {
+        heads: 1,
+        key_dim: 8,
+        value_dim: 40,
+    },
+];
+
 #[test]
 fn chunked_prefill_matches_the_recurrence_wherever_the_chunks_end() {
-    let s = SHAPE;
+    for s in [SHAPE].into_iter().chain(WIDE) {
+        chunked_prefill_matches(s);
+    }
+}
+
+fn chunked_prefill_matches(s: DeltaShape) {
     let (dk, dv, h) = (s.key_dim, s.value_dim, s.heads);
     let mut rng = Rng(0x5eed_1234);
     let t_len = 3 * DELTA_CHUNK + 17;
@@ -145,7 +166,12 @@ fn chunked_prefill_matches_the_recurrence_wherever_the_chunks_end() {
 
 #[test]
 fn decode_updates_each_slot_in_place_like_the_recurrence() {
-    let s = SHAPE;
+    for s in [SHAPE].into_iter().chain(WIDE) {
+        decode_matches(s);
+    }
+}
+
+fn decode_matches(s: DeltaShape) {
     let (dk, dv, h) = (s.key_dim, s.value_dim, s.heads);
     let mut rng = Rng(77);
     let per = h * dk * dv;
@@ -357,7 +383,14 @@ fn conv_reference(x: &[f64], window: &[f64], weight: &[f64], ch: usize, k: usize
 
 #[test]
 fn the_convolution_carries_its_window_through_chunks_and_decodes() {
-    let (ch, k) = (70, 4);
+    // Qwen3.5's kernel of 4, over fewer channels than one block of the chunk path and over
+    // several blocks split between two threads; and a kernel of 2.
+    for (ch, k) in [(70, 4), (600, 4), (33, 2)] {
+        conv_through_chunks_and_decodes(ch, k);
+    }
+}
+
+fn conv_through_chunks_and_decodes(ch: usize, k: usize) {
     let mut rng = Rng(9);
     let t_len = 23;
     let x: Vec<f32> = (0..t_len * ch).map(|_| rng.unit()).collect();
