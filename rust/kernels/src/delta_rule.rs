@@ -476,6 +476,13 @@ fn read_state(
     for i0 in (0..n).step_by(R) {
         for j0 in (0..dv).step_by(C) {
             if i0 + R <= n && j0 + C <= dv {
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the CPU has AVX-512F; the tile's rows and columns are inside
+                    // `s`, `kb`, `qb`, `sk` and `sq` (checked just above).
+                    unsafe { avx512::read_tile(s, kb, qb, dk, dv, i0, j0, sk, sq) };
+                    continue;
+                }
                 let mut ak = [[0.0f32; C]; R];
                 let mut aq = [[0.0f32; C]; R];
                 for r in 0..dk {
@@ -534,6 +541,12 @@ fn write_state(
     for r0 in (0..dk).step_by(R) {
         for j0 in (0..dv).step_by(C) {
             if r0 + R <= dk && j0 + C <= dv {
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: as in `read_state`, for `s`, `kb` and `u`.
+                    unsafe { avx512::write_tile(s, kb, u, to_last, total, dk, dv, r0, j0) };
+                    continue;
+                }
                 let mut acc = [[0.0f32; C]; R];
                 for (t, row) in acc.iter_mut().enumerate() {
                     let at = (r0 + t) * dv + j0;
@@ -811,6 +824,101 @@ fn conv_chunk_part_body<T: Element>(
                 };
                 window[(b0 - lo + c) * w + j] = value;
             }
+        }
+    }
+}
+
+/// The full register tiles of a chunk's state read and write in AVX-512 (the plain loops
+/// are left to the compiler, which does not always keep their tiles in registers): the
+/// same products and sums in the same order, a multiply then an add as the plain loops
+/// do, so the values are the same.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{TILE_COLS, TILE_ROWS};
+    use std::arch::x86_64::*;
+
+    const _: () = assert!(TILE_ROWS == 4 && TILE_COLS == 32);
+
+    /// Tokens `i0..i0 + 4` by columns `j0..j0 + 32` of `sk = S^T k`, `sq = S^T q`.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn read_tile(
+        s: &[f32],
+        kb: &[f32],
+        qb: &[f32],
+        dk: usize,
+        dv: usize,
+        i0: usize,
+        j0: usize,
+        sk: &mut [f32],
+        sq: &mut [f32],
+    ) {
+        debug_assert!(s.len() >= dk * dv && j0 + 32 <= dv);
+        debug_assert!(kb.len() >= (i0 + 4) * dk && qb.len() >= (i0 + 4) * dk);
+        let (sp, kp, qp) = (s.as_ptr(), kb.as_ptr(), qb.as_ptr());
+        let mut ak = [_mm512_setzero_ps(); 8];
+        let mut aq = [_mm512_setzero_ps(); 8];
+        for r in 0..dk {
+            let x0 = _mm512_loadu_ps(sp.add(r * dv + j0));
+            let x1 = _mm512_loadu_ps(sp.add(r * dv + j0 + 16));
+            for t in 0..4 {
+                let kr = _mm512_set1_ps(*kp.add((i0 + t) * dk + r));
+                let qr = _mm512_set1_ps(*qp.add((i0 + t) * dk + r));
+                ak[2 * t] = _mm512_add_ps(ak[2 * t], _mm512_mul_ps(x0, kr));
+                ak[2 * t + 1] = _mm512_add_ps(ak[2 * t + 1], _mm512_mul_ps(x1, kr));
+                aq[2 * t] = _mm512_add_ps(aq[2 * t], _mm512_mul_ps(x0, qr));
+                aq[2 * t + 1] = _mm512_add_ps(aq[2 * t + 1], _mm512_mul_ps(x1, qr));
+            }
+        }
+        for t in 0..4 {
+            let at = (i0 + t) * dv + j0;
+            debug_assert!(at + 32 <= sk.len() && at + 32 <= sq.len());
+            _mm512_storeu_ps(sk.as_mut_ptr().add(at), ak[2 * t]);
+            _mm512_storeu_ps(sk.as_mut_ptr().add(at + 16), ak[2 * t + 1]);
+            _mm512_storeu_ps(sq.as_mut_ptr().add(at), aq[2 * t]);
+            _mm512_storeu_ps(sq.as_mut_ptr().add(at + 16), aq[2 * t + 1]);
+        }
+    }
+
+    /// State rows `r0..r0 + 4` by columns `j0..j0 + 32` of
+    /// `S = total S + sum_i (to_last[i] k_i) u_i`.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn write_tile(
+        s: &mut [f32],
+        kb: &[f32],
+        u: &[f32],
+        to_last: &[f32],
+        total: f32,
+        dk: usize,
+        dv: usize,
+        r0: usize,
+        j0: usize,
+    ) {
+        let n = to_last.len();
+        debug_assert!(s.len() >= (r0 + 4) * dv && j0 + 32 <= dv);
+        debug_assert!(kb.len() >= n * dk && u.len() >= n * dv && r0 + 4 <= dk);
+        let (sp, kp, up) = (s.as_mut_ptr(), kb.as_ptr(), u.as_ptr());
+        let tot = _mm512_set1_ps(total);
+        let mut acc = [_mm512_setzero_ps(); 8];
+        for t in 0..4 {
+            let at = (r0 + t) * dv + j0;
+            acc[2 * t] = _mm512_mul_ps(_mm512_loadu_ps(sp.add(at)), tot);
+            acc[2 * t + 1] = _mm512_mul_ps(_mm512_loadu_ps(sp.add(at + 16)), tot);
+        }
+        for (i, &e) in to_last.iter().enumerate() {
+            let u0 = _mm512_loadu_ps(up.add(i * dv + j0));
+            let u1 = _mm512_loadu_ps(up.add(i * dv + j0 + 16));
+            for t in 0..4 {
+                let w = _mm512_set1_ps(e * *kp.add(i * dk + r0 + t));
+                acc[2 * t] = _mm512_add_ps(acc[2 * t], _mm512_mul_ps(w, u0));
+                acc[2 * t + 1] = _mm512_add_ps(acc[2 * t + 1], _mm512_mul_ps(w, u1));
+            }
+        }
+        for t in 0..4 {
+            let at = (r0 + t) * dv + j0;
+            _mm512_storeu_ps(sp.add(at), acc[2 * t]);
+            _mm512_storeu_ps(sp.add(at + 16), acc[2 * t + 1]);
         }
     }
 }
