@@ -207,7 +207,8 @@ fn decode_head_body<S: Element>(
     let sq = &mut sq[..dv];
     // One read of the state: S^T k and S^T q.
     if dv == DECODE_DV {
-        // Qwen3.5's value heads: both sums stay in registers across the rows.
+        // Qwen3.5's value heads: sums of a fixed size, which the compiler can keep in
+        // registers across the rows.
         let mut a = [0.0f32; DECODE_DV];
         let mut b = [0.0f32; DECODE_DV];
         for ((row, &ki), &qi) in s.chunks_exact(DECODE_DV).zip(k).zip(q) {
