@@ -272,28 +272,25 @@ impl HybridStack {
                 let pools: Vec<(usize, usize, usize)> = delta_layers()
                     .map(|(l, &(conv, delta))| (conv, conv_len(l), delta))
                     .collect();
+                // One call, with the delta matrices' element type chosen at load.
+                macro_rules! step_in {
+                    ($s:ty) => {
+                        step::<$s>(
+                            &pools,
+                            delta_len,
+                            h,
+                            &layers,
+                            &mut caches,
+                            &inputs,
+                            threads,
+                            parallel,
+                        )
+                    };
+                }
                 if self.state_bf16 {
-                    step::<Bf16>(
-                        &pools,
-                        delta_len,
-                        h,
-                        &layers,
-                        &mut caches,
-                        &inputs,
-                        threads,
-                        parallel,
-                    )
+                    step_in!(Bf16)
                 } else {
-                    step::<f32>(
-                        &pools,
-                        delta_len,
-                        h,
-                        &layers,
-                        &mut caches,
-                        &inputs,
-                        threads,
-                        parallel,
-                    )
+                    step_in!(f32)
                 }
             }
         })
