@@ -403,7 +403,7 @@ pub fn gemv_blocks(
             out.len()
         )));
     }
-    let simd = avx2_available();
+    let path = Path::detect();
     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
     // Per-group sums of each activation row, for groups of 16 and of 32.
     let sums16: Vec<f32> = xf.chunks_exact(16).map(|c| c.iter().sum()).collect();
@@ -413,12 +413,14 @@ pub fn gemv_blocks(
     let task = |part: usize| {
         let (lo, hi) = (n * part / parts, n * (part + 1) / parts);
         let mut results: Vec<[f32; MAX_ROWS]> = Vec::with_capacity(CHUNK_ROWS);
+        let mut coef = vec![0f32; k / 16];
         for chunk in (lo..hi).step_by(CHUNK_ROWS) {
             let end = (chunk + CHUNK_ROWS).min(hi);
             let mut first = 0;
             while first < rows {
                 let take = (rows - first).min(MAX_ROWS);
                 let xs = &xf[first * k..(first + take) * k];
+                let xb = &x[first * k..(first + take) * k];
                 results.clear();
                 results.resize(end - chunk, [0.0; MAX_ROWS]);
                 for (i, row) in (chunk..end).enumerate() {
@@ -429,7 +431,7 @@ pub fn gemv_blocks(
                         (&sums32, k / 32)
                     };
                     let ss = &sums[first * groups..(first + take) * groups];
-                    dot_row(f, w, xs, ss, take, k, simd, &mut results[i]);
+                    dot_row(f, w, xs, xb, ss, take, k, path, &mut coef, &mut results[i]);
                 }
                 for (row, dots) in (chunk..end).zip(&results) {
                     let b = bias.map_or(0.0, |b| b[row].to_f32());
@@ -557,34 +559,78 @@ fn avx2_available() -> bool {
     }
 }
 
+/// Which build of [`dot_row`] this CPU runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    Portable,
+    Avx2,
+    /// AVX-512 with its bf16 dot products (`vdpbf16ps`).
+    Avx512Bf16,
+}
+
+impl Path {
+    fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f")
+                && has!("avx512bw")
+                && has!("avx512vl")
+                && has!("avx512bf16")
+                && has!("f16c")
+            {
+                return Path::Avx512Bf16;
+            }
+        }
+        if avx2_available() {
+            Path::Avx2
+        } else {
+            Path::Portable
+        }
+    }
+}
+
 /// `dots[r]` = activation row `r`'s dot with the weight row `w` (its blocks), for the
-/// `count` rows of `xs` (`[count, k]` f32; `sums` their per-group sums).
+/// `count` rows of `xs` (`[count, k]` f32, the same numbers as the bf16 `xb`; `sums` their
+/// per-group sums).
 #[allow(clippy::too_many_arguments)]
 fn dot_row(
     f: BlockFormat,
     w: &[u8],
     xs: &[f32],
+    xb: &[Bf16],
     sums: &[f32],
     count: usize,
     k: usize,
-    simd: bool,
+    path: Path,
+    coef: &mut [f32],
     dots: &mut [f32; MAX_ROWS],
 ) {
     prefetch_ahead(w.as_ptr(), w.len());
     #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: `simd` means AVX2 and FMA were detected; the caller checked the shapes.
-        unsafe {
+    match path {
+        // SAFETY: the path's features were detected; the caller checked the shapes.
+        Path::Avx512Bf16 => unsafe {
+            match count {
+                1 => avx512::dot_row::<1>(f, w, xs, xb, sums, k, coef, dots),
+                2 => avx512::dot_row::<2>(f, w, xs, xb, sums, k, coef, dots),
+                3 => avx512::dot_row::<3>(f, w, xs, xb, sums, k, coef, dots),
+                _ => avx512::dot_row::<4>(f, w, xs, xb, sums, k, coef, dots),
+            }
+            return;
+        },
+        Path::Avx2 => unsafe {
             match count {
                 1 => avx2::dot_row::<1>(f, w, xs, sums, k, dots),
                 2 => avx2::dot_row::<2>(f, w, xs, sums, k, dots),
                 3 => avx2::dot_row::<3>(f, w, xs, sums, k, dots),
                 _ => avx2::dot_row::<4>(f, w, xs, sums, k, dots),
             }
-        }
-        return;
+            return;
+        },
+        Path::Portable => {}
     }
-    let _ = simd;
+    let _ = (path, xb, coef);
     let (v, g) = (f.values(), f.group());
     let groups = k / g;
     let mut u = Unpacked::new();
@@ -713,6 +759,291 @@ mod avx2 {
     }
 }
 
+/// The GEMV with bf16 dot products: each group's `q` become bf16 numbers in a register,
+/// once for every activation row, and `vdpbf16ps` takes 32 products an instruction.
+///
+/// A `q` of 0..128 (every format's stored value before its own offset: 4, 5 or 6 bits) is
+/// OR-ed into the bit pattern of 128.0, which gives the bf16 number `128 + q` exactly; a
+/// group then adds `scale * sum((128 + q) x)`, and a row at its end the dot of its group
+/// sums with each group's `offset - scale * (128 + c)` (`c` the format's own subtrahend:
+/// 32 for Q6_K, 16 for Q5_0), collected per group in `coef`. Products of two bf16 numbers
+/// are exact in f32: only the sums are rounded. Q8_0 takes f32 FMAs instead (its `i8` do
+/// not fit that trick).
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{BlockFormat, MAX_ROWS};
+    use crate::element::Bf16;
+
+    /// The f16 at `p` as f32.
+    #[inline(always)]
+    unsafe fn half(p: *const u8) -> f32 {
+        let bits = u16::from_le_bytes([*p, *p.add(1)]);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+    }
+
+    #[inline(always)]
+    unsafe fn word(p: *const u8) -> u32 {
+        u32::from_le_bytes(std::ptr::read_unaligned(p.cast()))
+    }
+
+    /// 32 stored values (bytes of 0..128) as the bf16 numbers `128 + q`.
+    #[inline(always)]
+    unsafe fn biased(q: __m256i) -> __m512bh {
+        std::mem::transmute(_mm512_or_si512(
+            _mm512_cvtepu8_epi16(q),
+            _mm512_set1_epi16(0x4300),
+        ))
+    }
+
+    /// Eight bytes (low byte first) as eight f32.
+    #[inline(always)]
+    unsafe fn bytes8(v: u64) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
+    }
+
+    /// The products of `ROWS` activation rows with one group's bf16 weights `w`: the 32
+    /// values at element `at` of each row (`k` apart) into `acc[r]`, times `scale` (per
+    /// lane: Q6_K's two groups of 16 share one register).
+    #[inline(always)]
+    unsafe fn group<const ROWS: usize>(
+        w: __m512bh,
+        scale: __m512,
+        x: *const Bf16,
+        k: usize,
+        at: usize,
+        acc: &mut [__m512; ROWS],
+    ) {
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let xr: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.add(r * k + at).cast()));
+            let s = _mm512_dpbf16_ps(_mm512_setzero_ps(), w, xr);
+            *acc = _mm512_fmadd_ps(s, scale, *acc);
+        }
+    }
+
+    /// One block of 32 (Q5_0, Q5_1, Q4_1) at `p`, the weights of elements
+    /// `at..at + 32`, into `acc`; returns the block's `coef`.
+    #[inline(always)]
+    unsafe fn block32<const ROWS: usize>(
+        f: BlockFormat,
+        p: *const u8,
+        x: *const Bf16,
+        k: usize,
+        at: usize,
+        acc: &mut [__m512; ROWS],
+    ) -> f32 {
+        let d = half(p);
+        let (coef, qs) = match f {
+            BlockFormat::Q5_0 => (-144.0 * d, p.add(6)),
+            BlockFormat::Q5_1 => (half(p.add(2)) - 128.0 * d, p.add(8)),
+            _ => (half(p.add(2)) - 128.0 * d, p.add(4)),
+        };
+        let bytes = _mm_loadu_si128(qs.cast());
+        let low = _mm_set1_epi8(15);
+        let mut q = _mm256_set_m128i(
+            _mm_and_si128(_mm_srli_epi16::<4>(bytes), low),
+            _mm_and_si128(bytes, low),
+        );
+        if f != BlockFormat::Q4_1 {
+            // Bit e of the u32 before the nibbles is weight e's fifth bit.
+            q = _mm256_mask_add_epi8(q, word(qs.sub(4)), q, _mm256_set1_epi8(16));
+        }
+        group::<ROWS>(biased(q), _mm512_set1_ps(d), x, k, at, acc);
+        coef
+    }
+
+    /// The portable `dot_row` with bf16 dot products: see the module docs. `coef` is
+    /// scratch of at least `k / group` values.
+    ///
+    /// SAFETY: AVX-512 F/BW/VL/BF16 and F16C; `w` is whole blocks of a row of `k`, `xs`
+    /// and `xb` the same `ROWS` rows of `k` in f32 and bf16, `sums` their `k / group` group
+    /// sums.
+    #[allow(clippy::needless_range_loop)] // `r` indexes the accumulators, `dots` and `sums`
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,f16c")]
+    pub(super) unsafe fn dot_row<const ROWS: usize>(
+        f: BlockFormat,
+        w: &[u8],
+        xs: &[f32],
+        xb: &[Bf16],
+        sums: &[f32],
+        k: usize,
+        coef: &mut [f32],
+        dots: &mut [f32; MAX_ROWS],
+    ) {
+        let groups = k / f.group();
+        debug_assert!(coef.len() >= groups);
+        let x = xb.as_ptr();
+        let c = coef.as_mut_ptr();
+        // Two accumulators a row, neighbouring groups taking turns, so that no row waits
+        // on one chain of additions.
+        let mut acc0 = [_mm512_setzero_ps(); ROWS];
+        let mut acc1 = [_mm512_setzero_ps(); ROWS];
+        let low = _mm256_set1_epi8(15);
+        match f {
+            BlockFormat::Q4K | BlockFormat::Q5K => {
+                let five = f == BlockFormat::Q5K;
+                for (b, block) in w.chunks_exact(f.bytes()).enumerate() {
+                    let p = block.as_ptr();
+                    let (d, dmin) = (half(p), half(p.add(2)));
+                    // The 12 scale bytes as 8 six-bit scales and 8 six-bit mins (ggml's
+                    // `get_scale_min_k4`, four at a time): the low six bits of bytes 0..4
+                    // (scales) and 4..8 (mins), then the nibbles of bytes 8..12 under the
+                    // top two bits of bytes 0..4 (scales) and 4..8 (mins).
+                    let (w0, w1, w2) = (word(p.add(4)), word(p.add(8)), word(p.add(12)));
+                    let six = 0x3f3f_3f3f;
+                    let (nib, top) = (0x0f0f_0f0f, 0x0303_0303);
+                    let sc_hi = (w2 & nib) | (((w0 >> 6) & top) << 4);
+                    let m_hi = ((w2 >> 4) & nib) | (((w1 >> 6) & top) << 4);
+                    let sc = u64::from(w0 & six) | (u64::from(sc_hi) << 32);
+                    let m = u64::from(w1 & six) | (u64::from(m_hi) << 32);
+                    let scale = _mm256_mul_ps(_mm256_set1_ps(d), bytes8(sc));
+                    let offset = _mm256_mul_ps(_mm256_set1_ps(-dmin), bytes8(m));
+                    _mm256_storeu_ps(
+                        c.add(8 * b),
+                        _mm256_fmadd_ps(scale, _mm256_set1_ps(-128.0), offset),
+                    );
+                    let mut s = [0f32; 8];
+                    _mm256_storeu_ps(s.as_mut_ptr(), scale);
+                    let (qh, qs) = if five {
+                        (_mm256_loadu_si256(p.add(16).cast()), p.add(48))
+                    } else {
+                        (_mm256_setzero_si256(), p.add(16))
+                    };
+                    for pair in 0..4 {
+                        let bytes = _mm256_loadu_si256(qs.add(32 * pair).cast());
+                        let mut lo = _mm256_and_si256(bytes, low);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low);
+                        if five {
+                            // Bit g of qh[e] is the fifth bit of weight e of group g.
+                            let sixteen = _mm256_set1_epi8(16);
+                            let bit = 1i8 << (2 * pair);
+                            let on = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(bit));
+                            lo = _mm256_mask_add_epi8(lo, on, lo, sixteen);
+                            let on = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(bit << 1));
+                            hi = _mm256_mask_add_epi8(hi, on, hi, sixteen);
+                        }
+                        let at = b * 256 + 64 * pair;
+                        let (s0, s1) = (s[2 * pair], s[2 * pair + 1]);
+                        group::<ROWS>(biased(lo), _mm512_set1_ps(s0), x, k, at, &mut acc0);
+                        group::<ROWS>(biased(hi), _mm512_set1_ps(s1), x, k, at + 32, &mut acc1);
+                    }
+                }
+            }
+            BlockFormat::Q6K => {
+                for (b, block) in w.chunks_exact(f.bytes()).enumerate() {
+                    let p = block.as_ptr();
+                    let d = half(p.add(208));
+                    let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        p.add(192).cast(),
+                    )));
+                    let scale = _mm512_mul_ps(_mm512_set1_ps(d), sc);
+                    _mm512_storeu_ps(c.add(16 * b), _mm512_mul_ps(scale, _mm512_set1_ps(-160.0)));
+                    let mut s = [0f32; 16];
+                    _mm512_storeu_ps(s.as_mut_ptr(), scale);
+                    // Weight 128 h + 32 part + e: the low four bits from byte 32 (part % 2)
+                    // + e of the h-th 64 bytes (the high nibble for parts 2 and 3), the top
+                    // two from bits 2 part of byte 128 + 32 h + e.
+                    for h in 0..2 {
+                        let ql0 = _mm256_loadu_si256(p.add(64 * h).cast());
+                        let ql1 = _mm256_loadu_si256(p.add(64 * h + 32).cast());
+                        let qh = _mm256_loadu_si256(p.add(128 + 32 * h).cast());
+                        let three = _mm256_set1_epi8(3);
+                        for half_ in 0..2 {
+                            let (l0, l1) = if half_ == 0 {
+                                (ql0, ql1)
+                            } else {
+                                (_mm256_srli_epi16::<4>(ql0), _mm256_srli_epi16::<4>(ql1))
+                            };
+                            let shift = _mm_cvtsi32_si128(4 * half_ as i32);
+                            let t0 = _mm256_and_si256(_mm256_srl_epi16(qh, shift), three);
+                            let shift = _mm_cvtsi32_si128(4 * half_ as i32 + 2);
+                            let t1 = _mm256_and_si256(_mm256_srl_epi16(qh, shift), three);
+                            let q0 = _mm256_or_si256(
+                                _mm256_and_si256(l0, low),
+                                _mm256_slli_epi16::<4>(t0),
+                            );
+                            let q1 = _mm256_or_si256(
+                                _mm256_and_si256(l1, low),
+                                _mm256_slli_epi16::<4>(t1),
+                            );
+                            // Weights 0..16 of a part's 32 are group j, 16..32 group j + 1:
+                            // their pair products land in lanes 0..8 and 8..16.
+                            let part = 2 * half_;
+                            for (q, part, acc) in [(q0, part, &mut acc0), (q1, part + 1, &mut acc1)]
+                            {
+                                let j = 8 * h + 2 * part;
+                                let scale = _mm512_mask_blend_ps(
+                                    0xff00,
+                                    _mm512_set1_ps(s[j]),
+                                    _mm512_set1_ps(s[j + 1]),
+                                );
+                                group::<ROWS>(biased(q), scale, x, k, b * 256 + 16 * j, acc);
+                            }
+                        }
+                    }
+                }
+            }
+            BlockFormat::Q8_0 => {
+                // `i8` values widened to f32 against the f32 rows: on the CPUs measured two
+                // f32 FMAs cost less than a `vdpbf16ps` and the conversions it needs.
+                let xf = xs.as_ptr();
+                for (b, block) in w.chunks_exact(f.bytes()).enumerate() {
+                    let p = block.as_ptr();
+                    let d = _mm512_set1_ps(half(p));
+                    let v = _mm256_loadu_si256(p.add(2).cast());
+                    let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+                    let hi =
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256::<1>(v)));
+                    let acc = if b % 2 == 0 { &mut acc0 } else { &mut acc1 };
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let at = xf.add(r * k + 32 * b);
+                        let t = _mm512_mul_ps(lo, _mm512_loadu_ps(at));
+                        let t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(at.add(16)), t);
+                        *acc = _mm512_fmadd_ps(t, d, *acc);
+                    }
+                }
+            }
+            BlockFormat::Q5_0 | BlockFormat::Q5_1 | BlockFormat::Q4_1 => {
+                let size = f.bytes();
+                let p = w.as_ptr();
+                let blocks = groups;
+                let mut b = 0;
+                while b + 1 < blocks {
+                    *c.add(b) = block32::<ROWS>(f, p.add(b * size), x, k, 32 * b, &mut acc0);
+                    let next = p.add((b + 1) * size);
+                    *c.add(b + 1) = block32::<ROWS>(f, next, x, k, 32 * (b + 1), &mut acc1);
+                    b += 2;
+                }
+                if b < blocks {
+                    *c.add(b) = block32::<ROWS>(f, p.add(b * size), x, k, 32 * b, &mut acc0);
+                }
+            }
+        }
+        let shifted = f != BlockFormat::Q8_0;
+        for r in 0..ROWS {
+            let mut total = _mm512_add_ps(acc0[r], acc1[r]);
+            if shifted {
+                // The row's dot of its group sums with `coef`, sixteen groups a vector.
+                let row = sums.as_ptr().add(r * groups);
+                let mut g = 0;
+                while g < groups {
+                    let mask: __mmask16 = if groups - g >= 16 {
+                        0xffff
+                    } else {
+                        (1u16 << (groups - g)) - 1
+                    };
+                    let cv = _mm512_maskz_loadu_ps(mask, c.add(g));
+                    let sv = _mm512_maskz_loadu_ps(mask, row.add(g));
+                    total = _mm512_fmadd_ps(cv, sv, total);
+                    g += 16;
+                }
+            }
+            dots[r] = _mm512_reduce_add_ps(total);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -752,34 +1083,51 @@ mod tests {
         data
     }
 
-    /// The portable and AVX2 dots agree, and both equal the dot with the dequantized
-    /// weights up to f32 summation.
+    /// Every build of the dot this CPU runs (portable, AVX2, AVX-512 BF16) equals the dot
+    /// with the dequantized weights up to f32 summation, for one to four activation rows.
     #[test]
-    fn portable_and_simd_dots_agree_with_the_weights() {
-        for f in BlockFormat::ALL {
-            let k = 3 * f.values().max(64);
+    fn every_dot_path_agrees_with_the_weights() {
+        let mut paths = vec![Path::Portable];
+        if avx2_available() {
+            paths.push(Path::Avx2);
+        }
+        if Path::detect() == Path::Avx512Bf16 {
+            paths.push(Path::Avx512Bf16);
+        }
+        // Five blocks: an odd count (the 32-value formats take blocks in pairs) and group
+        // counts that leave a partial vector of 16 (40 and 80 for the K-quants).
+        for (f, k) in BlockFormat::ALL
+            .into_iter()
+            .flat_map(|f| [(f, 3 * f.values().max(64)), (f, 5 * f.values())])
+        {
             let n = 3;
             let data = blocks(f, n, k, 7);
             let m = Blocks::new(f, n, &data);
-            let xs: Vec<f32> = (0..2 * k)
-                .map(|i| Bf16::from_f32((i as f32 * 0.37).sin()).to_f32())
+            let xb: Vec<Bf16> = (0..MAX_ROWS * k)
+                .map(|i| Bf16::from_f32((i as f32 * 0.37).sin() * (1.0 + (i % 5) as f32)))
                 .collect();
+            let xs: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
             let sums: Vec<f32> = xs.chunks_exact(f.group()).map(|c| c.iter().sum()).collect();
             for row in 0..n {
                 let w = &data[row * f.row_bytes(k)..(row + 1) * f.row_bytes(k)];
-                let (mut plain, mut fast) = ([0f32; MAX_ROWS], [0f32; MAX_ROWS]);
-                dot_row(f, w, &xs, &sums, 2, k, false, &mut plain);
-                dot_row(f, w, &xs, &sums, 2, k, avx2_available(), &mut fast);
-                for r in 0..2 {
-                    let (mut exact, mut size) = (0f64, 0f64);
-                    for j in 0..k {
-                        let t = f64::from(m.weight(row, j, k)) * f64::from(xs[r * k + j]);
-                        exact += t;
-                        size += t.abs();
-                    }
-                    for got in [plain[r], fast[r]] {
-                        let err = (f64::from(got) - exact).abs();
-                        assert!(err <= 1e-5 * size + 1e-6, "{f:?}: {got} vs {exact}");
+                for count in 1..=MAX_ROWS {
+                    for &path in &paths {
+                        let mut got = [f32::NAN; MAX_ROWS];
+                        let mut coef = vec![f32::NAN; k / 16];
+                        dot_row(f, w, &xs, &xb, &sums, count, k, path, &mut coef, &mut got);
+                        for (r, &got) in got.iter().enumerate().take(count) {
+                            let (mut exact, mut size) = (0f64, 0f64);
+                            for j in 0..k {
+                                let t = f64::from(m.weight(row, j, k)) * f64::from(xs[r * k + j]);
+                                exact += t;
+                                size += t.abs();
+                            }
+                            let err = (f64::from(got) - exact).abs();
+                            assert!(
+                                err <= 1e-5 * size + 1e-6,
+                                "{f:?} {path:?} row {row} of {count}: {got} vs {exact}"
+                            );
+                        }
                     }
                 }
             }
