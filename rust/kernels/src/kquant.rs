@@ -405,6 +405,12 @@ pub fn gemv_blocks(
     }
     let path = Path::detect();
     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let kp = interleaved_len(k);
+    let xi = if path == Path::Avx512Bf16 {
+        interleave(x, rows, k)
+    } else {
+        Vec::new()
+    };
     // Per-group sums of each activation row, for groups of 16 and of 32.
     let sums16: Vec<f32> = xf.chunks_exact(16).map(|c| c.iter().sum()).collect();
     let sums32: Vec<f32> = xf.chunks_exact(32).map(|c| c.iter().sum()).collect();
@@ -420,7 +426,7 @@ pub fn gemv_blocks(
             while first < rows {
                 let take = (rows - first).min(MAX_ROWS);
                 let xs = &xf[first * k..(first + take) * k];
-                let xb = &x[first * k..(first + take) * k];
+                let xb = xi.get(first * kp..(first + take) * kp).unwrap_or(&[]);
                 results.clear();
                 results.resize(end - chunk, [0.0; MAX_ROWS]);
                 for (i, row) in (chunk..end).enumerate() {
@@ -591,8 +597,8 @@ impl Path {
 }
 
 /// `dots[r]` = activation row `r`'s dot with the weight row `w` (its blocks), for the
-/// `count` rows of `xs` (`[count, k]` f32, the same numbers as the bf16 `xb`; `sums` their
-/// per-group sums).
+/// `count` rows of `xs` (`[count, k]` f32; `xb` the same rows in bf16 in [`interleave`]'s
+/// order, which only the AVX-512 path reads; `sums` their per-group sums).
 #[allow(clippy::too_many_arguments)]
 fn dot_row(
     f: BlockFormat,
@@ -759,21 +765,46 @@ mod avx2 {
     }
 }
 
-/// The GEMV with bf16 dot products: each group's `q` become bf16 numbers in a register,
-/// once for every activation row, and `vdpbf16ps` takes 32 products an instruction.
+/// The activations in the order the AVX-512 GEMV reads them: each row padded with zeros to
+/// a multiple of 64 ([`interleaved_len`]), and each 64 values `v` stored as `v[0..8]`,
+/// `v[16..24]`, `v[32..40]`, `v[48..56]`, then `v[8..16]`, `v[24..32]`, `v[40..48]`,
+/// `v[56..64]`: the order in which two byte unpacks (`vpunpcklbw`, `vpunpckhbw`, which
+/// work within 16-byte lanes) lay out 64 weights stored in their natural order.
+fn interleave(x: &[Bf16], rows: usize, k: usize) -> Vec<Bf16> {
+    let kp = interleaved_len(k);
+    let mut out = vec![Bf16(0); rows * kp];
+    for (src, dst) in x.chunks_exact(k).zip(out.chunks_exact_mut(kp)) {
+        for (j, &v) in src.iter().enumerate() {
+            let (chunk, e) = (j / 64, j % 64);
+            let (lane, at) = (e / 16, e % 16);
+            dst[chunk * 64 + 32 * (at / 8) + 8 * lane + at % 8] = v;
+        }
+    }
+    out
+}
+
+/// A row's length in [`interleave`]'s order.
+fn interleaved_len(k: usize) -> usize {
+    k.div_ceil(64) * 64
+}
+
+/// The GEMV with bf16 dot products, 64 weights a step: their stored values (bytes of
+/// 0..128: every format's 4, 5 or 6 bits before its own offset) are put in one register in
+/// their natural order, and two byte unpacks against the byte 0x43 make 64 bf16 numbers
+/// `128 + q` of them (0x4300 is 128.0; the value fills the mantissa), in the order of
+/// [`interleave`]. Two `vdpbf16ps` take the 64 products with a row, and one FMA scales
+/// them: lanes 0..8 of the products hold the first 32 weights, lanes 8..16 the last 32 (in
+/// four lanes a group for Q6_K's groups of 16).
 ///
-/// A `q` of 0..128 (every format's stored value before its own offset: 4, 5 or 6 bits) is
-/// OR-ed into the bit pattern of 128.0, which gives the bf16 number `128 + q` exactly; a
-/// group then adds `scale * sum((128 + q) x)`, and a row at its end the dot of its group
-/// sums with each group's `offset - scale * (128 + c)` (`c` the format's own subtrahend:
-/// 32 for Q6_K, 16 for Q5_0), collected per group in `coef`. Products of two bf16 numbers
-/// are exact in f32: only the sums are rounded. Q8_0 takes f32 FMAs instead (its `i8` do
-/// not fit that trick).
+/// A row at its end adds the dot of its group sums with each group's `offset - scale *
+/// (128 + c)` (`c` the format's own subtrahend: 32 for Q6_K, 16 for Q5_0), collected per
+/// group in `coef`. Products of two bf16 numbers are exact in f32: only the sums are
+/// rounded. Q8_0 takes f32 FMAs instead (its `i8` values do not fit in the mantissa).
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{BlockFormat, MAX_ROWS};
+    use super::{interleaved_len, BlockFormat, MAX_ROWS};
     use crate::element::Bf16;
 
     /// The f16 at `p` as f32.
@@ -788,51 +819,46 @@ mod avx512 {
         u32::from_le_bytes(std::ptr::read_unaligned(p.cast()))
     }
 
-    /// 32 stored values (bytes of 0..128) as the bf16 numbers `128 + q`.
-    #[inline(always)]
-    unsafe fn biased(q: __m256i) -> __m512bh {
-        std::mem::transmute(_mm512_or_si512(
-            _mm512_cvtepu8_epi16(q),
-            _mm512_set1_epi16(0x4300),
-        ))
-    }
-
     /// Eight bytes (low byte first) as eight f32.
     #[inline(always)]
     unsafe fn bytes8(v: u64) -> __m256 {
         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
     }
 
-    /// The products of `ROWS` activation rows with one group's bf16 weights `w`: the 32
-    /// values at element `at` of each row (`k` apart) into `acc[r]`, times `scale` (per
-    /// lane: Q6_K's two groups of 16 share one register).
+    /// `[a; 8]` then `[b; 8]`.
     #[inline(always)]
-    unsafe fn group<const ROWS: usize>(
-        w: __m512bh,
+    unsafe fn halves(a: f32, b: f32) -> __m512 {
+        _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(a), _mm512_set1_ps(b))
+    }
+
+    /// The 64 weights whose stored values are the bytes of `q`, times `scale` (per lane of
+    /// the products), with `ROWS` activation rows (interleaved, `kp` apart) from element
+    /// `at`, into `acc`.
+    #[inline(always)]
+    unsafe fn step<const ROWS: usize>(
+        q: __m512i,
         scale: __m512,
         x: *const Bf16,
-        k: usize,
+        kp: usize,
         at: usize,
         acc: &mut [__m512; ROWS],
     ) {
+        let top = _mm512_set1_epi8(0x43);
+        let w0: __m512bh = std::mem::transmute(_mm512_unpacklo_epi8(q, top));
+        let w1: __m512bh = std::mem::transmute(_mm512_unpackhi_epi8(q, top));
         for (r, acc) in acc.iter_mut().enumerate() {
-            let xr: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.add(r * k + at).cast()));
-            let s = _mm512_dpbf16_ps(_mm512_setzero_ps(), w, xr);
+            let xr = x.add(r * kp + at);
+            let x0: __m512bh = std::mem::transmute(_mm512_loadu_si512(xr.cast()));
+            let x1: __m512bh = std::mem::transmute(_mm512_loadu_si512(xr.add(32).cast()));
+            let s = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), w0, x0), w1, x1);
             *acc = _mm512_fmadd_ps(s, scale, *acc);
         }
     }
 
-    /// One block of 32 (Q5_0, Q5_1, Q4_1) at `p`, the weights of elements
-    /// `at..at + 32`, into `acc`; returns the block's `coef`.
+    /// The 32 stored values of a Q5_0, Q5_1 or Q4_1 block at `p` (bytes in weight order)
+    /// and its scale and `coef`.
     #[inline(always)]
-    unsafe fn block32<const ROWS: usize>(
-        f: BlockFormat,
-        p: *const u8,
-        x: *const Bf16,
-        k: usize,
-        at: usize,
-        acc: &mut [__m512; ROWS],
-    ) -> f32 {
+    unsafe fn block32(f: BlockFormat, p: *const u8) -> (__m256i, f32, f32) {
         let d = half(p);
         let (coef, qs) = match f {
             BlockFormat::Q5_0 => (-144.0 * d, p.add(6)),
@@ -849,23 +875,23 @@ mod avx512 {
             // Bit e of the u32 before the nibbles is weight e's fifth bit.
             q = _mm256_mask_add_epi8(q, word(qs.sub(4)), q, _mm256_set1_epi8(16));
         }
-        group::<ROWS>(biased(q), _mm512_set1_ps(d), x, k, at, acc);
-        coef
+        (q, d, coef)
     }
 
     /// The portable `dot_row` with bf16 dot products: see the module docs. `coef` is
     /// scratch of at least `k / group` values.
     ///
-    /// SAFETY: AVX-512 F/BW/VL/BF16 and F16C; `w` is whole blocks of a row of `k`, `xs`
-    /// and `xb` the same `ROWS` rows of `k` in f32 and bf16, `sums` their `k / group` group
-    /// sums.
+    /// SAFETY: AVX-512 F/BW/VL/BF16 and F16C; `w` is whole blocks of a row of `k`; `xs` is
+    /// `ROWS` rows of `k` in f32, `xi` the same rows in bf16 in [`super::interleave`]'s
+    /// order; `sums` their `k / group` group sums.
     #[allow(clippy::needless_range_loop)] // `r` indexes the accumulators, `dots` and `sums`
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,f16c")]
     pub(super) unsafe fn dot_row<const ROWS: usize>(
         f: BlockFormat,
         w: &[u8],
         xs: &[f32],
-        xb: &[Bf16],
+        xi: &[Bf16],
         sums: &[f32],
         k: usize,
         coef: &mut [f32],
@@ -873,13 +899,15 @@ mod avx512 {
     ) {
         let groups = k / f.group();
         debug_assert!(coef.len() >= groups);
-        let x = xb.as_ptr();
+        let kp = interleaved_len(k);
+        let x = xi.as_ptr();
         let c = coef.as_mut_ptr();
-        // Two accumulators a row, neighbouring groups taking turns, so that no row waits
-        // on one chain of additions.
+        // Two accumulators a row, steps taking turns, so that no row waits on one chain.
         let mut acc0 = [_mm512_setzero_ps(); ROWS];
         let mut acc1 = [_mm512_setzero_ps(); ROWS];
-        let low = _mm256_set1_epi8(15);
+        let low = _mm512_set1_epi8(15);
+        // Shifts by 0 for the low 32 bytes and by 4 for the high 32 (16-bit lanes).
+        let nibble_shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
         match f {
             BlockFormat::Q4K | BlockFormat::Q5K => {
                 let five = f == BlockFormat::Q5K;
@@ -906,31 +934,36 @@ mod avx512 {
                     let mut s = [0f32; 8];
                     _mm256_storeu_ps(s.as_mut_ptr(), scale);
                     let (qh, qs) = if five {
-                        (_mm256_loadu_si256(p.add(16).cast()), p.add(48))
+                        (
+                            _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(16).cast())),
+                            p.add(48),
+                        )
                     } else {
-                        (_mm256_setzero_si256(), p.add(16))
+                        (_mm512_setzero_si512(), p.add(16))
                     };
                     for pair in 0..4 {
-                        let bytes = _mm256_loadu_si256(qs.add(32 * pair).cast());
-                        let mut lo = _mm256_and_si256(bytes, low);
-                        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low);
+                        // Group 2 pair is the low nibbles of 32 bytes, 2 pair + 1 the high.
+                        let bytes =
+                            _mm512_broadcast_i64x4(_mm256_loadu_si256(qs.add(32 * pair).cast()));
+                        let mut q = _mm512_and_si512(_mm512_srlv_epi16(bytes, nibble_shift), low);
                         if five {
                             // Bit g of qh[e] is the fifth bit of weight e of group g.
-                            let sixteen = _mm256_set1_epi8(16);
-                            let bit = 1i8 << (2 * pair);
-                            let on = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(bit));
-                            lo = _mm256_mask_add_epi8(lo, on, lo, sixteen);
-                            let on = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(bit << 1));
-                            hi = _mm256_mask_add_epi8(hi, on, hi, sixteen);
+                            let bits = _mm512_inserti64x4::<1>(
+                                _mm512_set1_epi8(1 << (2 * pair)),
+                                _mm256_set1_epi8(2 << (2 * pair)),
+                            );
+                            let on = _mm512_test_epi8_mask(qh, bits);
+                            q = _mm512_mask_add_epi8(q, on, q, _mm512_set1_epi8(16));
                         }
+                        let scale = halves(s[2 * pair], s[2 * pair + 1]);
                         let at = b * 256 + 64 * pair;
-                        let (s0, s1) = (s[2 * pair], s[2 * pair + 1]);
-                        group::<ROWS>(biased(lo), _mm512_set1_ps(s0), x, k, at, &mut acc0);
-                        group::<ROWS>(biased(hi), _mm512_set1_ps(s1), x, k, at + 32, &mut acc1);
+                        let acc = if pair % 2 == 0 { &mut acc0 } else { &mut acc1 };
+                        step::<ROWS>(q, scale, x, kp, at, acc);
                     }
                 }
             }
             BlockFormat::Q6K => {
+                let three = _mm512_set1_epi8(3);
                 for (b, block) in w.chunks_exact(f.bytes()).enumerate() {
                     let p = block.as_ptr();
                     let d = half(p.add(208));
@@ -939,54 +972,58 @@ mod avx512 {
                     )));
                     let scale = _mm512_mul_ps(_mm512_set1_ps(d), sc);
                     _mm512_storeu_ps(c.add(16 * b), _mm512_mul_ps(scale, _mm512_set1_ps(-160.0)));
-                    let mut s = [0f32; 16];
-                    _mm512_storeu_ps(s.as_mut_ptr(), scale);
                     // Weight 128 h + 32 part + e: the low four bits from byte 32 (part % 2)
                     // + e of the h-th 64 bytes (the high nibble for parts 2 and 3), the top
-                    // two from bits 2 part of byte 128 + 32 h + e.
+                    // two from bits 2 part of byte 128 + 32 h + e. Parts 0 and 1 (then 2
+                    // and 3) are 64 weights in order.
                     for h in 0..2 {
-                        let ql0 = _mm256_loadu_si256(p.add(64 * h).cast());
-                        let ql1 = _mm256_loadu_si256(p.add(64 * h + 32).cast());
-                        let qh = _mm256_loadu_si256(p.add(128 + 32 * h).cast());
-                        let three = _mm256_set1_epi8(3);
+                        let ql = _mm512_loadu_si512(p.add(64 * h).cast());
+                        let qh =
+                            _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h).cast()));
                         for half_ in 0..2 {
-                            let (l0, l1) = if half_ == 0 {
-                                (ql0, ql1)
+                            let l = if half_ == 0 {
+                                ql
                             } else {
-                                (_mm256_srli_epi16::<4>(ql0), _mm256_srli_epi16::<4>(ql1))
+                                _mm512_srli_epi16::<4>(ql)
                             };
-                            let shift = _mm_cvtsi32_si128(4 * half_ as i32);
-                            let t0 = _mm256_and_si256(_mm256_srl_epi16(qh, shift), three);
-                            let shift = _mm_cvtsi32_si128(4 * half_ as i32 + 2);
-                            let t1 = _mm256_and_si256(_mm256_srl_epi16(qh, shift), three);
-                            let q0 = _mm256_or_si256(
-                                _mm256_and_si256(l0, low),
-                                _mm256_slli_epi16::<4>(t0),
+                            let shift = _mm512_inserti64x4::<1>(
+                                _mm512_set1_epi16(4 * half_ as i16),
+                                _mm256_set1_epi16(4 * half_ as i16 + 2),
                             );
-                            let q1 = _mm256_or_si256(
-                                _mm256_and_si256(l1, low),
-                                _mm256_slli_epi16::<4>(t1),
+                            let t = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), three);
+                            let q = _mm512_or_si512(
+                                _mm512_and_si512(l, low),
+                                _mm512_slli_epi16::<4>(t),
                             );
-                            // Weights 0..16 of a part's 32 are group j, 16..32 group j + 1:
-                            // their pair products land in lanes 0..8 and 8..16.
-                            let part = 2 * half_;
-                            for (q, part, acc) in [(q0, part, &mut acc0), (q1, part + 1, &mut acc1)]
-                            {
-                                let j = 8 * h + 2 * part;
-                                let scale = _mm512_mask_blend_ps(
-                                    0xff00,
-                                    _mm512_set1_ps(s[j]),
-                                    _mm512_set1_ps(s[j + 1]),
-                                );
-                                group::<ROWS>(biased(q), scale, x, k, b * 256 + 16 * j, acc);
-                            }
+                            // Groups j..j + 4 of 16, four lanes each.
+                            let j = 8 * h + 4 * half_;
+                            let lanes = _mm512_set_epi32(
+                                j as i32 + 3,
+                                j as i32 + 3,
+                                j as i32 + 3,
+                                j as i32 + 3,
+                                j as i32 + 2,
+                                j as i32 + 2,
+                                j as i32 + 2,
+                                j as i32 + 2,
+                                j as i32 + 1,
+                                j as i32 + 1,
+                                j as i32 + 1,
+                                j as i32 + 1,
+                                j as i32,
+                                j as i32,
+                                j as i32,
+                                j as i32,
+                            );
+                            let s = _mm512_permutexvar_ps(lanes, scale);
+                            let acc = if half_ == 0 { &mut acc0 } else { &mut acc1 };
+                            step::<ROWS>(q, s, x, kp, b * 256 + 16 * j, acc);
                         }
                     }
                 }
             }
             BlockFormat::Q8_0 => {
-                // `i8` values widened to f32 against the f32 rows: on the CPUs measured two
-                // f32 FMAs cost less than a `vdpbf16ps` and the conversions it needs.
+                // `i8` values widened to f32 against the f32 rows.
                 let xf = xs.as_ptr();
                 for (b, block) in w.chunks_exact(f.bytes()).enumerate() {
                     let p = block.as_ptr();
@@ -1009,14 +1046,23 @@ mod avx512 {
                 let p = w.as_ptr();
                 let blocks = groups;
                 let mut b = 0;
-                while b + 1 < blocks {
-                    *c.add(b) = block32::<ROWS>(f, p.add(b * size), x, k, 32 * b, &mut acc0);
-                    let next = p.add((b + 1) * size);
-                    *c.add(b + 1) = block32::<ROWS>(f, next, x, k, 32 * (b + 1), &mut acc1);
+                while b < blocks {
+                    // Two blocks are 64 weights in order; a last odd block pairs with zeros
+                    // (and meets the zeros padding its activations).
+                    let (q0, d0, c0) = block32(f, p.add(b * size));
+                    let (q1, d1, c1) = if b + 1 < blocks {
+                        block32(f, p.add((b + 1) * size))
+                    } else {
+                        (_mm256_setzero_si256(), 0.0, 0.0)
+                    };
+                    *c.add(b) = c0;
+                    if b + 1 < blocks {
+                        *c.add(b + 1) = c1;
+                    }
+                    let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q0), q1);
+                    let acc = if b % 4 == 0 { &mut acc0 } else { &mut acc1 };
+                    step::<ROWS>(q, halves(d0, d1), x, kp, 32 * b, acc);
                     b += 2;
-                }
-                if b < blocks {
-                    *c.add(b) = block32::<ROWS>(f, p.add(b * size), x, k, 32 * b, &mut acc0);
                 }
             }
         }
@@ -1108,13 +1154,14 @@ mod tests {
                 .collect();
             let xs: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
             let sums: Vec<f32> = xs.chunks_exact(f.group()).map(|c| c.iter().sum()).collect();
+            let xi = interleave(&xb, MAX_ROWS, k);
             for row in 0..n {
                 let w = &data[row * f.row_bytes(k)..(row + 1) * f.row_bytes(k)];
                 for count in 1..=MAX_ROWS {
                     for &path in &paths {
                         let mut got = [f32::NAN; MAX_ROWS];
                         let mut coef = vec![f32::NAN; k / 16];
-                        dot_row(f, w, &xs, &xb, &sums, count, k, path, &mut coef, &mut got);
+                        dot_row(f, w, &xs, &xi, &sums, count, k, path, &mut coef, &mut got);
                         for (r, &got) in got.iter().enumerate().take(count) {
                             let (mut exact, mut size) = (0f64, 0f64);
                             for j in 0..k {
