@@ -479,7 +479,7 @@ pub fn dequantize_blocks(
             out.len()
         )));
     }
-    let simd = avx2_available();
+    let path = Path::detect();
     let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
     let out_addr = out.as_mut_ptr() as usize;
     let task = |part: usize| {
@@ -491,12 +491,14 @@ pub fn dequantize_blocks(
                 unsafe { std::slice::from_raw_parts_mut((out_addr as *mut Bf16).add(row * k), k) };
             let (f, src) = weight.row(row, k);
             #[cfg(target_arch = "x86_64")]
-            if simd {
-                // SAFETY: `simd` means AVX2 and FMA were detected.
-                unsafe { avx2::dequantize_row(f, src, dst, &mut u) };
-                continue;
+            match path {
+                // SAFETY: the path's features were detected; `dst` is the row of `src`.
+                Path::Avx512Bf16 => unsafe { avx512::dequantize_row(f, src, dst) },
+                // SAFETY: as above.
+                Path::Avx2 => unsafe { avx2::dequantize_row(f, src, dst, &mut u) },
+                Path::Portable => dequantize_row(f, src, dst, &mut u),
             }
-            let _ = simd;
+            #[cfg(not(target_arch = "x86_64"))]
             dequantize_row(f, src, dst, &mut u);
         }
     };
@@ -855,15 +857,91 @@ mod avx512 {
         }
     }
 
-    /// The 32 stored values of a Q5_0, Q5_1 or Q4_1 block at `p` (bytes in weight order)
-    /// and its scale and `coef`.
+    /// Q4_K/Q5_K: the block's 8 scales `d * sc` and 8 offsets `-(dmin * m)`.
+    ///
+    /// The 12 scale bytes hold 8 six-bit scales and 8 six-bit mins (ggml's
+    /// `get_scale_min_k4`, four at a time here): the low six bits of bytes 0..4 (scales) and
+    /// 4..8 (mins), then the nibbles of bytes 8..12 under the top two bits of bytes 0..4
+    /// (scales) and 4..8 (mins).
+    #[inline(always)]
+    unsafe fn k4_scales(p: *const u8) -> (__m256, __m256) {
+        let (d, dmin) = (half(p), half(p.add(2)));
+        let (w0, w1, w2) = (word(p.add(4)), word(p.add(8)), word(p.add(12)));
+        let six = 0x3f3f_3f3f;
+        let (nib, top) = (0x0f0f_0f0f, 0x0303_0303);
+        let sc_hi = (w2 & nib) | (((w0 >> 6) & top) << 4);
+        let m_hi = ((w2 >> 4) & nib) | (((w1 >> 6) & top) << 4);
+        let sc = u64::from(w0 & six) | (u64::from(sc_hi) << 32);
+        let m = u64::from(w1 & six) | (u64::from(m_hi) << 32);
+        (
+            _mm256_mul_ps(_mm256_set1_ps(d), bytes8(sc)),
+            _mm256_mul_ps(_mm256_set1_ps(-dmin), bytes8(m)),
+        )
+    }
+
+    /// Q4_K/Q5_K: the stored values of weights `64 pair..64 pair + 64` of the block at `p`,
+    /// in order. Group 2 pair is the low nibbles of 32 bytes, group 2 pair + 1 their high
+    /// nibbles; bit g of `qh[e]` is the fifth bit of weight e of group g.
+    #[inline(always)]
+    unsafe fn k4_values(p: *const u8, five: bool, pair: usize) -> __m512i {
+        let qs = p.add(if five { 48 } else { 16 } + 32 * pair);
+        let bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256(qs.cast()));
+        // Shifts by 0 for the low 32 bytes and by 4 for the high 32 (16-bit lanes).
+        let shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+        let q = _mm512_and_si512(_mm512_srlv_epi16(bytes, shift), _mm512_set1_epi8(15));
+        if !five {
+            return q;
+        }
+        let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(16).cast()));
+        let bits = _mm512_inserti64x4::<1>(
+            _mm512_set1_epi8(1 << (2 * pair)),
+            _mm256_set1_epi8(2 << (2 * pair)),
+        );
+        let on = _mm512_test_epi8_mask(qh, bits);
+        _mm512_mask_add_epi8(q, on, q, _mm512_set1_epi8(16))
+    }
+
+    /// Q6_K: the block's 16 scales `d * sc`.
+    #[inline(always)]
+    unsafe fn k6_scales(p: *const u8) -> __m512 {
+        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(192).cast())));
+        _mm512_mul_ps(_mm512_set1_ps(half(p.add(208))), sc)
+    }
+
+    /// Q6_K: the stored values (0..64, before the subtracted 32) of weights `64 c..64 c +
+    /// 64` of the block at `p`, in order. Weight 128 h + 32 part + e has its low four bits
+    /// in byte 32 (part % 2) + e of the h-th 64 bytes (the high nibble for parts 2 and 3)
+    /// and its top two in bits 2 part of byte 128 + 32 h + e; `c` is 2 h + part / 2.
+    #[inline(always)]
+    unsafe fn k6_values(p: *const u8, c: usize) -> __m512i {
+        let (h, upper) = (c / 2, c % 2);
+        let ql = _mm512_loadu_si512(p.add(64 * h).cast());
+        let l = if upper == 0 {
+            ql
+        } else {
+            _mm512_srli_epi16::<4>(ql)
+        };
+        let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h).cast()));
+        let shift = _mm512_inserti64x4::<1>(
+            _mm512_set1_epi16(4 * upper as i16),
+            _mm256_set1_epi16(4 * upper as i16 + 2),
+        );
+        let t = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), _mm512_set1_epi8(3));
+        _mm512_or_si512(
+            _mm512_and_si512(l, _mm512_set1_epi8(15)),
+            _mm512_slli_epi16::<4>(t),
+        )
+    }
+
+    /// The 32 stored values of a Q5_0, Q5_1 or Q4_1 block at `p` (bytes in weight order),
+    /// its scale `d` and its `m` (0 for Q5_0).
     #[inline(always)]
     unsafe fn block32(f: BlockFormat, p: *const u8) -> (__m256i, f32, f32) {
         let d = half(p);
-        let (coef, qs) = match f {
-            BlockFormat::Q5_0 => (-144.0 * d, p.add(6)),
-            BlockFormat::Q5_1 => (half(p.add(2)) - 128.0 * d, p.add(8)),
-            _ => (half(p.add(2)) - 128.0 * d, p.add(4)),
+        let (m, qs) = match f {
+            BlockFormat::Q5_0 => (0.0, p.add(6)),
+            BlockFormat::Q5_1 => (half(p.add(2)), p.add(8)),
+            _ => (half(p.add(2)), p.add(4)),
         };
         let bytes = _mm_loadu_si128(qs.cast());
         let low = _mm_set1_epi8(15);
@@ -875,7 +953,7 @@ mod avx512 {
             // Bit e of the u32 before the nibbles is weight e's fifth bit.
             q = _mm256_mask_add_epi8(q, word(qs.sub(4)), q, _mm256_set1_epi8(16));
         }
-        (q, d, coef)
+        (q, d, m)
     }
 
     /// The portable `dot_row` with bf16 dot products: see the module docs. `coef` is
@@ -905,120 +983,56 @@ mod avx512 {
         // Two accumulators a row, steps taking turns, so that no row waits on one chain.
         let mut acc0 = [_mm512_setzero_ps(); ROWS];
         let mut acc1 = [_mm512_setzero_ps(); ROWS];
-        let low = _mm512_set1_epi8(15);
-        // Shifts by 0 for the low 32 bytes and by 4 for the high 32 (16-bit lanes).
-        let nibble_shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
         match f {
             BlockFormat::Q4K | BlockFormat::Q5K => {
                 let five = f == BlockFormat::Q5K;
                 for (b, block) in w.chunks_exact(f.bytes()).enumerate() {
                     let p = block.as_ptr();
-                    let (d, dmin) = (half(p), half(p.add(2)));
-                    // The 12 scale bytes as 8 six-bit scales and 8 six-bit mins (ggml's
-                    // `get_scale_min_k4`, four at a time): the low six bits of bytes 0..4
-                    // (scales) and 4..8 (mins), then the nibbles of bytes 8..12 under the
-                    // top two bits of bytes 0..4 (scales) and 4..8 (mins).
-                    let (w0, w1, w2) = (word(p.add(4)), word(p.add(8)), word(p.add(12)));
-                    let six = 0x3f3f_3f3f;
-                    let (nib, top) = (0x0f0f_0f0f, 0x0303_0303);
-                    let sc_hi = (w2 & nib) | (((w0 >> 6) & top) << 4);
-                    let m_hi = ((w2 >> 4) & nib) | (((w1 >> 6) & top) << 4);
-                    let sc = u64::from(w0 & six) | (u64::from(sc_hi) << 32);
-                    let m = u64::from(w1 & six) | (u64::from(m_hi) << 32);
-                    let scale = _mm256_mul_ps(_mm256_set1_ps(d), bytes8(sc));
-                    let offset = _mm256_mul_ps(_mm256_set1_ps(-dmin), bytes8(m));
+                    let (scale, offset) = k4_scales(p);
                     _mm256_storeu_ps(
                         c.add(8 * b),
                         _mm256_fmadd_ps(scale, _mm256_set1_ps(-128.0), offset),
                     );
                     let mut s = [0f32; 8];
                     _mm256_storeu_ps(s.as_mut_ptr(), scale);
-                    let (qh, qs) = if five {
-                        (
-                            _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(16).cast())),
-                            p.add(48),
-                        )
-                    } else {
-                        (_mm512_setzero_si512(), p.add(16))
-                    };
                     for pair in 0..4 {
-                        // Group 2 pair is the low nibbles of 32 bytes, 2 pair + 1 the high.
-                        let bytes =
-                            _mm512_broadcast_i64x4(_mm256_loadu_si256(qs.add(32 * pair).cast()));
-                        let mut q = _mm512_and_si512(_mm512_srlv_epi16(bytes, nibble_shift), low);
-                        if five {
-                            // Bit g of qh[e] is the fifth bit of weight e of group g.
-                            let bits = _mm512_inserti64x4::<1>(
-                                _mm512_set1_epi8(1 << (2 * pair)),
-                                _mm256_set1_epi8(2 << (2 * pair)),
-                            );
-                            let on = _mm512_test_epi8_mask(qh, bits);
-                            q = _mm512_mask_add_epi8(q, on, q, _mm512_set1_epi8(16));
-                        }
+                        let q = k4_values(p, five, pair);
                         let scale = halves(s[2 * pair], s[2 * pair + 1]);
-                        let at = b * 256 + 64 * pair;
                         let acc = if pair % 2 == 0 { &mut acc0 } else { &mut acc1 };
-                        step::<ROWS>(q, scale, x, kp, at, acc);
+                        step::<ROWS>(q, scale, x, kp, b * 256 + 64 * pair, acc);
                     }
                 }
             }
             BlockFormat::Q6K => {
-                let three = _mm512_set1_epi8(3);
                 for (b, block) in w.chunks_exact(f.bytes()).enumerate() {
                     let p = block.as_ptr();
-                    let d = half(p.add(208));
-                    let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                        p.add(192).cast(),
-                    )));
-                    let scale = _mm512_mul_ps(_mm512_set1_ps(d), sc);
+                    let scale = k6_scales(p);
                     _mm512_storeu_ps(c.add(16 * b), _mm512_mul_ps(scale, _mm512_set1_ps(-160.0)));
-                    // Weight 128 h + 32 part + e: the low four bits from byte 32 (part % 2)
-                    // + e of the h-th 64 bytes (the high nibble for parts 2 and 3), the top
-                    // two from bits 2 part of byte 128 + 32 h + e. Parts 0 and 1 (then 2
-                    // and 3) are 64 weights in order.
-                    for h in 0..2 {
-                        let ql = _mm512_loadu_si512(p.add(64 * h).cast());
-                        let qh =
-                            _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h).cast()));
-                        for half_ in 0..2 {
-                            let l = if half_ == 0 {
-                                ql
-                            } else {
-                                _mm512_srli_epi16::<4>(ql)
-                            };
-                            let shift = _mm512_inserti64x4::<1>(
-                                _mm512_set1_epi16(4 * half_ as i16),
-                                _mm256_set1_epi16(4 * half_ as i16 + 2),
-                            );
-                            let t = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), three);
-                            let q = _mm512_or_si512(
-                                _mm512_and_si512(l, low),
-                                _mm512_slli_epi16::<4>(t),
-                            );
-                            // Groups j..j + 4 of 16, four lanes each.
-                            let j = 8 * h + 4 * half_;
-                            let lanes = _mm512_set_epi32(
-                                j as i32 + 3,
-                                j as i32 + 3,
-                                j as i32 + 3,
-                                j as i32 + 3,
-                                j as i32 + 2,
-                                j as i32 + 2,
-                                j as i32 + 2,
-                                j as i32 + 2,
-                                j as i32 + 1,
-                                j as i32 + 1,
-                                j as i32 + 1,
-                                j as i32 + 1,
-                                j as i32,
-                                j as i32,
-                                j as i32,
-                                j as i32,
-                            );
-                            let s = _mm512_permutexvar_ps(lanes, scale);
-                            let acc = if half_ == 0 { &mut acc0 } else { &mut acc1 };
-                            step::<ROWS>(q, s, x, kp, b * 256 + 16 * j, acc);
-                        }
+                    for chunk in 0..4 {
+                        let q = k6_values(p, chunk);
+                        // Groups j..j + 4 of 16, four lanes each.
+                        let j = 4 * chunk as i32;
+                        let lanes = _mm512_set_epi32(
+                            j + 3,
+                            j + 3,
+                            j + 3,
+                            j + 3,
+                            j + 2,
+                            j + 2,
+                            j + 2,
+                            j + 2,
+                            j + 1,
+                            j + 1,
+                            j + 1,
+                            j + 1,
+                            j,
+                            j,
+                            j,
+                            j,
+                        );
+                        let s = _mm512_permutexvar_ps(lanes, scale);
+                        let acc = if chunk % 2 == 0 { &mut acc0 } else { &mut acc1 };
+                        step::<ROWS>(q, s, x, kp, b * 256 + 64 * chunk, acc);
                     }
                 }
             }
@@ -1049,15 +1063,22 @@ mod avx512 {
                 while b < blocks {
                     // Two blocks are 64 weights in order; a last odd block pairs with zeros
                     // (and meets the zeros padding its activations).
-                    let (q0, d0, c0) = block32(f, p.add(b * size));
-                    let (q1, d1, c1) = if b + 1 < blocks {
+                    let coef = |d: f32, m: f32| {
+                        if f == BlockFormat::Q5_0 {
+                            -144.0 * d
+                        } else {
+                            m - 128.0 * d
+                        }
+                    };
+                    let (q0, d0, m0) = block32(f, p.add(b * size));
+                    let (q1, d1, m1) = if b + 1 < blocks {
                         block32(f, p.add((b + 1) * size))
                     } else {
                         (_mm256_setzero_si256(), 0.0, 0.0)
                     };
-                    *c.add(b) = c0;
+                    *c.add(b) = coef(d0, m0);
                     if b + 1 < blocks {
-                        *c.add(b + 1) = c1;
+                        *c.add(b + 1) = coef(d1, m1);
                     }
                     let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q0), q1);
                     let acc = if b % 4 == 0 { &mut acc0 } else { &mut acc1 };
@@ -1086,6 +1107,87 @@ mod avx512 {
                 }
             }
             dots[r] = _mm512_reduce_add_ps(total);
+        }
+    }
+    /// Bytes `16 i..16 i + 16` of `q` as i32 lanes, minus `c`.
+    #[inline(always)]
+    unsafe fn widen(q: __m512i, i: usize, c: i32) -> __m512i {
+        let part = match i {
+            0 => _mm512_extracti32x4_epi32::<0>(q),
+            1 => _mm512_extracti32x4_epi32::<1>(q),
+            2 => _mm512_extracti32x4_epi32::<2>(q),
+            _ => _mm512_extracti32x4_epi32::<3>(q),
+        };
+        _mm512_sub_epi32(_mm512_cvtepu8_epi32(part), _mm512_set1_epi32(c))
+    }
+
+    /// 16 weights `scale * q`, then `offset` added where the format has one, rounded to
+    /// bf16 (to nearest even) at `dst`: the portable dequantization's operations in order.
+    #[inline(always)]
+    unsafe fn store16(dst: *mut Bf16, q: __m512i, scale: f32, offset: Option<f32>) {
+        let mut w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale));
+        if let Some(o) = offset {
+            w = _mm512_add_ps(w, _mm512_set1_ps(o));
+        }
+        let bf: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(w));
+        _mm256_storeu_si256(dst.cast(), bf);
+    }
+
+    /// One row's blocks `src` as bf16 into `dst`, bit for bit the portable
+    /// `dequantize_row`.
+    ///
+    /// SAFETY: AVX-512 F/BW/VL/BF16 and F16C; `dst` holds the weights of `src`'s blocks.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,f16c")]
+    pub(super) unsafe fn dequantize_row(f: BlockFormat, src: &[u8], dst: &mut [Bf16]) {
+        let out = dst.as_mut_ptr();
+        for (b, block) in src.chunks_exact(f.bytes()).enumerate() {
+            let p = block.as_ptr();
+            let o = out.add(b * f.values());
+            match f {
+                BlockFormat::Q4K | BlockFormat::Q5K => {
+                    let (scale, offset) = k4_scales(p);
+                    let (mut s, mut m) = ([0f32; 8], [0f32; 8]);
+                    _mm256_storeu_ps(s.as_mut_ptr(), scale);
+                    _mm256_storeu_ps(m.as_mut_ptr(), offset);
+                    for pair in 0..4 {
+                        let q = k4_values(p, f == BlockFormat::Q5K, pair);
+                        for i in 0..4 {
+                            let g = 2 * pair + i / 2;
+                            store16(o.add(64 * pair + 16 * i), widen(q, i, 0), s[g], Some(m[g]));
+                        }
+                    }
+                }
+                BlockFormat::Q6K => {
+                    let mut s = [0f32; 16];
+                    _mm512_storeu_ps(s.as_mut_ptr(), k6_scales(p));
+                    for chunk in 0..4 {
+                        let q = k6_values(p, chunk);
+                        for i in 0..4 {
+                            let g = 4 * chunk + i;
+                            store16(o.add(16 * g), widen(q, i, 32), s[g], None);
+                        }
+                    }
+                }
+                BlockFormat::Q8_0 => {
+                    let d = half(p);
+                    for i in 0..2 {
+                        let v = _mm_loadu_si128(p.add(2 + 16 * i).cast());
+                        store16(o.add(16 * i), _mm512_cvtepi8_epi32(v), d, None);
+                    }
+                }
+                BlockFormat::Q5_0 | BlockFormat::Q5_1 | BlockFormat::Q4_1 => {
+                    let (q, d, m) = block32(f, p);
+                    let q = _mm512_castsi256_si512(q);
+                    let (c, offset) = if f == BlockFormat::Q5_0 {
+                        (16, None)
+                    } else {
+                        (0, Some(m))
+                    };
+                    for i in 0..2 {
+                        store16(o.add(16 * i), widen(q, i, c), d, offset);
+                    }
+                }
+            }
         }
     }
 }
@@ -1181,7 +1283,7 @@ mod tests {
         }
     }
 
-    /// The AVX2 build of the dequantization gives the portable one's bits.
+    /// The AVX2 and AVX-512 dequantizations give the portable one's bits.
     #[test]
     fn dequantization_paths_agree() {
         for f in BlockFormat::ALL {
@@ -1199,6 +1301,13 @@ mod tests {
                 let mut fast = vec![Bf16(0); k];
                 // SAFETY: AVX2 and FMA detected.
                 unsafe { avx2::dequantize_row(f, &data, &mut fast, &mut u) };
+                assert_eq!(plain, fast, "{f:?}");
+            }
+            #[cfg(target_arch = "x86_64")]
+            if Path::detect() == Path::Avx512Bf16 {
+                let mut fast = vec![Bf16(0); k];
+                // SAFETY: the AVX-512 path's features detected.
+                unsafe { avx512::dequantize_row(f, &data, &mut fast) };
                 assert_eq!(plain, fast, "{f:?}");
             }
         }
