@@ -986,6 +986,11 @@ mod avx512 {
         match f {
             BlockFormat::Q4K | BlockFormat::Q5K => {
                 let five = f == BlockFormat::Q5K;
+                // Scale lanes of pair p: eight of group 2 p, then eight of group 2 p + 1.
+                let pair_lanes: [__m512i; 4] = std::array::from_fn(|p| {
+                    let (a, b) = (2 * p as i32, 2 * p as i32 + 1);
+                    _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a)
+                });
                 for (b, block) in w.chunks_exact(f.bytes()).enumerate() {
                     let p = block.as_ptr();
                     let (scale, offset) = k4_scales(p);
@@ -993,11 +998,10 @@ mod avx512 {
                         c.add(8 * b),
                         _mm256_fmadd_ps(scale, _mm256_set1_ps(-128.0), offset),
                     );
-                    let mut s = [0f32; 8];
-                    _mm256_storeu_ps(s.as_mut_ptr(), scale);
-                    for pair in 0..4 {
+                    let scale = _mm512_castps256_ps512(scale);
+                    for (pair, &lanes) in pair_lanes.iter().enumerate() {
                         let q = k4_values(p, five, pair);
-                        let scale = halves(s[2 * pair], s[2 * pair + 1]);
+                        let scale = _mm512_permutexvar_ps(lanes, scale);
                         let acc = if pair % 2 == 0 { &mut acc0 } else { &mut acc1 };
                         step::<ROWS>(q, scale, x, kp, b * 256 + 64 * pair, acc);
                     }
