@@ -19,25 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
+from ab_builds import best_seconds, run  # benches/, next to this script
+
 
 def _best_ms(fn: Callable[[], Any], calls: int, warmup_s: float) -> float:
-    end = time.perf_counter() + warmup_s
-    while time.perf_counter() < end:
-        fn()
-    best = float("inf")
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
+    return best_seconds(fn, calls, warmup_s) * 1e3
 
 
 def measure(rows: int, tokens: int, warmup_s: float) -> dict[str, float]:
@@ -98,30 +87,8 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure(args.rows, args.tokens, args.warmup_s)))
         return
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python")
-    builds = {"this": here} | ({"other": args.ab} if args.ab else {})
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in builds}
-    for r in range(args.rounds):
-        order = list(builds) if r % 2 == 0 else list(builds)[::-1]
-        for name in order:
-            env = dict(os.environ, PYTHONPATH=builds[name])
-            cmd = [sys.executable, __file__, "--one", "--rows", str(args.rows), "--tokens",
-                   str(args.tokens), "--warmup-s", str(args.warmup_s)]
-            line = subprocess.run(cmd, env=env, check=True, capture_output=True,
-                                  text=True).stdout.strip().splitlines()[-1]
-            results[name].append(json.loads(line))
-            print(name, line, flush=True)
-    keys = list(results["this"][0])
-    names = list(builds)
-    head = "| figure | " + " | ".join(names) + (" | this / other |" if args.ab else " |")
-    print("\n" + head)
-    print("|---" * (len(names) + 1 + bool(args.ab)) + "|")
-    for key in keys:
-        med = {n: statistics.median(row[key] for row in results[n]) for n in names}
-        cells = " | ".join(f"{med[n]:.2f}" for n in names)
-        ratio = f" | {med['this'] / med['other']:.2f}x" if args.ab else ""
-        print(f"| {key} | {cells}{ratio} |")
-
+    run(__file__, ["--rows", str(args.rows), "--tokens", str(args.tokens), "--warmup-s",
+                   str(args.warmup_s)], args.rounds, args.ab)
 
 if __name__ == "__main__":
     main()

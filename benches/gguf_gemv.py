@@ -15,13 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
-import sys
-import time
-from collections.abc import Callable
-from typing import Any
+
+from ab_builds import best_seconds, run  # benches/, next to this script
 
 # (layout name, values a block, bytes a block, offsets of the block's f16 fields)
 FORMATS = [
@@ -36,18 +31,6 @@ FORMATS = [
 N, K = 4096, 8192
 
 
-def _best_s(fn: Callable[[], Any], calls: int, warmup_s: float) -> float:
-    end = time.perf_counter() + warmup_s
-    while time.perf_counter() < end:
-        fn()
-    best = float("inf")
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def measure(rows: list[int], mib: int, warmup_s: float) -> dict[str, float]:
     import numpy as np
     import torch
@@ -58,7 +41,7 @@ def measure(rows: list[int], mib: int, warmup_s: float) -> dict[str, float]:
     out: dict[str, float] = {}
     src = torch.empty(mib << 18, dtype=torch.float32).normal_()
     dst = torch.empty_like(src)
-    copy = _best_s(lambda: dst.copy_(src), 10, 1.0)
+    copy = best_seconds(lambda: dst.copy_(src), 10, 1.0)
     out["copy GB/s (read + write)"] = 2 * src.numel() * 4 / copy / 1e9
     for name, values, size, halves in FORMATS:
         blocks = N * K // values
@@ -75,12 +58,13 @@ def measure(rows: list[int], mib: int, warmup_s: float) -> dict[str, float]:
             x = torch.randn(r, K).bfloat16()
             y = torch.empty(r, N, dtype=torch.bfloat16)
 
-            def run(x: torch.Tensor = x, y: torch.Tensor = y, r: int = r) -> None:
+            def call(x: torch.Tensor = x, y: torch.Tensor = y, r: int = r,
+                     mats: list[torch.Tensor] = mats, name: str = name) -> None:
                 for m in mats:
                     _core._gemv_quant(y.data_ptr(), x.data_ptr(), name, m.data_ptr(), 0, 0, 0,
                                       rows=r, n=N, k=K, threads=threads)
 
-            s = _best_s(run, 5, warmup_s)
+            s = best_seconds(call, 5, warmup_s)
             out[f"{name} {r} row GB/s"] = nbytes / s / 1e9
     return out
 
@@ -99,29 +83,8 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure(args.rows, args.mib, args.warmup_s)))
         return
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python")
-    builds = {"this": here} | ({"other": args.ab} if args.ab else {})
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in builds}
-    for r in range(args.rounds):
-        order = list(builds) if r % 2 == 0 else list(builds)[::-1]
-        for name in order:
-            env = dict(os.environ, PYTHONPATH=builds[name])
-            cmd = [sys.executable, __file__, "--one", "--mib", str(args.mib), "--warmup-s",
-                   str(args.warmup_s), "--rows", *map(str, args.rows)]
-            line = subprocess.run(cmd, env=env, check=True, capture_output=True,
-                                  text=True).stdout.strip().splitlines()[-1]
-            results[name].append(json.loads(line))
-            print(name, line, flush=True)
-    names = list(builds)
-    head = "| figure | " + " | ".join(names) + (" | this / other |" if args.ab else " |")
-    print("\n" + head)
-    print("|---" * (len(names) + 1 + bool(args.ab)) + "|")
-    for key in results["this"][0]:
-        med = {n: statistics.median(row[key] for row in results[n]) for n in names}
-        cells = " | ".join(f"{med[n]:.1f}" for n in names)
-        ratio = f" | {med['this'] / med['other']:.2f}x" if args.ab else ""
-        print(f"| {key} | {cells}{ratio} |")
-
+    run(__file__, ["--mib", str(args.mib), "--warmup-s", str(args.warmup_s), "--rows",
+                   *map(str, args.rows)], args.rounds, args.ab, digits=1)
 
 if __name__ == "__main__":
     main()
