@@ -776,10 +776,11 @@ fn interleave(x: &[Bf16], rows: usize, k: usize) -> Vec<Bf16> {
     let kp = interleaved_len(k);
     let mut out = vec![Bf16(0); rows * kp];
     for (src, dst) in x.chunks_exact(k).zip(out.chunks_exact_mut(kp)) {
-        for (j, &v) in src.iter().enumerate() {
-            let (chunk, e) = (j / 64, j % 64);
-            let (lane, at) = (e / 16, e % 16);
-            dst[chunk * 64 + 32 * (at / 8) + 8 * lane + at % 8] = v;
+        // Runs of 8: run `16 lane + 8 half` of a chunk goes to `32 half + 8 lane`.
+        for (run, values) in src.chunks(8).enumerate() {
+            let (chunk, lane, half) = (run / 8, run % 8 / 2, run % 2);
+            let at = chunk * 64 + 32 * half + 8 * lane;
+            dst[at..at + values.len()].copy_from_slice(values);
         }
     }
     out
