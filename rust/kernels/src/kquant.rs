@@ -405,15 +405,16 @@ pub fn gemv_blocks(
     }
     let path = Path::detect();
     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-    let kp = interleaved_len(k);
-    let xi = if path == Path::Avx512Bf16 {
-        interleave(x, rows, k)
-    } else {
-        Vec::new()
+    let fixed = Fixed::new(&xf, rows, k);
+    // Per-group sums of each activation row (of the values the path multiplies), for
+    // groups of 16 and of 32.
+    let (sums16, sums32): (Vec<f32>, Vec<f32>) = match &fixed {
+        Some(fixed) => (fixed.sums(16).to_vec(), fixed.sums(32).to_vec()),
+        None => (
+            xf.chunks_exact(16).map(|c| c.iter().sum()).collect(),
+            xf.chunks_exact(32).map(|c| c.iter().sum()).collect(),
+        ),
     };
-    // Per-group sums of each activation row, for groups of 16 and of 32.
-    let sums16: Vec<f32> = xf.chunks_exact(16).map(|c| c.iter().sum()).collect();
-    let sums32: Vec<f32> = xf.chunks_exact(32).map(|c| c.iter().sum()).collect();
     let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
     let out_addr = out.as_mut_ptr() as usize;
     let task = |part: usize| {
@@ -426,7 +427,7 @@ pub fn gemv_blocks(
             while first < rows {
                 let take = (rows - first).min(MAX_ROWS);
                 let xs = &xf[first * k..(first + take) * k];
-                let xb = xi.get(first * kp..(first + take) * kp).unwrap_or(&[]);
+                let xq = fixed.as_ref().map(|fixed| (fixed, first));
                 results.clear();
                 results.resize(end - chunk, [0.0; MAX_ROWS]);
                 for (i, row) in (chunk..end).enumerate() {
@@ -437,7 +438,7 @@ pub fn gemv_blocks(
                         (&sums32, k / 32)
                     };
                     let ss = &sums[first * groups..(first + take) * groups];
-                    dot_row(f, w, xs, xb, ss, take, k, path, &mut coef, &mut results[i]);
+                    dot_row(f, w, xs, xq, ss, take, k, path, &mut coef, &mut results[i]);
                 }
                 for (row, dots) in (chunk..end).zip(&results) {
                     let b = bias.map_or(0.0, |b| b[row].to_f32());
@@ -493,7 +494,7 @@ pub fn dequantize_blocks(
             #[cfg(target_arch = "x86_64")]
             match path {
                 // SAFETY: the path's features were detected; `dst` is the row of `src`.
-                Path::Avx512Bf16 => unsafe { avx512::dequantize_row(f, src, dst) },
+                Path::Avx512 => unsafe { avx512::dequantize_row(f, src, dst) },
                 // SAFETY: as above.
                 Path::Avx2 => unsafe { avx2::dequantize_row(f, src, dst, &mut u) },
                 Path::Portable => dequantize_row(f, src, dst, &mut u),
@@ -572,8 +573,9 @@ fn avx2_available() -> bool {
 enum Path {
     Portable,
     Avx2,
-    /// AVX-512 with its bf16 dot products (`vdpbf16ps`).
-    Avx512Bf16,
+    /// AVX-512 with its integer dot products (VNNI's `vpdpbusd`) against [`Fixed`]
+    /// activations, and bf16 conversions for the dequantization.
+    Avx512,
 }
 
 impl Path {
@@ -585,9 +587,10 @@ impl Path {
                 && has!("avx512bw")
                 && has!("avx512vl")
                 && has!("avx512bf16")
+                && has!("avx512vnni")
                 && has!("f16c")
             {
-                return Path::Avx512Bf16;
+                return Path::Avx512;
             }
         }
         if avx2_available() {
@@ -599,14 +602,14 @@ impl Path {
 }
 
 /// `dots[r]` = activation row `r`'s dot with the weight row `w` (its blocks), for the
-/// `count` rows of `xs` (`[count, k]` f32; `xb` the same rows in bf16 in [`interleave`]'s
-/// order, which only the AVX-512 path reads; `sums` their per-group sums).
+/// `count` rows of `xs` (`[count, k]` f32; `fixed` the same rows from the given one in
+/// [`Fixed`] point, which only the AVX-512 path reads; `sums` their per-group sums).
 #[allow(clippy::too_many_arguments)]
 fn dot_row(
     f: BlockFormat,
     w: &[u8],
     xs: &[f32],
-    xb: &[Bf16],
+    fixed: Option<(&Fixed, usize)>,
     sums: &[f32],
     count: usize,
     k: usize,
@@ -614,19 +617,30 @@ fn dot_row(
     coef: &mut [f32],
     dots: &mut [f32; MAX_ROWS],
 ) {
-    prefetch_ahead(w.as_ptr(), w.len());
+    if path != Path::Avx512 {
+        // The AVX-512 path runs faster on the hardware prefetcher alone: a row's requests
+        // at once filled the line buffers and stalled it (32768 x 8192 Q4_K, Q6_K, Q5_0 and
+        // Q8_0 matrices from memory on two threads of a Xeon: 1.1x to 1.5x the time).
+        prefetch_ahead(w.as_ptr(), w.len());
+    }
     #[cfg(target_arch = "x86_64")]
     match path {
-        // SAFETY: the path's features were detected; the caller checked the shapes.
-        Path::Avx512Bf16 => unsafe {
-            match count {
-                1 => avx512::dot_row::<1>(f, w, xs, xb, sums, k, coef, dots),
-                2 => avx512::dot_row::<2>(f, w, xs, xb, sums, k, coef, dots),
-                3 => avx512::dot_row::<3>(f, w, xs, xb, sums, k, coef, dots),
-                _ => avx512::dot_row::<4>(f, w, xs, xb, sums, k, coef, dots),
+        Path::Avx512 => {
+            if let Some((fixed, first)) = fixed {
+                let x = fixed.rows(first);
+                // SAFETY: the path's features were detected; the caller checked the shapes.
+                unsafe {
+                    match count {
+                        1 => avx512::dot_row::<1>(f, w, x, sums, k, coef, dots),
+                        2 => avx512::dot_row::<2>(f, w, x, sums, k, coef, dots),
+                        3 => avx512::dot_row::<3>(f, w, x, sums, k, coef, dots),
+                        _ => avx512::dot_row::<4>(f, w, x, sums, k, coef, dots),
+                    }
+                }
+                return;
             }
-            return;
-        },
+        }
+        // SAFETY: as above.
         Path::Avx2 => unsafe {
             match count {
                 1 => avx2::dot_row::<1>(f, w, xs, sums, k, dots),
@@ -638,7 +652,7 @@ fn dot_row(
         },
         Path::Portable => {}
     }
-    let _ = (path, xb, coef);
+    let _ = (path, fixed, coef);
     let (v, g) = (f.values(), f.group());
     let groups = k / g;
     let mut u = Unpacked::new();
@@ -767,47 +781,128 @@ mod avx2 {
     }
 }
 
-/// The activations in the order the AVX-512 GEMV reads them: each row padded with zeros to
-/// a multiple of 64 ([`interleaved_len`]), and each 64 values `v` stored as `v[0..8]`,
-/// `v[16..24]`, `v[32..40]`, `v[48..56]`, then `v[8..16]`, `v[24..32]`, `v[40..48]`,
-/// `v[56..64]`: the order in which two byte unpacks (`vpunpcklbw`, `vpunpckhbw`, which
-/// work within 16-byte lanes) lay out 64 weights stored in their natural order.
-fn interleave(x: &[Bf16], rows: usize, k: usize) -> Vec<Bf16> {
-    let kp = interleaved_len(k);
-    let mut out = vec![Bf16(0); rows * kp];
-    for (src, dst) in x.chunks_exact(k).zip(out.chunks_exact_mut(kp)) {
-        // Runs of 8: run `16 lane + 8 half` of a chunk goes to `32 half + 8 lane`.
-        for (run, values) in src.chunks(8).enumerate() {
-            let (chunk, lane, half) = (run / 8, run % 8 / 2, run % 2);
-            let at = chunk * 64 + 32 * half + 8 * lane;
-            dst[at..at + values.len()].copy_from_slice(values);
-        }
-    }
-    out
+/// Activation rows in 15-bit fixed point, as the AVX-512 GEMV multiplies them.
+///
+/// Each row is padded with zeros to a multiple of 64 values ([`padded_len`]). Each block of
+/// 32 values `x` has a scale `s = max |x| / 16383` and stores each value as
+/// `round(x / s) = 128 hi + lo`, `hi` an `i8` and `lo` in `0..128`: two byte planes that
+/// VNNI's `vpdpbusd` multiplies with unsigned weight bytes, 64 products an instruction.
+/// A value is off by at most `s / 2`, which is `2^-15` of its block's largest; a bf16
+/// activation within 2^6 of its block's largest is kept exactly. bf16 itself rounds each
+/// value to `2^-9` of its own size, so the fixed point adds less to a dot product's error
+/// than the bf16 activations have already, where 8 bits a value (as llama.cpp's `Q8_K`
+/// rows) would add more than they do.
+struct Fixed {
+    hi: Vec<i8>,
+    lo: Vec<u8>,
+    /// Per 64 values, 16 lanes: the first block's `s` in lanes 0..8, the second's in 8..16
+    /// (the lanes of `vpdpbusd`'s sums of four products).
+    scale: Vec<f32>,
+    /// Per 4 values (a lane of `vpdpbusd`'s sums), their sum: what a lane's offset
+    /// multiplies.
+    spread: Vec<f32>,
+    /// Each row's sums of its values per 16 and per 32, rows back to back.
+    sums16: Vec<f32>,
+    sums32: Vec<f32>,
+    /// A padded row's length.
+    kp: usize,
 }
 
-/// A row's length in [`interleave`]'s order.
-fn interleaved_len(k: usize) -> usize {
+/// Pointers to one row of [`Fixed`] and the distances to the next.
+#[derive(Clone, Copy)]
+struct FixedRows {
+    hi: *const i8,
+    lo: *const u8,
+    scale: *const f32,
+    spread: *const f32,
+    kp: usize,
+}
+
+impl Fixed {
+    /// `rows` rows of `k` (a multiple of 32) in fixed point, where the CPU has the AVX-512
+    /// path that reads them.
+    fn new(x: &[f32], rows: usize, k: usize) -> Option<Self> {
+        if Path::detect() != Path::Avx512 || !k.is_multiple_of(32) || x.len() != rows * k {
+            return None;
+        }
+        let kp = padded_len(k);
+        let mut fixed = Fixed {
+            hi: vec![0; rows * kp],
+            lo: vec![0; rows * kp],
+            scale: vec![0.0; rows * kp / 4],
+            spread: vec![0.0; rows * kp / 4],
+            sums16: vec![0.0; rows * k / 16],
+            sums32: vec![0.0; rows * k / 32],
+            kp,
+        };
+        #[cfg(target_arch = "x86_64")]
+        for (r, row) in x.chunks_exact(k).enumerate() {
+            // SAFETY: the path's features were detected; each slice holds row r's part.
+            unsafe {
+                avx512::fix_row(
+                    row,
+                    &mut fixed.hi[r * kp..],
+                    &mut fixed.lo[r * kp..],
+                    &mut fixed.scale[r * kp / 4..],
+                    &mut fixed.spread[r * kp / 4..],
+                    &mut fixed.sums16[r * k / 16..],
+                    &mut fixed.sums32[r * k / 32..],
+                )
+            };
+        }
+        Some(fixed)
+    }
+
+    /// Value `j` of row `r` as the fixed point holds it.
+    #[cfg(test)]
+    fn value(&self, r: usize, j: usize) -> f32 {
+        let at = r * self.kp + j;
+        let q = 128 * i32::from(self.hi[at]) + i32::from(self.lo[at]);
+        self.scale[r * self.kp / 4 + j / 4] * q as f32
+    }
+
+    /// Each row's sums of its values per group of `g` (16 or 32), rows back to back.
+    fn sums(&self, g: usize) -> &[f32] {
+        if g == 16 {
+            &self.sums16
+        } else {
+            &self.sums32
+        }
+    }
+
+    fn rows(&self, first: usize) -> FixedRows {
+        let at = first * self.kp;
+        FixedRows {
+            hi: self.hi[at..].as_ptr(),
+            lo: self.lo[at..].as_ptr(),
+            scale: self.scale[at / 4..].as_ptr(),
+            spread: self.spread[at / 4..].as_ptr(),
+            kp: self.kp,
+        }
+    }
+}
+
+/// A row's length in [`Fixed`] point.
+fn padded_len(k: usize) -> usize {
     k.div_ceil(64) * 64
 }
 
-/// The GEMV with bf16 dot products, 64 weights a step: their stored values (bytes of
-/// 0..128: every format's 4, 5 or 6 bits before its own offset) are put in one register in
-/// their natural order, and two byte unpacks against the byte 0x43 make 64 bf16 numbers
-/// `128 + q` of them (0x4300 is 128.0; the value fills the mantissa), in the order of
-/// [`interleave`]. Two `vdpbf16ps` take the 64 products with a row, and one FMA scales
-/// them: lanes 0..8 of the products hold the first 32 weights, lanes 8..16 the last 32 (in
-/// four lanes a group for Q6_K's groups of 16).
+/// The GEMV with integer dot products, 64 weights a step: their stored values (bytes: every
+/// format's 4, 5 or 6 bits before its own offset; Q8_0's `i8` plus 128) are put in one
+/// register in their natural order. Two `vpdpbusd` take their products with a row's
+/// [`Fixed`] `hi` and `lo` bytes (the first shifted up by 7 bits before the second adds to
+/// it), exact in i32; lanes 0..8 then hold the first 32 weights' sums, lanes 8..16 the last
+/// 32's (in four lanes a group for Q6_K's groups of 16). One conversion to f32 and one FMA
+/// apply each lane's weight scale times its activation scale.
 ///
-/// A row at its end adds the dot of its group sums with each group's `offset - scale *
-/// (128 + c)` (`c` the format's own subtrahend: 32 for Q6_K, 16 for Q5_0), collected per
-/// group in `coef`. Products of two bf16 numbers are exact in f32: only the sums are
-/// rounded. Q8_0 takes f32 FMAs instead (its `i8` values do not fit in the mantissa).
+/// A row at its end adds the dot of its group sums with each group's `offset - scale * c`
+/// (`c` the format's own subtrahend: 32 for Q6_K, 16 for Q5_0, 128 for Q8_0), collected per
+/// group in `coef`.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{interleaved_len, BlockFormat, MAX_ROWS};
+    use super::{BlockFormat, FixedRows, MAX_ROWS};
     use crate::element::Bf16;
 
     /// The f16 at `p` as f32.
@@ -822,12 +917,6 @@ mod avx512 {
         u32::from_le_bytes(std::ptr::read_unaligned(p.cast()))
     }
 
-    /// Eight bytes (low byte first) as eight f32.
-    #[inline(always)]
-    unsafe fn bytes8(v: u64) -> __m256 {
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
-    }
-
     /// `[a; 8]` then `[b; 8]`.
     #[inline(always)]
     unsafe fn halves(a: f32, b: f32) -> __m512 {
@@ -835,49 +924,273 @@ mod avx512 {
     }
 
     /// The 64 weights whose stored values are the bytes of `q`, times `scale` (per lane of
-    /// the products), with `ROWS` activation rows (interleaved, `kp` apart) from element
-    /// `at`, into `acc`.
+    /// the products), with `ROWS` [`Fixed`](super::Fixed) rows of `x` from value `at`, into
+    /// `acc`.
     #[inline(always)]
     unsafe fn step<const ROWS: usize>(
         q: __m512i,
         scale: __m512,
-        x: *const Bf16,
-        kp: usize,
+        x: FixedRows,
         at: usize,
         acc: &mut [__m512; ROWS],
     ) {
-        let top = _mm512_set1_epi8(0x43);
-        let w0: __m512bh = std::mem::transmute(_mm512_unpacklo_epi8(q, top));
-        let w1: __m512bh = std::mem::transmute(_mm512_unpackhi_epi8(q, top));
         for (r, acc) in acc.iter_mut().enumerate() {
-            let xr = x.add(r * kp + at);
-            let x0: __m512bh = std::mem::transmute(_mm512_loadu_si512(xr.cast()));
-            let x1: __m512bh = std::mem::transmute(_mm512_loadu_si512(xr.add(32).cast()));
-            let s = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), w0, x0), w1, x1);
-            *acc = _mm512_fmadd_ps(s, scale, *acc);
+            let hi = _mm512_loadu_si512(x.hi.add(r * x.kp + at).cast());
+            let lo = _mm512_loadu_si512(x.lo.add(r * x.kp + at).cast());
+            let t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, hi);
+            let t = _mm512_dpbusd_epi32(_mm512_slli_epi32::<7>(t), q, lo);
+            let s = _mm512_mul_ps(scale, _mm512_loadu_ps(x.scale.add((r * x.kp + at) / 4)));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, *acc);
         }
     }
 
-    /// Q4_K/Q5_K: the block's 8 scales `d * sc` and 8 offsets `-(dmin * m)`.
-    ///
-    /// The 12 scale bytes hold 8 six-bit scales and 8 six-bit mins (ggml's
-    /// `get_scale_min_k4`, four at a time here): the low six bits of bytes 0..4 (scales) and
-    /// 4..8 (mins), then the nibbles of bytes 8..12 under the top two bits of bytes 0..4
-    /// (scales) and 4..8 (mins).
+    /// [`step`] for the formats with an offset per block of 32: `offset` (per lane) times
+    /// each lane's sum of activations is added too.
     #[inline(always)]
-    unsafe fn k4_scales(p: *const u8) -> (__m256, __m256) {
-        let (d, dmin) = (half(p), half(p.add(2)));
-        let (w0, w1, w2) = (word(p.add(4)), word(p.add(8)), word(p.add(12)));
-        let six = 0x3f3f_3f3f;
-        let (nib, top) = (0x0f0f_0f0f, 0x0303_0303);
-        let sc_hi = (w2 & nib) | (((w0 >> 6) & top) << 4);
-        let m_hi = ((w2 >> 4) & nib) | (((w1 >> 6) & top) << 4);
-        let sc = u64::from(w0 & six) | (u64::from(sc_hi) << 32);
-        let m = u64::from(w1 & six) | (u64::from(m_hi) << 32);
-        (
-            _mm256_mul_ps(_mm256_set1_ps(d), bytes8(sc)),
-            _mm256_mul_ps(_mm256_set1_ps(-dmin), bytes8(m)),
-        )
+    unsafe fn step_offset<const ROWS: usize>(
+        q: __m512i,
+        scale: __m512,
+        offset: __m512,
+        x: FixedRows,
+        at: usize,
+        acc: &mut [__m512; ROWS],
+    ) {
+        step::<ROWS>(q, scale, x, at, acc);
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let spread = _mm512_loadu_ps(x.spread.add((r * x.kp + at) / 4));
+            *acc = _mm512_fmadd_ps(offset, spread, *acc);
+        }
+    }
+
+    /// Two blocks of Q5_0, Q5_1 or Q4_1 at `p` (the second absent if `!both`): their 64
+    /// stored values in order, their scales `d` (lanes 0..8 the first block's, 8..16 the
+    /// second's) and their offsets per stored value's unit (`-16 d` for Q5_0, `m` else).
+    ///
+    /// One masked load reads both blocks (48 bytes at most), and 16-bit permutes place
+    /// their nibbles (every field starts at an even byte) and their f16 `d` and `m`.
+    #[inline(always)]
+    unsafe fn pair32(f: BlockFormat, p: *const u8, both: bool) -> (__m512i, __m512, __m512) {
+        let size = f.bytes();
+        let (qs, qh) = match f {
+            BlockFormat::Q5_0 => (6, Some(2)),
+            BlockFormat::Q5_1 => (8, Some(4)),
+            _ => (4, None),
+        };
+        let len = if both { 2 * size } else { size };
+        let v = _mm512_maskz_loadu_epi8((1u64 << len) - 1, p.cast());
+        // 16-bit lanes 0..8 and 8..16 the first block's nibbles, 16..32 the second's.
+        let (a, b) = ((qs / 2) as i16, ((size + qs) / 2) as i16);
+        let nibbles = _mm512_set_epi16(
+            b + 7,
+            b + 6,
+            b + 5,
+            b + 4,
+            b + 3,
+            b + 2,
+            b + 1,
+            b,
+            b + 7,
+            b + 6,
+            b + 5,
+            b + 4,
+            b + 3,
+            b + 2,
+            b + 1,
+            b,
+            a + 7,
+            a + 6,
+            a + 5,
+            a + 4,
+            a + 3,
+            a + 2,
+            a + 1,
+            a,
+            a + 7,
+            a + 6,
+            a + 5,
+            a + 4,
+            a + 3,
+            a + 2,
+            a + 1,
+            a,
+        );
+        let bytes = _mm512_permutexvar_epi16(nibbles, v);
+        let four = 0x0004_0004_0004_0004;
+        let shift = _mm512_set_epi64(four, four, 0, 0, four, four, 0, 0);
+        let mut q = _mm512_and_si512(_mm512_srlv_epi16(bytes, shift), _mm512_set1_epi8(15));
+        if let Some(h) = qh {
+            let second = if both {
+                u64::from(word(p.add(size + h)))
+            } else {
+                0
+            };
+            let fifth = u64::from(word(p.add(h))) | (second << 32);
+            q = _mm512_mask_add_epi8(q, fifth, q, _mm512_set1_epi8(16));
+        }
+        // The f16 words `d` (0 and size / 2) and `m` (1 and size / 2 + 1), eight each.
+        let halves = |w: i16| {
+            let at = _mm512_mask_blend_epi16(
+                0xff00,
+                _mm512_set1_epi16(w),
+                _mm512_set1_epi16(size as i16 / 2 + w),
+            );
+            _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(at, v)))
+        };
+        let d = halves(0);
+        let offset = if f == BlockFormat::Q5_0 {
+            _mm512_mul_ps(d, _mm512_set1_ps(-16.0))
+        } else {
+            halves(1)
+        };
+        (q, d, offset)
+    }
+
+    /// `blocks` Q4_K (Q5_K if `five`) blocks at `p`: their offsets into `coef`, 8 a block,
+    /// and their products into the two accumulators, pairs of groups taking turns.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn k4_blocks<const ROWS: usize>(
+        p: *const u8,
+        five: bool,
+        blocks: usize,
+        x: FixedRows,
+        coef: *mut f32,
+        acc0: &mut [__m512; ROWS],
+        acc1: &mut [__m512; ROWS],
+    ) {
+        let size = if five { 176 } else { 144 };
+        // Scale lanes of pair p: eight of group 2 p, then eight of group 2 p + 1.
+        let lanes: [__m512i; 4] = std::array::from_fn(|p| {
+            let (a, b) = (2 * p as i32, 2 * p as i32 + 1);
+            _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a)
+        });
+        for b in 0..blocks {
+            let p = p.add(size * b);
+            let scale = k4_scales(p);
+            let offset = _mm512_shuffle_f32x4::<0b1110_1110>(scale, scale);
+            _mm256_storeu_ps(coef.add(8 * b), _mm512_castps512_ps256(offset));
+            for pair in [0, 2] {
+                for (i, acc) in [(pair, &mut *acc0), (pair + 1, &mut *acc1)] {
+                    let q = k4_values(p, five, i);
+                    let scale = _mm512_permutexvar_ps(lanes[i], scale);
+                    step::<ROWS>(q, scale, x, b * 256 + 64 * i, acc);
+                }
+            }
+        }
+    }
+
+    /// `blocks` blocks of 32, two at a time from `pair(b, both)` (blocks `b` and `b + 1`, the
+    /// second absent if `!both`: it pairs with zeros, and meets the zeros padding the
+    /// activations), pairs taking turns between the accumulators.
+    #[inline(always)]
+    unsafe fn pairs32<const ROWS: usize>(
+        blocks: usize,
+        x: FixedRows,
+        acc0: &mut [__m512; ROWS],
+        acc1: &mut [__m512; ROWS],
+        pair: impl Fn(usize, bool) -> (__m512i, __m512, __m512),
+    ) {
+        let mut b = 0;
+        while b + 4 <= blocks {
+            let (q, d, offset) = pair(b, true);
+            step_offset::<ROWS>(q, d, offset, x, 32 * b, acc0);
+            let (q, d, offset) = pair(b + 2, true);
+            step_offset::<ROWS>(q, d, offset, x, 32 * b + 64, acc1);
+            b += 4;
+        }
+        while b < blocks {
+            let (q, d, offset) = pair(b, b + 1 < blocks);
+            step_offset::<ROWS>(q, d, offset, x, 32 * b, acc0);
+            b += 2;
+        }
+    }
+
+    /// Row `x` (whole blocks of 32) in [`Fixed`](super::Fixed) point: its `hi`, `lo` and
+    /// `scale` and `spread`, and its sums per 16 and per 32 values. The slices start at the
+    /// row; a zero block leaves them as they are (zeros).
+    ///
+    /// SAFETY: AVX-512 F/BW/VL/VNNI; each slice holds the row's part.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn fix_row(
+        x: &[f32],
+        hi: &mut [i8],
+        lo: &mut [u8],
+        scale: &mut [f32],
+        spread: &mut [f32],
+        sums16: &mut [f32],
+        sums32: &mut [f32],
+    ) {
+        let low = _mm512_set1_epi32(127);
+        for (b, block) in x.chunks_exact(32).enumerate() {
+            let v0 = _mm512_loadu_ps(block.as_ptr());
+            let v1 = _mm512_loadu_ps(block.as_ptr().add(16));
+            let top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            if top == 0.0 {
+                continue;
+            }
+            let s = top / 16383.0;
+            let inv = _mm512_set1_ps(16383.0 / top);
+            // To nearest (even), at most 16383 in size.
+            let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
+            let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+            let at = 32 * b;
+            for (i, q) in [q0, q1].into_iter().enumerate() {
+                let h = _mm512_cvtepi32_epi8(_mm512_srai_epi32::<7>(q));
+                let l = _mm512_cvtepi32_epi8(_mm512_and_si512(q, low));
+                _mm_storeu_si128(hi.as_mut_ptr().add(at + 16 * i).cast(), h);
+                _mm_storeu_si128(lo.as_mut_ptr().add(at + 16 * i).cast(), l);
+            }
+            _mm256_storeu_ps(scale.as_mut_ptr().add(8 * b), _mm256_set1_ps(s));
+            // Sums of four: 128 times those of `hi` plus those of `lo`.
+            let ones = _mm256_set1_epi8(1);
+            let h = _mm256_loadu_si256(hi.as_ptr().add(at).cast());
+            let l = _mm256_loadu_si256(lo.as_ptr().add(at).cast());
+            let four = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, h);
+            let four = _mm256_dpbusd_epi32(_mm256_slli_epi32::<7>(four), ones, l);
+            let four = _mm256_mul_ps(_mm256_cvtepi32_ps(four), _mm256_set1_ps(s));
+            _mm256_storeu_ps(spread.as_mut_ptr().add(8 * b), four);
+            let (a, c) = (_mm512_reduce_add_epi32(q0), _mm512_reduce_add_epi32(q1));
+            sums16[2 * b] = s * a as f32;
+            sums16[2 * b + 1] = s * c as f32;
+            sums32[b] = s * (a + c) as f32;
+        }
+    }
+
+    /// Q4_K/Q5_K: the block's 8 scales `d * sc` (lanes 0..8) and 8 offsets `-(dmin * m)`
+    /// (lanes 8..16).
+    ///
+    /// The 12 scale bytes `q` hold 8 six-bit scales and 8 six-bit mins (ggml's
+    /// `get_scale_min_k4`): the low six bits of `q[0..4]` (scales 0..4) and `q[4..8]` (mins
+    /// 0..4), then the nibbles of `q[8..12]` (low: scales 4..8, high: mins 4..8) under the
+    /// top two bits of `q[0..4]` (scales) and `q[4..8]` (mins). Two byte shuffles put each
+    /// of the 16 numbers' parts in its own byte.
+    #[inline(always)]
+    unsafe fn k4_scales(p: *const u8) -> __m512 {
+        let q = _mm_loadu_si128(p.add(4).cast());
+        // Bytes: q[0..4], q[8..12], q[4..8], q[8..12] (nibbles shifted down for the mins).
+        let low = _mm_shuffle_epi8(
+            q,
+            _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11),
+        );
+        let low = _mm_blend_epi32::<0b1000>(low, _mm_srli_epi16::<4>(low));
+        let keep = _mm_setr_epi8(
+            63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15,
+        );
+        // The top two bits of q[0..4] and q[4..8] as bits 4 and 5 of numbers 4..8 and 12..16.
+        let top = _mm_shuffle_epi8(
+            q,
+            _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7),
+        );
+        let top = _mm_and_si128(_mm_srli_epi16::<2>(top), _mm_set1_epi8(0x30));
+        let numbers = _mm_or_si128(_mm_and_si128(low, keep), top);
+        let numbers = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(numbers));
+        // `d` in lanes 0..8, `-dmin` in lanes 8..16.
+        let dd = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(word(p) as i32)));
+        let pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        let d = _mm512_permutexvar_ps(pick, dd);
+        let d = _mm512_mask_sub_ps(d, 0xff00, _mm512_setzero_ps(), d);
+        _mm512_mul_ps(d, numbers)
     }
 
     /// Q4_K/Q5_K: the stored values of weights `64 pair..64 pair + 64` of the block at `p`,
@@ -957,20 +1270,17 @@ mod avx512 {
         (q, d, m)
     }
 
-    /// The portable `dot_row` with bf16 dot products: see the module docs. `coef` is
+    /// The portable `dot_row` with integer dot products: see the module docs. `coef` is
     /// scratch of at least `k / group` values.
     ///
-    /// SAFETY: AVX-512 F/BW/VL/BF16 and F16C; `w` is whole blocks of a row of `k`; `xs` is
-    /// `ROWS` rows of `k` in f32, `xi` the same rows in bf16 in [`super::interleave`]'s
-    /// order; `sums` their `k / group` group sums.
+    /// SAFETY: AVX-512 F/BW/VL/VNNI and F16C; `w` is whole blocks of a row of `k`; `x` is
+    /// `ROWS` rows of `k` in fixed point; `sums` their `k / group` group sums.
     #[allow(clippy::needless_range_loop)] // `r` indexes the accumulators, `dots` and `sums`
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
     pub(super) unsafe fn dot_row<const ROWS: usize>(
         f: BlockFormat,
         w: &[u8],
-        xs: &[f32],
-        xi: &[Bf16],
+        x: FixedRows,
         sums: &[f32],
         k: usize,
         coef: &mut [f32],
@@ -978,41 +1288,20 @@ mod avx512 {
     ) {
         let groups = k / f.group();
         debug_assert!(coef.len() >= groups);
-        let kp = interleaved_len(k);
-        let x = xi.as_ptr();
         let c = coef.as_mut_ptr();
         // Two accumulators a row, steps taking turns, so that no row waits on one chain.
         let mut acc0 = [_mm512_setzero_ps(); ROWS];
         let mut acc1 = [_mm512_setzero_ps(); ROWS];
+        let p = w.as_ptr();
+        // Each arm passes its format as a constant, so the loops are built once per format.
         match f {
-            BlockFormat::Q4K | BlockFormat::Q5K => {
-                let five = f == BlockFormat::Q5K;
-                // Scale lanes of pair p: eight of group 2 p, then eight of group 2 p + 1.
-                let pair_lanes: [__m512i; 4] = std::array::from_fn(|p| {
-                    let (a, b) = (2 * p as i32, 2 * p as i32 + 1);
-                    _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a)
-                });
-                for (b, block) in w.chunks_exact(f.bytes()).enumerate() {
-                    let p = block.as_ptr();
-                    let (scale, offset) = k4_scales(p);
-                    _mm256_storeu_ps(
-                        c.add(8 * b),
-                        _mm256_fmadd_ps(scale, _mm256_set1_ps(-128.0), offset),
-                    );
-                    let scale = _mm512_castps256_ps512(scale);
-                    for (pair, &lanes) in pair_lanes.iter().enumerate() {
-                        let q = k4_values(p, five, pair);
-                        let scale = _mm512_permutexvar_ps(lanes, scale);
-                        let acc = if pair % 2 == 0 { &mut acc0 } else { &mut acc1 };
-                        step::<ROWS>(q, scale, x, kp, b * 256 + 64 * pair, acc);
-                    }
-                }
-            }
+            BlockFormat::Q4K => k4_blocks::<ROWS>(p, false, groups / 8, x, c, &mut acc0, &mut acc1),
+            BlockFormat::Q5K => k4_blocks::<ROWS>(p, true, groups / 8, x, c, &mut acc0, &mut acc1),
             BlockFormat::Q6K => {
-                for (b, block) in w.chunks_exact(f.bytes()).enumerate() {
-                    let p = block.as_ptr();
+                for b in 0..groups / 16 {
+                    let p = p.add(210 * b);
                     let scale = k6_scales(p);
-                    _mm512_storeu_ps(c.add(16 * b), _mm512_mul_ps(scale, _mm512_set1_ps(-160.0)));
+                    _mm512_storeu_ps(c.add(16 * b), _mm512_mul_ps(scale, _mm512_set1_ps(-32.0)));
                     for chunk in 0..4 {
                         let q = k6_values(p, chunk);
                         // Groups j..j + 4 of 16, four lanes each.
@@ -1037,79 +1326,51 @@ mod avx512 {
                         );
                         let s = _mm512_permutexvar_ps(lanes, scale);
                         let acc = if chunk % 2 == 0 { &mut acc0 } else { &mut acc1 };
-                        step::<ROWS>(q, s, x, kp, b * 256 + 64 * chunk, acc);
+                        step::<ROWS>(q, s, x, b * 256 + 64 * chunk, acc);
                     }
                 }
             }
-            BlockFormat::Q8_0 => {
-                // `i8` values widened to f32 against the f32 rows.
-                let xf = xs.as_ptr();
-                for (b, block) in w.chunks_exact(f.bytes()).enumerate() {
-                    let p = block.as_ptr();
-                    let d = _mm512_set1_ps(half(p));
-                    let v = _mm256_loadu_si256(p.add(2).cast());
-                    let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-                    let hi =
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256::<1>(v)));
-                    let acc = if b % 2 == 0 { &mut acc0 } else { &mut acc1 };
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        let at = xf.add(r * k + 32 * b);
-                        let t = _mm512_mul_ps(lo, _mm512_loadu_ps(at));
-                        let t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(at.add(16)), t);
-                        *acc = _mm512_fmadd_ps(t, d, *acc);
-                    }
-                }
-            }
-            BlockFormat::Q5_0 | BlockFormat::Q5_1 | BlockFormat::Q4_1 => {
-                let size = f.bytes();
-                let p = w.as_ptr();
-                let blocks = groups;
-                let mut b = 0;
-                while b < blocks {
-                    // Two blocks are 64 weights in order; a last odd block pairs with zeros
-                    // (and meets the zeros padding its activations).
-                    let coef = |d: f32, m: f32| {
-                        if f == BlockFormat::Q5_0 {
-                            -144.0 * d
-                        } else {
-                            m - 128.0 * d
-                        }
-                    };
-                    let (q0, d0, m0) = block32(f, p.add(b * size));
-                    let (q1, d1, m1) = if b + 1 < blocks {
-                        block32(f, p.add((b + 1) * size))
-                    } else {
-                        (_mm256_setzero_si256(), 0.0, 0.0)
-                    };
-                    *c.add(b) = coef(d0, m0);
-                    if b + 1 < blocks {
-                        *c.add(b + 1) = coef(d1, m1);
-                    }
-                    let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q0), q1);
-                    let acc = if b % 4 == 0 { &mut acc0 } else { &mut acc1 };
-                    step::<ROWS>(q, halves(d0, d1), x, kp, 32 * b, acc);
-                    b += 2;
-                }
-            }
+            BlockFormat::Q8_0 => pairs32::<ROWS>(groups, x, &mut acc0, &mut acc1, |b, both| {
+                // The `i8` values plus 128.
+                let values = |b: usize| {
+                    let v = _mm256_loadu_si256(p.add(34 * b + 2).cast());
+                    _mm256_xor_si256(v, _mm256_set1_epi8(-128))
+                };
+                let (q1, d1) = if both {
+                    (values(b + 1), half(p.add(34 * (b + 1))))
+                } else {
+                    (_mm256_setzero_si256(), 0.0)
+                };
+                let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(values(b)), q1);
+                let d = halves(half(p.add(34 * b)), d1);
+                (q, d, _mm512_mul_ps(d, _mm512_set1_ps(-128.0)))
+            }),
+            BlockFormat::Q5_0 => pairs32::<ROWS>(groups, x, &mut acc0, &mut acc1, |b, both| {
+                pair32(BlockFormat::Q5_0, p.add(22 * b), both)
+            }),
+            BlockFormat::Q5_1 => pairs32::<ROWS>(groups, x, &mut acc0, &mut acc1, |b, both| {
+                pair32(BlockFormat::Q5_1, p.add(24 * b), both)
+            }),
+            BlockFormat::Q4_1 => pairs32::<ROWS>(groups, x, &mut acc0, &mut acc1, |b, both| {
+                pair32(BlockFormat::Q4_1, p.add(20 * b), both)
+            }),
         }
-        let shifted = f != BlockFormat::Q8_0;
+        let blocks_of_256 = matches!(f, BlockFormat::Q4K | BlockFormat::Q5K | BlockFormat::Q6K);
         for r in 0..ROWS {
             let mut total = _mm512_add_ps(acc0[r], acc1[r]);
-            if shifted {
-                // The row's dot of its group sums with `coef`, sixteen groups a vector.
-                let row = sums.as_ptr().add(r * groups);
-                let mut g = 0;
-                while g < groups {
-                    let mask: __mmask16 = if groups - g >= 16 {
-                        0xffff
-                    } else {
-                        (1u16 << (groups - g)) - 1
-                    };
-                    let cv = _mm512_maskz_loadu_ps(mask, c.add(g));
-                    let sv = _mm512_maskz_loadu_ps(mask, row.add(g));
-                    total = _mm512_fmadd_ps(cv, sv, total);
-                    g += 16;
-                }
+            // The row's dot of its group sums with `coef`, sixteen groups a vector.
+            let row = sums.as_ptr().add(r * groups);
+            let mut g = if blocks_of_256 { 0 } else { groups };
+            while g < groups {
+                let mask: __mmask16 = if groups - g >= 16 {
+                    0xffff
+                } else {
+                    (1u16 << (groups - g)) - 1
+                };
+                let cv = _mm512_maskz_loadu_ps(mask, c.add(g));
+                let sv = _mm512_maskz_loadu_ps(mask, row.add(g));
+                total = _mm512_fmadd_ps(cv, sv, total);
+                g += 16;
             }
             dots[r] = _mm512_reduce_add_ps(total);
         }
@@ -1150,10 +1411,9 @@ mod avx512 {
             let o = out.add(b * f.values());
             match f {
                 BlockFormat::Q4K | BlockFormat::Q5K => {
-                    let (scale, offset) = k4_scales(p);
-                    let (mut s, mut m) = ([0f32; 8], [0f32; 8]);
-                    _mm256_storeu_ps(s.as_mut_ptr(), scale);
-                    _mm256_storeu_ps(m.as_mut_ptr(), offset);
+                    let mut sm = [0f32; 16];
+                    _mm512_storeu_ps(sm.as_mut_ptr(), k4_scales(p));
+                    let (s, m) = sm.split_at(8);
                     for pair in 0..4 {
                         let q = k4_values(p, f == BlockFormat::Q5K, pair);
                         for i in 0..4 {
@@ -1236,16 +1496,74 @@ mod tests {
         data
     }
 
-    /// Every build of the dot this CPU runs (portable, AVX2, AVX-512 BF16) equals the dot
-    /// with the dequantized weights up to f32 summation, for one to four activation rows.
+    /// Activations for the tests: bf16 rows of `k` with values of several sizes in each block
+    /// of 32, and zero blocks (from value 64 of row 1).
+    fn activations(k: usize) -> Vec<f32> {
+        (0..MAX_ROWS * k)
+            .map(|i| {
+                let v =
+                    (i as f32 * 0.37).sin() * (1.0 + (i % 5) as f32) * 3f32.powi((i % 7) as i32);
+                let zero = i / k == 1 && (64..128).contains(&(i % k));
+                Bf16::from_f32(if zero { 0.0 } else { v }).to_f32()
+            })
+            .collect()
+    }
+
+    /// The fixed point is within half a step of each activation (exact for the zero
+    /// blocks and for values near their block's largest), and its parts are in range.
+    #[test]
+    fn fixed_point_activations_are_within_half_a_step() {
+        let k = 224;
+        let x = activations(k);
+        let Some(fixed) = Fixed::new(&x, MAX_ROWS, k) else {
+            // Only the AVX-512 path reads fixed point, and only its CPUs make it.
+            assert_ne!(Path::detect(), Path::Avx512);
+            return;
+        };
+        for g in [16, 32] {
+            for (i, &sum) in fixed.sums(g).iter().enumerate() {
+                let (r, at) = (i / (k / g), i % (k / g) * g);
+                let want: f32 = (at..at + g).map(|j| fixed.value(r, j)).sum();
+                assert!(
+                    (sum - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "sum {i} of {g}"
+                );
+            }
+        }
+        let mut exact = 0;
+        for r in 0..MAX_ROWS {
+            for j in 0..padded_len(k) {
+                let at = r * fixed.kp + j;
+                assert!((0..128).contains(&fixed.lo[at]));
+                let v = if j < k { x[r * k + j] } else { 0.0 };
+                let block = &x[r * k + (j / 32 * 32).min(k)..r * k + (j / 32 * 32 + 32).min(k)];
+                let top = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let got = fixed.value(r, j);
+                assert!(
+                    (got - v).abs() <= top / 16383.0 * 0.5001,
+                    "row {r} value {j}: {got} for {v}"
+                );
+                if v.abs() == top {
+                    assert_eq!(got, v, "the largest of a block is kept exactly");
+                    exact += 1;
+                }
+            }
+        }
+        assert!(exact >= MAX_ROWS * k / 32);
+    }
+
+    /// Every build of the dot this CPU runs (portable, AVX2, AVX-512 VNNI) equals the dot
+    /// with the dequantized weights up to f32 summation, for one to four activation rows:
+    /// of the activations themselves, and for the AVX-512 path of their fixed point, which
+    /// is within half a step of them.
     #[test]
     fn every_dot_path_agrees_with_the_weights() {
         let mut paths = vec![Path::Portable];
         if avx2_available() {
             paths.push(Path::Avx2);
         }
-        if Path::detect() == Path::Avx512Bf16 {
-            paths.push(Path::Avx512Bf16);
+        if Path::detect() == Path::Avx512 {
+            paths.push(Path::Avx512);
         }
         // Five blocks: an odd count (the 32-value formats take blocks in pairs) and group
         // counts that leave a partial vector of 16 (40 and 80 for the K-quants).
@@ -1256,23 +1574,34 @@ mod tests {
             let n = 3;
             let data = blocks(f, n, k, 7);
             let m = Blocks::new(f, n, &data);
-            let xb: Vec<Bf16> = (0..MAX_ROWS * k)
-                .map(|i| Bf16::from_f32((i as f32 * 0.37).sin() * (1.0 + (i % 5) as f32)))
-                .collect();
-            let xs: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
-            let sums: Vec<f32> = xs.chunks_exact(f.group()).map(|c| c.iter().sum()).collect();
-            let xi = interleave(&xb, MAX_ROWS, k);
+            let xs = activations(k);
+            let fixed = Fixed::new(&xs, MAX_ROWS, k);
             for row in 0..n {
                 let w = &data[row * f.row_bytes(k)..(row + 1) * f.row_bytes(k)];
                 for count in 1..=MAX_ROWS {
                     for &path in &paths {
+                        let sums: Vec<f32> = if path == Path::Avx512 {
+                            fixed.as_ref().unwrap().sums(f.group()).to_vec()
+                        } else {
+                            xs.chunks_exact(f.group()).map(|c| c.iter().sum()).collect()
+                        };
                         let mut got = [f32::NAN; MAX_ROWS];
                         let mut coef = vec![f32::NAN; k / 16];
-                        dot_row(f, w, &xs, &xi, &sums, count, k, path, &mut coef, &mut got);
+                        let xq = fixed.as_ref().map(|fixed| (fixed, 0));
+                        dot_row(f, w, &xs, xq, &sums, count, k, path, &mut coef, &mut got);
                         for (r, &got) in got.iter().enumerate().take(count) {
-                            let (mut exact, mut size) = (0f64, 0f64);
+                            let (mut exact, mut size, mut step) = (0f64, 0f64, 0f64);
                             for j in 0..k {
-                                let t = f64::from(m.weight(row, j, k)) * f64::from(xs[r * k + j]);
+                                let wj = f64::from(m.weight(row, j, k));
+                                let x = if path == Path::Avx512 {
+                                    let block = &xs[r * k + j / 32 * 32..r * k + j / 32 * 32 + 32];
+                                    let top = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+                                    step += wj.abs() * f64::from(top) / 16383.0 * 0.5;
+                                    fixed.as_ref().unwrap().value(r, j)
+                                } else {
+                                    xs[r * k + j]
+                                };
+                                let t = wj * f64::from(x);
                                 exact += t;
                                 size += t.abs();
                             }
@@ -1280,6 +1609,13 @@ mod tests {
                             assert!(
                                 err <= 1e-5 * size + 1e-6,
                                 "{f:?} {path:?} row {row} of {count}: {got} vs {exact}"
+                            );
+                            let plain: f64 = (0..k)
+                                .map(|j| f64::from(m.weight(row, j, k)) * f64::from(xs[r * k + j]))
+                                .sum();
+                            assert!(
+                                (f64::from(got) - plain).abs() <= 1e-5 * size + step + 1e-6,
+                                "{f:?} {path:?} row {row} of {count}: {got} vs {plain}"
                             );
                         }
                     }
@@ -1309,7 +1645,7 @@ mod tests {
                 assert_eq!(plain, fast, "{f:?}");
             }
             #[cfg(target_arch = "x86_64")]
-            if Path::detect() == Path::Avx512Bf16 {
+            if Path::detect() == Path::Avx512 {
                 let mut fast = vec![Bf16(0); k];
                 // SAFETY: the AVX-512 path's features detected.
                 unsafe { avx512::dequantize_row(f, &data, &mut fast) };
