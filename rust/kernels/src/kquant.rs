@@ -26,7 +26,9 @@
 //! package's `gguf.quants`) does: the f32 product `d * sc`, then `scale * q`, then the
 //! offset added, no fused multiply-add; then rounds it to bf16. The GEMV sums in f32 per
 //! group `scale * sum(q x) + offset * sum(x)`, which is the dot product with those weights
-//! up to the order and rounding of the additions.
+//! up to the order and rounding of the additions. Its AVX-512 path takes `x` in 15-bit
+//! [`Fixed`] point (each value within half a step, `2^-15` of its block's largest) so that
+//! `sum(q x)` is an integer dot product of the stored bytes.
 
 use crate::attention::{KernelError, Parallel};
 use crate::element::{Bf16, Element, F16};
