@@ -1,4 +1,5 @@
-"""The GGUF block GEMV (K-quants, Q5_0/Q5_1, Q4_1, Q8_0 in the file's own bytes) format by
+"""The GGUF block GEMV (K-quants, Q5_0/Q5_1, Q4_1, Q8_0 in the file's own bytes, and the
+"q8" and "q4" layouts that plain Q8_0, Q4_0 and Q4_1 matrices are regrouped into) format by
 format: the weight bytes read per second at 1, 2 and 4 activation rows, through the kernel
 the quantized projections call (``iron_batch._core._gemv_quant``), against a copy of as
 many bytes in the same run.
@@ -66,6 +67,28 @@ def measure(rows: list[int], mib: int, warmup_s: float) -> dict[str, float]:
 
             s = best_seconds(call, 5, warmup_s)
             out[f"{name} {r} row GB/s"] = nbytes / s / 1e9
+    # The layouts Q8_0, Q4_0 and Q4_1 matrices are regrouped into at load (`crate::quant`):
+    # "q8" i8 quants, "q4" packed nibbles, each with an f16 scale (and min) per 32 weights.
+    for name, bits in (("q8", 8), ("q4", 4)):
+        count = max(1, (mib << 20) // (N * K * bits // 8))
+        mats = [(torch.from_numpy(rng.integers(0, 256, size=N * K * bits // 8, dtype=np.uint8)),
+                 torch.full((N * K // 32,), 0.002, dtype=torch.float16),
+                 torch.full((N * K // 32,), -0.01, dtype=torch.float16)) for _ in range(count)]
+        nbytes = count * (N * K * bits // 8 + N * K // 32 * (2 if bits == 8 else 4))
+        for r in rows:
+            x = torch.randn(r, K).bfloat16()
+            y = torch.empty(r, N, dtype=torch.bfloat16)
+
+            def call_regrouped(x: torch.Tensor = x, y: torch.Tensor = y, r: int = r,
+                               mats: list[tuple[torch.Tensor, ...]] = mats,
+                               name: str = name) -> None:
+                for q, scale, low in mats:
+                    _core._gemv_quant(y.data_ptr(), x.data_ptr(), name, q.data_ptr(),
+                                      scale.data_ptr(), low.data_ptr(), 0, rows=r, n=N, k=K,
+                                      threads=threads)
+
+            s = best_seconds(call_regrouped, 5, warmup_s)
+            out[f"{name} (regrouped) {r} row GB/s"] = nbytes / s / 1e9
     return out
 
 
