@@ -982,40 +982,8 @@ mod avx512 {
         let v = _mm512_maskz_loadu_epi8((1u64 << len) - 1, p.cast());
         // 16-bit lanes 0..8 and 8..16 the first block's nibbles, 16..32 the second's.
         let (a, b) = ((qs / 2) as i16, ((size + qs) / 2) as i16);
-        let nibbles = _mm512_set_epi16(
-            b + 7,
-            b + 6,
-            b + 5,
-            b + 4,
-            b + 3,
-            b + 2,
-            b + 1,
-            b,
-            b + 7,
-            b + 6,
-            b + 5,
-            b + 4,
-            b + 3,
-            b + 2,
-            b + 1,
-            b,
-            a + 7,
-            a + 6,
-            a + 5,
-            a + 4,
-            a + 3,
-            a + 2,
-            a + 1,
-            a,
-            a + 7,
-            a + 6,
-            a + 5,
-            a + 4,
-            a + 3,
-            a + 2,
-            a + 1,
-            a,
-        );
+        let nibbles: [i16; 32] = std::array::from_fn(|i| if i < 16 { a } else { b } + i as i16 % 8);
+        let nibbles = _mm512_loadu_si512(nibbles.as_ptr().cast());
         let bytes = _mm512_permutexvar_epi16(nibbles, v);
         let four = 0x0004_0004_0004_0004;
         let shift = _mm512_set_epi64(four, four, 0, 0, four, four, 0, 0);
