@@ -410,12 +410,14 @@ pub fn gemv_blocks(
     let fixed = Fixed::new(&xf, rows, k);
     // Per-group sums of each activation row (of the values the path multiplies), for
     // groups of 16 and of 32.
-    let (sums16, sums32): (Vec<f32>, Vec<f32>) = match &fixed {
-        Some(fixed) => (fixed.sums(16).to_vec(), fixed.sums(32).to_vec()),
-        None => (
-            xf.chunks_exact(16).map(|c| c.iter().sum()).collect(),
-            xf.chunks_exact(32).map(|c| c.iter().sum()).collect(),
-        ),
+    let plain: [Vec<f32>; 2] = if fixed.is_some() {
+        Default::default()
+    } else {
+        [16, 32].map(|g| xf.chunks_exact(g).map(|c| c.iter().sum()).collect())
+    };
+    let (sums16, sums32) = match &fixed {
+        Some(fixed) => (fixed.sums(16), fixed.sums(32)),
+        None => (&plain[0][..], &plain[1][..]),
     };
     let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
     let out_addr = out.as_mut_ptr() as usize;
@@ -435,9 +437,9 @@ pub fn gemv_blocks(
                 for (i, row) in (chunk..end).enumerate() {
                     let (f, w) = weight.row(row, k);
                     let (sums, groups) = if f.group() == 16 {
-                        (&sums16, k / 16)
+                        (sums16, k / 16)
                     } else {
-                        (&sums32, k / 32)
+                        (sums32, k / 32)
                     };
                     let ss = &sums[first * groups..(first + take) * groups];
                     dot_row(f, w, xs, xq, ss, take, k, path, &mut coef, &mut results[i]);
@@ -897,9 +899,10 @@ fn padded_len(k: usize) -> usize {
 /// 32's (in four lanes a group for Q6_K's groups of 16). One conversion to f32 and one FMA
 /// apply each lane's weight scale times its activation scale.
 ///
-/// A row at its end adds the dot of its group sums with each group's `offset - scale * c`
-/// (`c` the format's own subtrahend: 32 for Q6_K, 16 for Q5_0, 128 for Q8_0), collected per
-/// group in `coef`.
+/// Each group's offset term, `(offset - scale * c)` times the group's activation sum (`c` the
+/// format's own subtrahend: 32 for Q6_K, 16 for Q5_0, 128 for Q8_0), is added per step for
+/// the 32-value formats (against each lane's sum of four, `Fixed::spread`) and at a row's
+/// end for the K-quants (their groups' coefficients collected in `coef`).
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
@@ -998,7 +1001,7 @@ mod avx512 {
             q = _mm512_mask_add_epi8(q, fifth, q, _mm512_set1_epi8(16));
         }
         // The f16 words `d` (0 and size / 2) and `m` (1 and size / 2 + 1), eight each.
-        let halves = |w: i16| {
+        let pick = |w: i16| {
             let at = _mm512_mask_blend_epi16(
                 0xff00,
                 _mm512_set1_epi16(w),
@@ -1006,18 +1009,17 @@ mod avx512 {
             );
             _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(at, v)))
         };
-        let d = halves(0);
+        let d = pick(0);
         let offset = if f == BlockFormat::Q5_0 {
             _mm512_mul_ps(d, _mm512_set1_ps(-16.0))
         } else {
-            halves(1)
+            pick(1)
         };
         (q, d, offset)
     }
 
     /// `blocks` Q4_K (Q5_K if `five`) blocks at `p`: their offsets into `coef`, 8 a block,
     /// and their products into the two accumulators, pairs of groups taking turns.
-    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     unsafe fn k4_blocks<const ROWS: usize>(
         p: *const u8,
@@ -1080,7 +1082,6 @@ mod avx512 {
     /// row; a zero block leaves them as they are (zeros).
     ///
     /// SAFETY: AVX-512 F/BW/VL/VNNI; each slice holds the row's part.
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn fix_row(
         x: &[f32],
@@ -1215,29 +1216,6 @@ mod avx512 {
             _mm512_and_si512(l, _mm512_set1_epi8(15)),
             _mm512_slli_epi16::<4>(t),
         )
-    }
-
-    /// The 32 stored values of a Q5_0, Q5_1 or Q4_1 block at `p` (bytes in weight order),
-    /// its scale `d` and its `m` (0 for Q5_0).
-    #[inline(always)]
-    unsafe fn block32(f: BlockFormat, p: *const u8) -> (__m256i, f32, f32) {
-        let d = half(p);
-        let (m, qs) = match f {
-            BlockFormat::Q5_0 => (0.0, p.add(6)),
-            BlockFormat::Q5_1 => (half(p.add(2)), p.add(8)),
-            _ => (half(p.add(2)), p.add(4)),
-        };
-        let bytes = _mm_loadu_si128(qs.cast());
-        let low = _mm_set1_epi8(15);
-        let mut q = _mm256_set_m128i(
-            _mm_and_si128(_mm_srli_epi16::<4>(bytes), low),
-            _mm_and_si128(bytes, low),
-        );
-        if f != BlockFormat::Q4_1 {
-            // Bit e of the u32 before the nibbles is weight e's fifth bit.
-            q = _mm256_mask_add_epi8(q, word(qs.sub(4)), q, _mm256_set1_epi8(16));
-        }
-        (q, d, m)
     }
 
     /// The portable `dot_row` with integer dot products: see the module docs. `coef` is
@@ -1411,8 +1389,8 @@ mod avx512 {
                     }
                 }
                 BlockFormat::Q5_0 | BlockFormat::Q5_1 | BlockFormat::Q4_1 => {
-                    let (q, d, m) = block32(f, p);
-                    let q = _mm512_castsi256_si512(q);
+                    let (q, d, m) = pair32(f, p, false);
+                    let (d, m) = (_mm512_cvtss_f32(d), _mm512_cvtss_f32(m));
                     let (c, offset) = if f == BlockFormat::Q5_0 {
                         (16, None)
                     } else {
