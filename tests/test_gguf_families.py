@@ -16,7 +16,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import gguf
 import numpy as np
@@ -106,7 +106,8 @@ def _interleave(w: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def _tensors(arch: str, folder: Path, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
+def _tensors(arch: str, folder: Path, cfg: dict[str, Any],
+             vocab_rows: int | None = None) -> dict[str, np.ndarray]:
     state = load_file(str(folder / "model.safetensors"))
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
@@ -124,8 +125,10 @@ def _tensors(arch: str, folder: Path, cfg: dict[str, Any]) -> dict[str, np.ndarr
             elif hf.endswith(("k_proj.weight", "k_proj.bias")):
                 w = _interleave(w, kv_heads)
         if arch == "gemma3" and hf == "model.embed_tokens.weight":
-            tok = json.loads((folder / "tokenizer.json").read_text())
-            w = w[: len(tok["model"]["vocab"]) + len(tok["added_tokens"])]
+            if vocab_rows is None:
+                tok = json.loads((folder / "tokenizer.json").read_text())
+                vocab_rows = len(tok["model"]["vocab"]) + len(tok["added_tokens"])
+            w = w[:vocab_rows]
         out[_gguf_name(arch, hf)] = w
     # The names agree with gguf-py's own table for the architecture.
     table = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg["num_hidden_layers"])
@@ -254,13 +257,24 @@ def _put(w: gguf.GGUFWriter, key: str, value: Any) -> None:
         w.add_array(key, value)
 
 
-def write_gguf(name: str, out: Path, overrides: dict[str, Any] | None = None) -> Path:
+class Vocabulary(Protocol):
+    """A tokenizer's GGUF keys, written in place of the checkpoint's byte vocabulary."""
+
+    size: int
+
+    def write(self, w: gguf.GGUFWriter) -> None: ...
+
+
+def write_gguf(name: str, out: Path, overrides: dict[str, Any] | None = None, *,
+               folder: Path | None = None, vocabulary: Vocabulary | None = None) -> Path:
     """The GGUF file llama.cpp's converter makes of checkpoint ``name`` (``overrides``:
-    architecture keys changed, None to drop one)."""
-    folder = _checkpoint(name)
+    architecture keys changed, None to drop one; ``folder``: a checkpoint of that family
+    to write instead; ``vocabulary``: the tokenizer to write, of the checkpoint's
+    vocabulary size, instead of its byte-level one)."""
+    folder = folder or _checkpoint(name)
     arch = ARCH[name]
     cfg = json.loads((folder / "config.json").read_text())
-    tensors = _tensors(arch, folder, cfg)
+    tensors = _tensors(arch, folder, cfg, vocabulary.size if vocabulary else None)
     kv = {**_metadata(arch, cfg), **(overrides or {})}
     rope = _rope(cfg)
     if arch == "llama" and rope.get("rope_type") == "llama3":
@@ -273,10 +287,23 @@ def write_gguf(name: str, out: Path, overrides: dict[str, Any] | None = None) ->
         if value is not None:
             _put(w, f"{arch}.{key}", value)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    # A GPT-2 style vocabulary of the byte tokenizer, padded as the converter pads it.
+    if vocabulary is not None:
+        vocabulary.write(w)
+    else:
+        _write_byte_vocabulary(w, folder, tensors["token_embd.weight"].shape[0])
+    for tname, value in tensors.items():
+        w.add_tensor(tname, np.ascontiguousarray(value))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _write_byte_vocabulary(w: gguf.GGUFWriter, folder: Path, rows: int) -> None:
+    """A GPT-2 style vocabulary of the byte tokenizer, padded as the converter pads it."""
     tok = json.loads((folder / "tokenizer.json").read_text())
     by_id = {i: t for t, i in tok["model"]["vocab"].items()}
-    rows = tensors["token_embd.weight"].shape[0]
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(rows)]
     types = [gguf.TokenType.CONTROL if i < 3 else
              gguf.TokenType.NORMAL if i in by_id else gguf.TokenType.UNUSED for i in range(rows)]
@@ -287,13 +314,6 @@ def write_gguf(name: str, out: Path, overrides: dict[str, Any] | None = None) ->
     w.add_token_merges([])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    for tname, value in tensors.items():
-        w.add_tensor(tname, np.ascontiguousarray(value))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
 
 
 def _backend(path: Path) -> TorchBackend:

@@ -1,8 +1,10 @@
 """Text <-> token ids for the torch backend, from an HF folder or from GGUF metadata.
 
 Wraps the ``tokenizers`` library; chat templates are rendered with jinja2 the way HF does
-(sandboxed, trim_blocks/lstrip_blocks). For GGUF we build a byte-level BPE ourselves from
-the vocab and merges stored in the file, so transformers is not needed at run time.
+(sandboxed, trim_blocks/lstrip_blocks). For GGUF we build the tokenizer ourselves from the
+vocabulary stored in the file, so transformers is not needed at run time: a byte-level BPE
+from the merges of a ``gpt2`` vocabulary, or a SentencePiece-style BPE from the scores of a
+``llama`` one (Gemma, Phi-3, Llama 2 files; see :mod:`iron_batch.gguf_spm`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Tokenizer:
         eos_token: str | None = None,
         add_bos: bool = False,
         pad_token: str | None = None,
+        add_eos: bool = False,
     ) -> None:
         self._tok = tokenizer
         self.pad_token = pad_token
@@ -45,9 +48,11 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.bos_token = bos_token
         self.eos_token = eos_token
-        # Only for tokenizers whose post-processor does not add BOS itself (GGUF).
+        # Only for tokenizers whose post-processor does not add BOS (or EOS) itself (GGUF).
         self._add_bos = add_bos
+        self._add_eos = add_eos
         self._bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
+        self._eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
         self._template: Any = None
 
     def to_info(self) -> dict[str, Any]:
@@ -60,6 +65,7 @@ class Tokenizer:
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             "add_bos": bool(self._add_bos),
+            "add_eos": bool(self._add_eos),
             "pad_token": self.pad_token,
         }
 
@@ -73,6 +79,7 @@ class Tokenizer:
             eos_token=info.get("eos_token"),
             add_bos=bool(info.get("add_bos", False)),
             pad_token=info.get("pad_token"),
+            add_eos=bool(info.get("add_eos", False)),
         )
 
     @property
@@ -91,6 +98,8 @@ class Tokenizer:
         if add_special_tokens and self._add_bos and self._bos_id is not None:
             if not ids or ids[0] != self._bos_id:
                 ids = [self._bos_id, *ids]
+        if add_special_tokens and self._add_eos and self._eos_id is not None:
+            ids = [*ids, self._eos_id]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -169,8 +178,13 @@ class Tokenizer:
     @classmethod
     def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
         kind = fields.get("tokenizer.ggml.model")
+        if kind == "llama":
+            return cls._from_gguf_spm(fields)
         if kind != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only gpt2 BPE)")
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {kind!r} (tokenizer.ggml.model): supported "
+                "are 'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)"
+            )
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
         types: list[int] = fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
         merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
@@ -216,6 +230,32 @@ class Tokenizer:
             bos_token=text("tokenizer.ggml.bos_token_id"),
             eos_token=text("tokenizer.ggml.eos_token_id"),
             add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+    @classmethod
+    def _from_gguf_spm(cls, fields: dict[str, Any]) -> Tokenizer:
+        from iron_batch.gguf_spm import SPM_DEFAULT_IDS, spm_tokenizer
+
+        fields = {**SPM_DEFAULT_IDS, **fields}
+        spm = spm_tokenizer(fields)
+        tokens = spm.tokens
+
+        def text(key: str) -> str | None:
+            i = fields.get(key)
+            return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+        # The ids the file names, then the end-of-turn tokens llama.cpp finds by their text.
+        named = [fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        eos_ids = [int(i) for i in named if isinstance(i, int)] + spm.end_ids
+        return cls(
+            spm.tokenizer,
+            chat_template=fields.get("tokenizer.chat_template"),
+            eos_token_ids=list(dict.fromkeys(eos_ids)),
+            bos_token=text("tokenizer.ggml.bos_token_id"),
+            eos_token=text("tokenizer.ggml.eos_token_id"),
+            add_bos=spm.add_bos,
+            add_eos=spm.add_eos,
+            pad_token=text("tokenizer.ggml.padding_token_id"),
         )
 
 
