@@ -43,6 +43,8 @@ VARIANTS.update({
     # More K/V heads on the global layers than on the sliding ones (1 and 2).
     "gemma4_global_kv2": ("Gemma4TextConfig", {**_BASE, "num_key_value_heads": 1,
                                                "num_global_key_value_heads": 2}),
+    # The head is the token table (as in the released checkpoints).
+    "gemma4_tied": ("Gemma4TextConfig", {**_BASE, "tie_word_embeddings": True}),
 })
 
 
@@ -130,13 +132,14 @@ def test_each_variant_is_exact_against_transformers(name: str) -> None:
     assert stats["preemptions"] > 0
 
 
-@pytest.mark.parametrize("name", ["gemma4_v_proj", "gemma4_global_kv2"])
+@pytest.mark.parametrize("name", ["gemma4_v_proj", "gemma4_global_kv2", "gemma4_tied"])
 def test_two_ranks_give_transformers_tokens(name: str) -> None:
     # Each rank holds 2 of the 4 query heads in every layer and, per layer, the one K/V
-    # head they attend to. gemma4_v_proj: the sliding layers' 2 K/V heads one per rank,
-    # the global layers' one on both; gemma4_global_kv2: the other way round. The layers
-    # that share K/V read them from the rank's own cache. Longer than the 20-token
-    # window; chunked prefill and preemption on a small pool.
+    # head they attend to. gemma4_v_proj and gemma4_tied: the sliding layers' 2 K/V heads
+    # one per rank, the global layers' one on both; gemma4_global_kv2: the other way
+    # round. The layers that share K/V read them from the rank's own cache; a tied head
+    # is the rank's rows of the token table. Longer than the 20-token window; chunked
+    # prefill and preemption on a small pool.
     prompts = random_prompts(11, [45, 7, 26, 3])
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     llm = LLM(model=str(checkpoint(name)), tensor_parallel_size=2, device="cpu",

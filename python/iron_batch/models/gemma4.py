@@ -332,7 +332,7 @@ class Gemma4ForCausalLM(DecoderModel):
         def dense(name: str) -> Linear:
             return Linear(ctx.need(Part(name)), kernels=ctx.kernels)
 
-        def heads(run: range | None, width: int) -> slice | None:
+        def head_rows(run: range | None, width: int) -> slice | None:
             """Rows (or columns) of the heads ``run`` of ``width`` each (None: all)."""
             return None if run is None else slice(run.start * width, run.stop * width)
 
@@ -368,8 +368,8 @@ class Gemma4ForCausalLM(DecoderModel):
             hd = c.layer_head_dims[i]
             kv_run = None if kv_ranges is None else kv_ranges[i]
             kvh = c.layer_kv_heads[i] if kv_run is None else len(kv_run)
-            q_rows = heads(None if plan is None else plan.q_heads, hd)
-            kv_rows = heads(kv_run, hd)
+            q_rows = head_rows(None if plan is None else plan.q_heads, hd)
+            kv_rows = head_rows(kv_run, hd)
             src = c.kv_sources[i]
             global_layer = windows[i] is None
             v_from_k = c.k_eq_v and global_layer
