@@ -2,8 +2,9 @@
 of their own, the global layers' values come from the k projection, per-layer embeddings
 on and off (and values from a v projection) are each exact against transformers, the
 proportional rope equals transformers', every position's logits agree in float32, the
-sliding layers release their blocks, and the features not implemented are refused by
-name."""
+sliding layers release their blocks, two tensor-parallel ranks give transformers' tokens
+where the global layers have fewer or more K/V heads than the sliding ones, and the
+features not implemented are refused by name."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import torch
 from iron_batch import Scheduler
 from iron_batch.backends.build import scheduler_config
 from iron_batch.layers.rotary import rope_inv_freq
+from iron_batch.llm import LLM
 from iron_batch.models.gemma4 import Gemma4ForCausalLM, Gemma4Layer
+from iron_batch.sampling_params import SamplingParams
 from tiny_models import (
     FAMILIES,
     VARIANTS,
@@ -37,6 +40,11 @@ VARIANTS.update({
                                            "num_kv_shared_layers": 0}),
     # Global layers with a v projection of their own; K/V still shared.
     "gemma4_v_proj": ("Gemma4TextConfig", {**_BASE, "attention_k_eq_v": False}),
+    # More K/V heads on the global layers than on the sliding ones (1 and 2).
+    "gemma4_global_kv2": ("Gemma4TextConfig", {**_BASE, "num_key_value_heads": 1,
+                                               "num_global_key_value_heads": 2}),
+    # The head is the token table (as in the released checkpoints).
+    "gemma4_tied": ("Gemma4TextConfig", {**_BASE, "tie_word_embeddings": True}),
 })
 
 
@@ -122,6 +130,29 @@ def test_each_variant_is_exact_against_transformers(name: str) -> None:
     outs, stats = run_scheduler(be, prompts, 16, max_batch_tokens=16, total_kv_blocks=24)
     assert outs == [hf_greedy(name, p, 16) for p in prompts]
     assert stats["preemptions"] > 0
+
+
+@pytest.mark.parametrize("name", ["gemma4_v_proj", "gemma4_global_kv2", "gemma4_tied"])
+def test_two_ranks_give_transformers_tokens(name: str) -> None:
+    # Each rank holds 2 of the 4 query heads in every layer and, per layer, the one K/V
+    # head they attend to. gemma4_v_proj and gemma4_tied: the sliding layers' 2 K/V heads
+    # one per rank, the global layers' one on both; gemma4_global_kv2: the other way
+    # round. The layers that share K/V read them from the rank's own cache; a tied head
+    # is the rank's rows of the token table. Longer than the 20-token window; chunked
+    # prefill and preemption on a small pool.
+    prompts = random_prompts(11, [45, 7, 26, 3])
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    llm = LLM(model=str(checkpoint(name)), tensor_parallel_size=2, device="cpu",
+              dtype="float32", kv_block_size=4, total_kv_blocks=24, max_batch_tokens=16)
+    try:
+        assert [layer.kv_heads for layer in llm.backend.model.layers] == [1, 1, 1, 1]
+        outs = [o.token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.scheduler.stats()
+    finally:
+        llm.close()
+    assert stats["preemptions"] > 0
+    assert stats["free_blocks"] == stats["total_blocks"]
+    assert outs == [hf_greedy(name, p, 16) for p in prompts]
 
 
 def test_per_layer_embeddings_are_loaded_only_where_configured() -> None:

@@ -22,18 +22,19 @@ from conftest import free_port, wait_for
 from iron_batch.backends.build import BackendConfigError
 from iron_batch.llm import LLM
 from iron_batch.sampling_params import SamplingParams
-from tiny_models import FAMILIES, checkpoint, random_prompts, uneven_checkpoint
+from tiny_models import (
+    FAMILIES,
+    checkpoint,
+    random_prompts,
+    uneven_checkpoint,
+    variant_checkpoint,
+)
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 SERVER = [sys.executable, "-m", "iron_batch.server"]
 TINY = ("--backend", "torch", "--device", "cpu", "--dtype", "float32",
         "--kv-block-size", "4", "--total-kv-blocks", "256", "--no-ui")
-
-
-#: Families tensor parallelism refuses to split (at load, by name: see
-#: test_a_family_tensor_parallelism_cannot_split_is_refused_with_one_line).
-UNSPLITTABLE = ("gemma4",)
-CHECKPOINTS = [*(name for name in FAMILIES if name not in UNSPLITTABLE), "uneven"]
+CHECKPOINTS = [*FAMILIES, "uneven"]
 
 
 @pytest.fixture(scope="module")
@@ -104,14 +105,21 @@ def test_seeded_sampling_is_the_same_on_tp2(pair: tuple[Any, Any]) -> None:
     assert tp2 == tp1
 
 
-@pytest.mark.parametrize("name", UNSPLITTABLE)
-def test_a_family_tensor_parallelism_cannot_split_is_refused_with_one_line(
-    name: str, paths: dict[str, str]
-) -> None:
-    # Gemma 4: per-layer head shapes and K/V shared across layers.
-    with pytest.raises(BackendConfigError, match="cannot split gemma4_text over 2 ranks") as info:
-        LLM(model=paths[name], tensor_parallel_size=2, device="cpu")
+def test_gemma4_layers_whose_kv_heads_a_rank_cannot_follow_are_refused() -> None:
+    # 6 query heads: 3 per rank, which pair with the sliding layers' 2 KV heads (one KV
+    # head each) but would take one and a half of the global layers' 3 KV heads.
+    model = str(variant_checkpoint("gemma4", (("num_attention_heads", 6),
+                                              ("num_global_key_value_heads", 3))))
+    with pytest.raises(BackendConfigError) as info:
+        LLM(model=model, tensor_parallel_size=2, device="cpu")
+    assert str(info.value).endswith(
+        "cannot split gemma4_text over 2 ranks: layer 1's 6 query heads share 3 KV heads, "
+        "and rank 0's query heads 0-2 would not divide evenly among the KV heads they "
+        "attend to")
     assert "\n" not in str(info.value)
+    # The same checkpoint in one process runs.
+    assert len(LLM(model=model, device="cpu", total_kv_blocks=32).generate(
+        [[5, 6, 7]], GREEDY)[0].token_ids) == 12
 
 
 def test_a_world_size_the_heads_cannot_be_split_by_is_refused(paths: dict[str, str]) -> None:

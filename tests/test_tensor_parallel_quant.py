@@ -68,9 +68,10 @@ def _check(runs: list[Any], prompts: list[list[int]]) -> float:
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma4"])
 def test_tp2_agrees_with_tp1_under_the_same_quantization(name: str, quantization: str) -> None:
-    # llama: 2 KV heads (one per rank); qwen3: 1 KV head, replicated on both ranks.
+    # llama: 2 KV heads (one per rank); qwen3: 1 KV head, replicated on both ranks;
+    # gemma4: both in one model (sliding and global layers), MLPs of two widths.
     prompts = random_prompts(90, [3, 11, 24, 7, 30, 16])
     _check(_runs(str(checkpoint(name)), quantization, prompts), prompts)
 

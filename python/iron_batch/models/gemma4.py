@@ -22,8 +22,17 @@ Decode steps run layer by layer in Python: the one-call Rust stack
 (``layers/decoder_stack.py``) does not describe these layers, so ``decoder`` stays None.
 The per-layer-embedding projections stay dense under ``--quantization`` (the attention
 and MLP projections and the head are quantized as usual). Refused by name at load:
-mixture-of-experts layers (``enable_moe_block``), bidirectional attention, rope types
-other than "default" and "proportional", and tensor parallelism.
+mixture-of-experts layers (``enable_moe_block``), bidirectional attention, and rope types
+other than "default" and "proportional".
+
+Tensor parallelism splits the query heads as ``models/partition.py`` does (the same heads
+in every layer, each layer's rows as wide as its heads); each layer's K/V heads are those
+the rank's query heads attend to in that layer (a K/V head whose query group is cut is held
+by every rank of it), so a layer that shares K/V finds the heads it needs in its source
+layer's cache on the same rank. A world size where some layer's query heads would not
+divide evenly among their K/V heads is refused naming the layer. Each layer's MLP rows are
+cut at its own width; the token table and head by vocabulary rows; the per-layer-embedding
+parts are whole on every rank.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from iron_batch.attention import kv_int8, paged
-from iron_batch.layers.embedding import Embedding, LMHead
+from iron_batch.layers.embedding import Embedding, LMHead, VocabParallel
 from iron_batch.layers.linear import Linear
 from iron_batch.layers.mlp import GatedMLP
 from iron_batch.layers.norm import RMSNorm
@@ -45,7 +54,13 @@ from iron_batch.layers.rotary import RotaryEmbedding, apply_rope
 from iron_batch.layers.weights import LoadContext, Part, WeightSource
 from iron_batch.models.config import GATED_ACTIVATION_NAMES, ModelConfig
 from iron_batch.models.decoder import HF_NAMES, NORM_LAYOUTS, DecoderLayer, DecoderModel, Shard
-from iron_batch.models.partition import ShardPlan
+from iron_batch.models.partition import (
+    ShardPlan,
+    TensorParallelError,
+    even_ranges,
+    head_ranges,
+    kv_heads_for,
+)
 from iron_batch.platform import heap, huge_pages
 
 #: Layer kinds, in the order of the rope tables (``Gemma4Config.ropes``).
@@ -76,11 +91,6 @@ _NAMES = {
     "ple_proj_norm": "model.per_layer_projection_norm.weight",
 }
 
-#: Where a tensor-parallel split would have to cut differently per layer.
-_UNSPLITTABLE = ("Gemma 4's layers differ in head shape and share K/V across layers "
-                 "(tensor parallelism is not implemented for it)")
-
-
 @dataclass
 class Gemma4Config(ModelConfig):
     """``ModelConfig`` plus what Gemma 4 sets per layer. ``head_dim``/``num_kv_heads``
@@ -100,6 +110,29 @@ class Gemma4Config(ModelConfig):
     #: Width of each layer's per-layer embedding (0: none), and that table's vocabulary.
     ple_dim: int = 0
     ple_vocab: int = 0
+
+    def check_split(self, world: int) -> None:
+        """Refuse (one line) a world size some layer's KV heads cannot follow."""
+        for rank, q in enumerate(head_ranges(self, world)[0]):
+            layer_kv_ranges(self, q, rank, world)
+
+
+def layer_kv_ranges(c: Gemma4Config, q: range, rank: int, world: int) -> list[range]:
+    """Each layer's KV heads on rank ``rank`` of ``world``, which holds the query heads
+    ``q`` in every layer: those its query heads attend to (a KV head whose query group is
+    cut between ranks is held by each of them). TensorParallelError where the rank's query
+    heads would not pair with their KV heads in some layer (see ``kv_heads_for``)."""
+    out: list[range] = []
+    for i, kv in enumerate(c.layer_kv_heads):
+        held = kv_heads_for(q, c.num_heads, kv)
+        if held is None:
+            raise TensorParallelError(
+                f"cannot split {c.model_type} over {world} ranks: layer {i}'s "
+                f"{c.num_heads} query heads share {kv} KV heads, and rank {rank}'s query "
+                f"heads {q.start}-{q.stop - 1} would not divide evenly among the KV "
+                "heads they attend to")
+        out.append(held)
+    return out
 
 
 def _kinds(cfg: dict[str, Any], n: int) -> list[str]:
@@ -242,7 +275,6 @@ class Gemma4ForCausalLM(DecoderModel):
             final_softcap=cfg.get("final_logit_softcapping"),
             embedding_scale=hidden**0.5,
             embedding_scale_in_dtype=True,
-            unsplittable=_UNSPLITTABLE,
             layer_head_dims=dims,
             layer_kv_heads=kv_heads,
             layer_kinds=[LAYER_KINDS.index(k) for k in kinds],
@@ -263,8 +295,6 @@ class Gemma4ForCausalLM(DecoderModel):
         quantization: str | None = None,
         shard: Shard | None = None,
     ) -> None:
-        if shard is not None:
-            raise ValueError(f"cannot split {config.model_type}: {_UNSPLITTABLE}")
         if not isinstance(config, Gemma4Config):
             raise TypeError("Gemma4ForCausalLM needs the config its config_from_hf reads")
         super().__init__(config, source, device=device, dtype=dtype,
@@ -283,8 +313,12 @@ class Gemma4ForCausalLM(DecoderModel):
 
     def _load(self, ctx: LoadContext, plan: ShardPlan | None) -> None:
         c = self.config
-        assert isinstance(c, Gemma4Config) and plan is None
+        assert isinstance(c, Gemma4Config)
         names = self.hf_names
+        # Tensor parallelism: each layer's KV heads on this rank, from its query heads.
+        kv_ranges = None
+        if plan is not None:
+            kv_ranges = layer_kv_ranges(c, plan.q_heads, plan.rank, plan.world)
         windows = [c.layer_window(i) for i in range(c.num_layers)]
         self.cache_groups: list[tuple[str, int | None]] = []
         if any(w is None for w in windows):
@@ -298,6 +332,29 @@ class Gemma4ForCausalLM(DecoderModel):
         def dense(name: str) -> Linear:
             return Linear(ctx.need(Part(name)), kernels=ctx.kernels)
 
+        def head_rows(run: range | None, width: int) -> slice | None:
+            """Rows (or columns) of the heads ``run`` of ``width`` each (None: all)."""
+            return None if run is None else slice(run.start * width, run.stop * width)
+
+        def mlp_rows_of(name: str) -> slice | None:
+            """This rank's share of an MLP's intermediate rows (None: all). The width can
+            differ per layer: the checkpoint tensor's rows, read as its slice of no
+            columns (which reads none of its values)."""
+            if plan is None:
+                return None
+            t = ctx.source.tensor(Part(name, cols=slice(0, 0)))
+            if t is None:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            run = even_ranges(t.shape[0], plan.world)[plan.rank]
+            return slice(run.start, run.stop)
+
+        def row_bias(name: str) -> torch.Tensor:
+            bias = ctx.need(Part(name))
+            if plan is not None and plan.rank != 0:
+                # Added once to the sum of the partial outputs: by rank 0 alone.
+                bias = torch.zeros_like(bias)
+            return bias
+
         def scalar(name: str) -> torch.Tensor | None:
             t = ctx.source.tensor(Part(name))
             if t is None or bool((t == 1).all()):
@@ -308,21 +365,28 @@ class Gemma4ForCausalLM(DecoderModel):
         self.layers: list[DecoderLayer] = []
         for i in range(c.num_layers):
             n = {k: v.format(i=i) for k, v in names.items()}
-            hd, kvh = c.layer_head_dims[i], c.layer_kv_heads[i]
+            hd = c.layer_head_dims[i]
+            kv_run = None if kv_ranges is None else kv_ranges[i]
+            kvh = c.layer_kv_heads[i] if kv_run is None else len(kv_run)
+            q_rows = head_rows(None if plan is None else plan.q_heads, hd)
+            kv_rows = head_rows(kv_run, hd)
             src = c.kv_sources[i]
             global_layer = windows[i] is None
             v_from_k = c.k_eq_v and global_layer
             projections = ["q"] if src is not None else ["q", "k"] if v_from_k else [
                 "q", "k", "v"]
-            biases = [Part(n[p] + ".bias") for p in projections] if c.qkv_bias else None
-            qkv = Linear.load(ctx, [Part(n[p] + ".weight") for p in projections],
-                              biases=biases)
-            o = Linear.load(ctx, [Part(n["o"] + ".weight")])
+            rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
+            biases = [Part(n[p] + ".bias", rows=rows[p]) for p in projections
+                      ] if c.qkv_bias else None
+            qkv = Linear.load(ctx, [Part(n[p] + ".weight", rows=rows[p])
+                                    for p in projections], biases=biases)
+            o = Linear.load(ctx, [Part(n["o"] + ".weight", cols=q_rows)])
             if c.o_bias:
-                o.bias = ctx.need(Part(n["o"] + ".bias"))
-            gate_up = Linear.load(ctx, [Part(n["gate"] + ".weight"),
-                                        Part(n["up"] + ".weight")])
-            down = Linear.load(ctx, [Part(n["down"] + ".weight")])
+                o.bias = row_bias(n["o"] + ".bias")
+            inter = mlp_rows_of(n["gate"] + ".weight")
+            gate_up = Linear.load(ctx, [Part(n["gate"] + ".weight", rows=inter),
+                                        Part(n["up"] + ".weight", rows=inter)])
+            down = Linear.load(ctx, [Part(n["down"] + ".weight", cols=inter)])
             # As DecoderModel's: the most rows the MLP takes at once on CPU.
             mlp_rows = None
             if ctx.device.type == "cpu":
@@ -362,16 +426,23 @@ class Gemma4ForCausalLM(DecoderModel):
                 layer_scalar=scalar(n["layer_scalar"]),
             ))
         self.norm = norm(names["norm"])
+        # The token table and the head by vocabulary rows, as the dense families split them.
+        vocab = parallel = None
+        if plan is not None and self.shard is not None:
+            vocab = slice(plan.vocab_start, plan.vocab_start + plan.vocab_rows)
+            parallel = VocabParallel(plan.vocab_start, plan.vocab_rows,
+                                     self.shard.all_reduce, self.shard.gather_logits)
         head_name = names["embed"] if c.tie_word_embeddings else names["lm_head"]
-        head = Linear.load(ctx, [Part(head_name)], head=True)
-        self.lm_head = LMHead(head, c.vocab_size)
+        head = Linear.load(ctx, [Part(head_name, rows=vocab)], head=True)
+        self.lm_head = LMHead(head, c.vocab_size, parallel)
         if c.tie_word_embeddings and ctx.quantization is None:
             table = head.weight
         else:
-            table = ctx.need(Part(names["embed"]))
-        self.embed = Embedding(table)
+            table = ctx.need(Part(names["embed"], rows=vocab))
+        self.embed = Embedding(table, parallel)
         #: The per-layer embeddings' table, the projection of the token embedding into
-        #: every layer's vector, and that projection's norm (None without them).
+        #: every layer's vector, and that projection's norm (None without them). Small:
+        #: whole on every tensor-parallel rank, which computes the same vectors.
         self.ple_embed: Embedding | None = None
         self.ple_model_proj: Linear | None = None
         self.ple_proj_norm: Gemma4Norm | None = None
@@ -457,6 +528,7 @@ class Gemma4ForCausalLM(DecoderModel):
         layers = self._gemma_layers()
         heads = self.num_heads
         attn = self.attention
+        shard = self.shard
         # One plan per cache group and query heads per K/V head (the masks of prompt rows
         # repeat by the latter).
         plans = {}
@@ -495,8 +567,13 @@ class Gemma4ForCausalLM(DecoderModel):
             else:
                 k, v = kv[layer.kv_source]
             o = layer.o(attn.forward(q, k, v, cache, plan, layer.scale, layer.softcap))
+            if shard is not None:
+                shard.all_reduce(o)  # row-parallel: the ranks' partial sums
             h, x = self._join(h, o, layer.attn_out_norm, 1.0, layer.post_norm)
-            h, _ = self._join(h, layer.mlp(x), layer.mlp_out_norm, 1.0, None)
+            mlp = layer.mlp(x)
+            if shard is not None:
+                shard.all_reduce(mlp)
+            h, _ = self._join(h, mlp, layer.mlp_out_norm, 1.0, None)
             if per_layer is not None:
                 assert layer.ple_gate and layer.ple_proj and layer.ple_norm
                 gated = self.activation(layer.ple_gate(h)) * per_layer[:, i]

@@ -13,6 +13,9 @@ ranks may then differ in KV cache size, hence the allocator's minimum over ranks
 KV heads than ranks, each KV head is replicated on ``world / kv_heads`` ranks that split its
 query group. The MLP's intermediate rows are cut near-equally; the vocabulary is padded to a
 multiple of the world size (padded rows are zeros and their logits are dropped on rank 0).
+A family whose layers differ in KV heads derives each layer's KV heads from the rank's
+query heads (:func:`kv_heads_for`) and refuses, through its config's ``check_split``, a
+world size where some layer's cannot be paired.
 """
 
 from __future__ import annotations
@@ -67,6 +70,21 @@ def plan_shards(config: ModelConfig, world: int) -> list[ShardPlan]:
     own_check = getattr(c, "check_split", None)
     if world > 1 and own_check is not None:
         own_check(world)  # a family's own layers (Qwen3.5's linear-attention heads)
+    q_ranges, kv_ranges = head_ranges(c, world)
+    if c.intermediate_size < world:
+        raise TensorParallelError(
+            f"cannot split an MLP of {c.intermediate_size} rows over {world} ranks")
+    inter = even_ranges(c.intermediate_size, world)
+    rows = -(-c.vocab_size // world)
+    return [
+        ShardPlan(r, world, q_ranges[r], kv_ranges[r], inter[r], r * rows, rows)
+        for r in range(world)
+    ]
+
+
+def head_ranges(c: ModelConfig, world: int) -> tuple[list[range], list[range]]:
+    """Per rank: the query heads it holds and the KV heads they attend to (one line of
+    TensorParallelError where the heads cannot be split ``world`` ways)."""
     heads, kv = c.num_heads, c.num_kv_heads
     group = heads // kv
     name = f"{c.model_type} ({heads} query heads, {kv} KV heads)"
@@ -89,13 +107,23 @@ def plan_shards(config: ModelConfig, world: int) -> list[ShardPlan]:
         for r in range(world):
             kv_ranges.append(range(r // per_kv, r // per_kv + 1))
             q_ranges.append(range(r * q_per_rank, (r + 1) * q_per_rank))
-    if c.intermediate_size < world:
-        raise TensorParallelError(
-            f"cannot split an MLP of {c.intermediate_size} rows over {world} ranks")
-    inter = even_ranges(c.intermediate_size, world)
-    rows = -(-c.vocab_size // world)
-    return [
-        ShardPlan(r, world, q_ranges[r], kv_ranges[r], inter[r], r * rows, rows)
-        for r in range(world)
-    ]
+    return q_ranges, kv_ranges
+
+
+def kv_heads_for(q_heads: range, heads: int, kv_heads: int) -> range | None:
+    """The KV heads that the query heads ``q_heads`` attend to, where ``heads`` query
+    heads share ``kv_heads`` KV heads in equal consecutive groups; None where a rank
+    holding just these could not pair them the way its attention does: its j-th query
+    head with its (j // (query heads / KV heads))-th KV head (Gemma 4's layers, whose KV
+    heads differ in number, each take their own)."""
+    if kv_heads < 1 or heads % kv_heads or not q_heads:
+        return None
+    group = heads // kv_heads
+    kv = range(q_heads.start // group, (q_heads.stop - 1) // group + 1)
+    if len(q_heads) % len(kv):
+        return None
+    local = len(q_heads) // len(kv)
+    if any(q // group - kv.start != j // local for j, q in enumerate(q_heads)):
+        return None
+    return kv
 

@@ -96,7 +96,10 @@ def load_rank(
         model.set_state_dtype(recurrent_state_dtype)
         blocks: int | list[int]
         groups = model.cache_groups
-        if any(kind == "state" for kind, _ in groups):
+        if any(kind == "state" for kind, _ in groups) or (
+                len(groups) > 1 and total_kv_blocks is None):
+            # Each group's blocks as a single process splits the budget (a sliding group
+            # needs only its window's): the fewest any rank holds.
             sizes = ([state_slots_for(model, total_kv_blocks, kv_cache_memory_gb)
                       if kind == "state" else total_kv_blocks for kind, _ in groups]
                      if total_kv_blocks is not None
