@@ -72,8 +72,6 @@ class ModelConfig:
     residual_scale: float = 1.0
     #: Logits are divided by this (Granite's logits_scaling).
     logits_divisor: float = 1.0
-    #: Why tensor parallelism cannot split this model (None: it can).
-    unsplittable: str | None = None
 
     def layer_window(self, i: int) -> int | None:
         """How far back layer ``i`` attends (None: every position)."""

@@ -64,9 +64,6 @@ def plan_shards(config: ModelConfig, world: int) -> list[ShardPlan]:
     c = config
     if world < 1:
         raise TensorParallelError(f"tensor parallel size must be >= 1, got {world}")
-    if world > 1 and c.unsplittable:
-        raise TensorParallelError(f"cannot split {c.model_type} over {world} ranks: "
-                                  f"{c.unsplittable}")
     own_check = getattr(c, "check_split", None)
     if world > 1 and own_check is not None:
         own_check(world)  # a family's own layers (Qwen3.5's linear-attention heads)
