@@ -31,8 +31,8 @@ the rank's query heads attend to in that layer (a K/V head whose query group is 
 by every rank of it), so a layer that shares K/V finds the heads it needs in its source
 layer's cache on the same rank. A world size where some layer's query heads would not
 divide evenly among their K/V heads is refused naming the layer. Each layer's MLP rows are
-cut at its own width; the token table and head by vocabulary rows; the per-layer-embedding
-parts are whole on every rank.
+cut at its own width; the token table, the per-layer-embedding table and the head by
+vocabulary rows; the rest of the per-layer-embedding parts are whole on every rank.
 """
 
 from __future__ import annotations
@@ -441,13 +441,23 @@ class Gemma4ForCausalLM(DecoderModel):
             table = ctx.need(Part(names["embed"], rows=vocab))
         self.embed = Embedding(table, parallel)
         #: The per-layer embeddings' table, the projection of the token embedding into
-        #: every layer's vector, and that projection's norm (None without them). Small:
-        #: whole on every tensor-parallel rank, which computes the same vectors.
+        #: every layer's vector, and that projection's norm (None without them). The
+        #: table (vocabulary x layers x width: the largest tensor of the small Gemma 4
+        #: checkpoints) is split by vocabulary rows like the token table; the projection
+        #: and its norm are whole on every rank, which computes the same vectors.
         self.ple_embed: Embedding | None = None
         self.ple_model_proj: Linear | None = None
         self.ple_proj_norm: Gemma4Norm | None = None
         if c.ple_dim:
-            self.ple_embed = Embedding(ctx.need(Part(names["ple_embed"])))
+            ple_rows = ple_parallel = None
+            if plan is not None and self.shard is not None:
+                per_rank = -(-c.ple_vocab // plan.world)
+                start = plan.rank * per_rank
+                ple_rows = slice(start, start + per_rank)
+                ple_parallel = VocabParallel(start, per_rank, self.shard.all_reduce,
+                                             self.shard.gather_logits)
+            self.ple_embed = Embedding(ctx.need(Part(names["ple_embed"], rows=ple_rows)),
+                                       ple_parallel)
             self.ple_model_proj = dense(names["ple_model_proj"])
             self.ple_proj_norm = norm(names["ple_proj_norm"])
         self.activation = _PLAIN_ACTIVATIONS[c.hidden_act]
