@@ -191,6 +191,7 @@ impl Layer {
             softcap: sp.softcap,
             residual_scale: sp.residual_scale,
             cache_group: sp.cache_group,
+            extras: Default::default(),
         }
     }
 }
@@ -568,6 +569,7 @@ fn run_step(c: &Case, run: Runner) -> (Vec<Bf16>, Vec<BfCache>) {
         groups: &groups,
         shape: s.shape(),
         eps: EPS,
+        per_layer: &[],
     };
     run(&mut h, &views, &mut cache_views, &inputs);
     drop(cache_views);
@@ -931,6 +933,7 @@ fn bad_steps_are_errors_and_write_nothing() {
             groups,
             shape,
             eps: EPS,
+            per_layer: &[],
         };
         let result = decode_layers(&mut h, &[*l], &mut caches, &inputs, 2, &ScopedThreads);
         assert!(result.is_err(), "case {i} was taken");
@@ -948,6 +951,7 @@ fn bad_steps_are_errors_and_write_nothing() {
         groups: &[good_group],
         shape,
         eps: EPS,
+        per_layer: &[],
     };
     decode_layers(&mut h, &[good], &mut caches, &inputs, 2, &ScopedThreads).unwrap();
     assert_ne!(h, h0);
