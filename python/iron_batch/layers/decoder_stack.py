@@ -9,10 +9,11 @@ for the rare value on a bf16 rounding boundary). Its layers are pre-norm (Llama,
 Mistral, SmolLM3, Phi-3, Granite), norm-after (OLMo 2) or both (Gemma 2 and 3), and
 Gemma 4's (per-layer head shapes, the weightless v norm, values from the k projection,
 K/V shared from an earlier layer, per-layer embeddings, a scalar on each layer's output,
-norms that round once): see :class:`StackLayer` for what it reads and :meth:`DecoderStack.decode` for several rotary
-tables and cache groups. It serves steps where every row decodes and there are few enough
-rows for the GEMV kernels (2 for bf16 weights, ``IRON_BATCH_QUANT_GEMV_ROWS`` for quantized
-ones); other steps take the Python path. bf16 only; off with ``IRON_BATCH_CPU_DECODER=0`` (and with
+norms that round once): see :class:`StackLayer` for what it reads and
+:meth:`DecoderStack.decode` for several rotary tables and cache groups. It serves steps
+where every row decodes and there are few enough rows for the GEMV kernels (2 for bf16
+weights, ``IRON_BATCH_QUANT_GEMV_ROWS`` for quantized ones); other steps take the Python
+path. bf16 only; off with ``IRON_BATCH_CPU_DECODER=0`` (and with
 ``IRON_BATCH_CPU_ATTENTION=torch``; see ``platform/switches.py``).
 """
 
