@@ -647,9 +647,15 @@ pub fn decode_layers(
     let rows = s.num_seqs;
     let eps = inputs.eps;
     let heads = s.num_heads;
-    let shapes: Vec<(usize, usize)> = layers.iter().map(|l| l.head_shape(&s)).collect();
     let most = |f: &dyn Fn(usize, usize) -> usize| {
-        shapes.iter().map(|&(hd, kv)| f(hd, kv)).max().unwrap_or(0)
+        layers
+            .iter()
+            .map(|l| {
+                let (hd, kv) = l.head_shape(&s);
+                f(hd, kv)
+            })
+            .max()
+            .unwrap_or(0)
     };
     let inter = layers.iter().map(|l| l.gate_up.n / 2).max().unwrap_or(0);
     let zeros = |len: usize| vec![Bf16(0); len];
@@ -681,7 +687,7 @@ pub fn decode_layers(
     let mut pending = false;
     for (i, layer) in layers.iter().enumerate() {
         let e = &layer.extras;
-        let (hd, kv_heads) = shapes[i];
+        let (hd, kv_heads) = layer.head_shape(&s);
         let once = e.norms_round_once;
         let group = inputs.groups[layer.cache_group];
         // The input norm also adds the previous sublayer's output into the residual.
