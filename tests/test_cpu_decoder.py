@@ -18,8 +18,8 @@ def _backend(name: str, quantization: str | None, fused: bool,
     monkeypatch.setenv("IRON_BATCH_CPU_DECODER", "1" if fused else "0")
     be = TorchBackend.from_model(str(checkpoint(name)), device="cpu", dtype="bfloat16",
                                  total_kv_blocks=96, kv_block_size=4, quantization=quantization)
-    # A family whose layers the stack does not describe (Gemma 4) keeps the Python path
-    # with the switch on.
+    # A family whose layers the stack does not describe (``one_call_decode`` False) keeps
+    # the Python path with the switch on.
     assert (be.model.decoder is not None) == (fused and be.model.one_call_decode)
     return be
 

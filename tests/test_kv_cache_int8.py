@@ -95,7 +95,7 @@ def test_int8_cache_logits_stay_within_the_bound_of_the_bf16_cache(name: str) ->
     assert agreement >= MIN_ARGMAX_AGREEMENT, agreement
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gemma4"])
 def test_one_call_decode_reads_the_int8_cache_as_the_layer_path_does(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

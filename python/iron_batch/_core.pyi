@@ -375,9 +375,11 @@ def _add_rms_norm(
     bf16: bool,
     threads: int,
     openmp: tuple[int, int, int] | None = None,
+    round_once: bool = False,
 ) -> None:
-    """Fused residual add + RMSNorm over raw CPU tensor addresses (delta 0: no add); call
-    it through ``iron_batch.layers.cpu_kernels``."""
+    """Fused residual add + RMSNorm over raw CPU tensor addresses (delta 0: no add);
+    ``round_once``: Gemma 4's rounding (normalized value times weight in float32, one
+    rounding). Call it through ``iron_batch.layers.cpu_kernels``."""
 
 def _rope_store_kv(
     q_out: int,
@@ -530,6 +532,13 @@ def _q4_layout(k: int) -> tuple[np.ndarray, np.ndarray]:
 _ProjectionSpec = tuple[str, int, int, int, int, int, int]
 #: (sliding window or 0, rotary_dim, rope_table, scale or None, softcap or 0, cache_group)
 _AttentionSpec = tuple[int, int, int, float | None, float, int]
+#: Gemma 4's: (head_dim, kv_heads (0: the stack's), norms round once, v norm, v from k,
+#: kv_source or None, (gate, proj, norm address) of a per-layer-embedding block or None,
+#: layer scalar or None)
+_ExtrasSpec = tuple[
+    int, int, bool, bool, bool, int | None,
+    tuple[_ProjectionSpec, _ProjectionSpec, int] | None, float | None,
+]
 _LayerSpec = tuple[
     tuple[int, int, int, int],
     tuple[int, int],
@@ -538,6 +547,7 @@ _LayerSpec = tuple[
     str,
     _AttentionSpec,
     float,
+    _ExtrasSpec,
 ]
 
 class _DecoderStack:
@@ -545,8 +555,8 @@ class _DecoderStack:
     ``iron_batch.layers.decoder_stack``, which checks and keeps the tensors). Each layer:
     ((input, attention-output, pre-MLP, MLP-output norm; 0 absent), (q norm, its length),
     (k norm, its length), [qkv, o, gate_up, down], activation name, (sliding window or 0,
-    rotary_dim, rope_table, scale or None, softcap or 0, cache_group), residual_scale); an
-    activation the stack does not have is a ValueError."""
+    rotary_dim, rope_table, scale or None, softcap or 0, cache_group), residual_scale,
+    Gemma 4's extras); an activation the stack does not have is a ValueError."""
 
     def __init__(
         self,
@@ -574,6 +584,7 @@ class _DecoderStack:
         eps: float,
         threads: int,
         openmp: tuple[int, int, int] | None = None,
+        per_layer: int = 0,
     ) -> None: ...
 
 def _delta_rule_decode(

@@ -38,10 +38,13 @@ def _check(*tensors: torch.Tensor) -> None:
 
 
 def add_rms_norm_(
-    residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    *, round_once: bool = False,
 ) -> torch.Tensor:
     """``residual += delta`` in place (when given), then return ``weight * rms_norm(residual)``.
-    ``residual`` and ``delta`` are [rows, dim]; ``weight`` [dim]."""
+    ``residual`` and ``delta`` are [rows, dim]; ``weight`` [dim]. ``round_once``: Gemma 4's
+    rounding, the normalized value times the weight in float32 and rounded once (else the
+    normalized value is rounded, then multiplied)."""
     rows, dim = residual.shape
     tensors = [residual, weight] + ([delta] if delta is not None else [])
     _check(*tensors)
@@ -52,7 +55,7 @@ def add_rms_norm_(
         out.data_ptr(), residual.data_ptr(), 0 if delta is None else delta.data_ptr(),
         weight.data_ptr(), rows=rows, dim=dim, eps=float(eps),
         bf16=residual.dtype == torch.bfloat16, threads=torch.get_num_threads(),
-        openmp=entry_points(),
+        openmp=entry_points(), round_once=round_once,
     )
     return out
 

@@ -11,6 +11,7 @@ reach the final norm and the LM head.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -539,23 +540,9 @@ class DecoderModel:
                                     group_block_tables, len(seq_lens))
         decoder = self.decoder
         if decoder is not None and 0 < n <= decoder.max_rows:
-            # Every row as a decode row of its own: row j of a sequence's q rows sees the
-            # sequence's first seq_len - q + j + 1 tokens (its earlier rows' K/V are stored
-            # before any row attends). A decode step, a sequence's last token with its
-            # proposed ones, or a short chunk of a prompt: each row's values are those a
-            # one-row decode step gives for that position.
-            q = np.diff(np.asarray(query_start_loc, dtype=np.int64))
-            lens = (np.repeat(np.asarray(seq_lens, dtype=np.int64) - q, q)
-                    + _ranks(q) + 1).astype(np.int32)
-            width = -(-int(lens.max()) // self.block_size)
+            lens, per_row = self._stack_rows(query_start_loc, seq_lens)
             h = self._embed(ids).contiguous()
             cos, sin = ropes[0]
-            one_each = bool(np.all(q == 1))
-
-            def per_row(tables: np.ndarray) -> np.ndarray:
-                tables = np.asarray(tables)[:, :width]
-                return tables if one_each else np.repeat(tables, q, axis=0)
-
             if len(groups) == 1 and len(ropes) == 1:
                 decoder.decode(h, cos, sin, slot_mapping, per_row(block_tables), lens,
                                scale=self.scale)
@@ -597,6 +584,29 @@ class DecoderModel:
             after = layers[i + 1].input_norm if i + 1 < len(layers) else None
             h, x = self._join(h, mlp, layer.mlp_out_norm, layer.residual_scale, after)
         return h
+
+    def _stack_rows(
+        self, query_start_loc: np.ndarray, seq_lens: np.ndarray
+    ) -> tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]]:
+        """A step's rows as the decode stack takes them: each row's length, and a function
+        from a group's block tables to each row's.
+
+        Every row is a decode row of its own: row j of a sequence's q rows sees the
+        sequence's first seq_len - q + j + 1 tokens (its earlier rows' K/V are stored
+        before any row attends). A decode step, a sequence's last token with its proposed
+        ones, or a short chunk of a prompt: each row's values are those a one-row decode
+        step gives for that position."""
+        q = np.diff(np.asarray(query_start_loc, dtype=np.int64))
+        lens = (np.repeat(np.asarray(seq_lens, dtype=np.int64) - q, q)
+                + _ranks(q) + 1).astype(np.int32)
+        width = -(-int(lens.max()) // self.block_size)
+        one_each = bool(np.all(q == 1))
+
+        def per_row(tables: np.ndarray) -> np.ndarray:
+            tables = np.asarray(tables)[:, :width]
+            return tables if one_each else np.repeat(tables, q, axis=0)
+
+        return lens, per_row
 
     def _ids_and_ropes(
         self, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray

@@ -18,8 +18,9 @@
   embedding; after its MLP each layer adds ``norm(proj(act(gate(h)) * vector))``.
 - Every layer's output is multiplied by its ``layer_scalar``; final logits soft-capped.
 
-Decode steps run layer by layer in Python: the one-call Rust stack
-(``layers/decoder_stack.py``) does not describe these layers, so ``decoder`` stays None.
+Decode steps with few rows run every layer in one Rust call (``layers/decoder_stack.py``,
+which describes all of the above): the per-layer inputs are computed here first and
+passed in. Its norms round as ``Gemma4Norm`` does (once), so the two paths agree.
 The per-layer-embedding projections stay dense under ``--quantization`` (the attention
 and MLP projections and the head are quantized as usual). Refused by name at load:
 mixture-of-experts layers (``enable_moe_block``), bidirectional attention, and rope types
@@ -46,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from iron_batch.attention import kv_int8, paged
+from iron_batch.layers import cpu_kernels
 from iron_batch.layers.embedding import Embedding, LMHead, VocabParallel
 from iron_batch.layers.linear import Linear
 from iron_batch.layers.mlp import GatedMLP
@@ -213,7 +215,6 @@ class Gemma4ForCausalLM(DecoderModel):
     model_types = ("gemma4_text",)
     architectures = ("Gemma4ForCausalLM",)
     hf_names = _NAMES
-    one_call_decode = False
 
     @classmethod
     def config_from_hf(cls, cfg: dict[str, Any]) -> Gemma4Config:
@@ -326,8 +327,10 @@ class Gemma4ForCausalLM(DecoderModel):
         for w in sorted({w for w in windows if w is not None}):
             self.cache_groups.append(("sliding", w))
 
+        fused = ctx.kernels.fused
+
         def norm(name: str) -> Gemma4Norm:
-            return Gemma4Norm(ctx.need(Part(name)), c.rms_norm_eps)
+            return Gemma4Norm(ctx.need(Part(name)), c.rms_norm_eps, fused=fused)
 
         def dense(name: str) -> Linear:
             return Linear(ctx.need(Part(name)), kernels=ctx.kernels)
@@ -418,7 +421,7 @@ class Gemma4ForCausalLM(DecoderModel):
                 v_from_k=v_from_k,
                 # The v norm has no weight: a norm by ones.
                 v_norm=Gemma4Norm(torch.ones(hd, device=ctx.device, dtype=ctx.dtype),
-                                  c.rms_norm_eps) if src is None else None,
+                                  c.rms_norm_eps, fused=fused) if src is None else None,
                 kv_source=src,
                 ple_gate=dense(n["ple_gate"]) if ple else None,
                 ple_proj=dense(n["ple_proj"]) if ple else None,
@@ -503,6 +506,8 @@ class Gemma4ForCausalLM(DecoderModel):
         self.kv_caches = caches
         self.block_size = block_size
         self.num_blocks_per_group = per_group
+        if self.decoder is not None:
+            self.decoder.set_caches(caches, block_size)
 
     def kv_bytes_per_token(self) -> list[int]:
         """K/V bytes one token takes in each cache group: the layers that store theirs."""
@@ -535,6 +540,15 @@ class Gemma4ForCausalLM(DecoderModel):
         ids, ropes = self._ids_and_ropes(input_ids, positions)
         groups = self._group_tables(slot_mapping, block_tables, group_slot_mapping,
                                     group_block_tables, len(seq_lens))
+        decoder = self.decoder
+        if decoder is not None and 0 < ids.shape[0] <= decoder.max_rows:
+            lens, per_row = self._stack_rows(query_start_loc, seq_lens)
+            h = self._embed(ids).contiguous()
+            per_layer = self._per_layer_inputs(ids, h).contiguous() if c.ple_dim else None
+            decoder.decode(h, None, None, None, None, None, scale=self.scale, ropes=ropes,
+                           groups=[(slots, per_row(tables), lens) for slots, tables in groups],
+                           per_layer=per_layer)
+            return h
         layers = self._gemma_layers()
         heads = self.num_heads
         attn = self.attention
@@ -612,13 +626,25 @@ class Gemma4ForCausalLM(DecoderModel):
 class Gemma4Norm(RMSNorm):
     """Gemma 4's RMSNorm over the last dimension of any shape: the statistics and the
     product with the weight both in float32, rounded to the compute dtype once (the
-    shared norm rounds before multiplying by its weight; in bf16 the two differ)."""
+    shared norm rounds before multiplying by its weight; in bf16 the two differ).
+    ``fused``: on CPU, by the Rust kernel that rounds the same way (the one the decode
+    stack runs); ``weight`` stays float32 for the torch route."""
 
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+    #: The decode stack reads this: its norms of such a layer round once too.
+    rounds_once = True
+
+    def __init__(self, weight: torch.Tensor, eps: float, *, fused: bool = False) -> None:
         super().__init__(weight.float(), eps)
         self.dtype = weight.dtype
+        #: The weight in the compute dtype, for the fused kernel.
+        self._native = weight if fused else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        native = self._native
+        if native is not None and x.dtype == native.dtype and x.device.type == "cpu":
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            out = cpu_kernels.add_rms_norm_(flat, None, native, self.eps, round_once=True)
+            return out.view(x.shape)
         xf = x.float()
         xf = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         return (xf * self.weight).to(x.dtype)

@@ -5,8 +5,8 @@
 
 use iron_batch_kernels::{
     decode_layers, int8_row_len, parse_layout, run_in_team, Activation, CacheGroup, DecodeInputs,
-    DecodeShape, DecoderLayer, Int8LayerCache, KernelError, LayerCache, Matrix, Projection,
-    RopeTable,
+    DecodeShape, DecoderLayer, Int8LayerCache, KernelError, LayerCache, LayerExtras, Matrix,
+    PerLayerInput, Projection, RopeTable,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -19,13 +19,15 @@ use crate::kernels::{qmatrix, run_kernel, slice, slice_mut};
 /// scale, min, bias, n, k); unused addresses and "no bias" are 0.
 pub(crate) type ProjectionSpec = (String, usize, usize, usize, usize, usize, usize);
 /// A layer: (norms, q_norm, k_norm, [qkv, o, gate_up, down], activation, attention,
-/// residual_scale).
+/// residual_scale, extras).
 ///
 /// `norms` are the addresses of the four `hidden`-wide RMSNorm weights (input, attention
 /// output, pre-MLP, MLP output; 0: absent); `q_norm`/`k_norm` are (address, length) with
 /// length `head_dim` (per head) or the whole projection's width (address 0: absent); the
 /// attention is (sliding window (0: every position), rotary_dim, rope_table, scale (None:
-/// the step's), softcap (0: off), cache_group).
+/// the step's), softcap (0: off), cache_group); the extras are Gemma 4's (the kernels'
+/// `LayerExtras`): (head_dim, kv_heads (0: the stack's), norms round once, v norm, v from
+/// k, kv_source, per-layer-embedding block (gate, proj, norm address), layer scalar).
 type LayerSpec = (
     [usize; 4],
     (usize, usize),
@@ -34,6 +36,17 @@ type LayerSpec = (
     String,
     AttentionSpec,
     f32,
+    ExtrasSpec,
+);
+type ExtrasSpec = (
+    usize,
+    usize,
+    bool,
+    bool,
+    bool,
+    Option<usize>,
+    Option<(ProjectionSpec, ProjectionSpec, usize)>,
+    Option<f32>,
 );
 type AttentionSpec = (usize, usize, usize, Option<f32>, f32, usize);
 /// A rotary table: (cos, sin, dim), each `[rows, dim]` bf16.
@@ -123,6 +136,15 @@ struct LayerAddrs {
     softcap: f32,
     residual_scale: f32,
     cache_group: usize,
+    head_dim: usize,
+    kv_heads: usize,
+    norms_round_once: bool,
+    v_norm: bool,
+    v_from_k: bool,
+    kv_source: Option<usize>,
+    /// gate, proj, and the norm's address (`hidden` weights).
+    ple: Option<(ProjectionAddrs, ProjectionAddrs, usize)>,
+    layer_scalar: Option<f32>,
 }
 
 /// The decoder layers of one model, by address, and their KV caches.
@@ -134,7 +156,8 @@ pub struct DecoderStack {
     kv_heads: usize,
     head_dim: usize,
     /// (K, V) address per layer, each `[num_blocks * block_size, kv_heads * head_dim]`
-    /// with its layer's group's `num_blocks`.
+    /// with its layer's group's `num_blocks` and its layer's head shape (not read for a
+    /// layer that attends over another's).
     caches: Vec<(usize, usize)>,
     /// Blocks in each cache of group g: `group_blocks[g]`.
     group_blocks: Vec<usize>,
@@ -155,8 +178,20 @@ impl DecoderStack {
         head_dim: usize,
     ) -> PyResult<Self> {
         let mut parsed = Vec::with_capacity(layers.len());
-        for (norms, q_norm, k_norm, projections, activation, attention, residual_scale) in layers {
+        for (norms, q_norm, k_norm, projections, activation, attention, residual_scale, extras) in
+            layers
+        {
             let (sliding_window, rotary_dim, rope_table, scale, softcap, cache_group) = attention;
+            let (head_dim, kv_heads, norms_round_once, v_norm, v_from_k, kv_source, ple, scalar) =
+                extras;
+            let ple = match ple {
+                Some((gate, proj, norm)) => Some((
+                    ProjectionAddrs::parse(gate)?,
+                    ProjectionAddrs::parse(proj)?,
+                    norm,
+                )),
+                None => None,
+            };
             let activation = parse_activation(&activation)?;
             let projections: Vec<ProjectionAddrs> = projections
                 .into_iter()
@@ -178,6 +213,14 @@ impl DecoderStack {
                 softcap,
                 residual_scale,
                 cache_group,
+                head_dim,
+                kv_heads,
+                norms_round_once,
+                v_norm,
+                v_from_k,
+                kv_source,
+                ple,
+                layer_scalar: scalar,
             });
         }
         Ok(Self {
@@ -238,8 +281,10 @@ impl DecoderStack {
     /// One decode step over the residual rows at `h` (`[rows, hidden]` bf16, in place):
     /// `ropes` the rotary tables (cos, sin, dim), each `[rows, dim]` bf16, that layers pick by
     /// `rope_table`; `groups` one (slots, block tables, lengths) per cache group, with one
-    /// slot, table row and length per row; `scale` for layers without their own.
-    #[pyo3(signature = (h, ropes, groups, *, scale, eps, threads, openmp=None))]
+    /// slot, table row and length per row; `scale` for layers without their own;
+    /// `per_layer` the `[rows, layers, ple_dim]` bf16 vectors of the layers'
+    /// per-layer-embedding blocks (0: none; needed when a layer has one).
+    #[pyo3(signature = (h, ropes, groups, *, scale, eps, threads, openmp=None, per_layer=0))]
     #[allow(clippy::too_many_arguments)]
     fn decode(
         &self,
@@ -251,6 +296,7 @@ impl DecoderStack {
         eps: f32,
         threads: usize,
         openmp: Option<(usize, usize, usize)>,
+        per_layer: usize,
     ) -> PyResult<()> {
         if self.caches.len() != self.layers.len() {
             return Err(PyValueError::new_err("decode before set_caches"));
@@ -293,8 +339,17 @@ impl DecoderStack {
             num_blocks: 0,
             sliding_window: 0,
         };
-        let kv_row = self.kv_heads * self.head_dim;
         let hidden = self.hidden;
+        let ple_dim = self
+            .layers
+            .iter()
+            .find_map(|l| l.ple.as_ref().map(|(gate, _, _)| gate.n))
+            .unwrap_or(0);
+        if ple_dim > 0 && per_layer == 0 {
+            return Err(PyValueError::new_err(
+                "the layers' per-layer-embedding blocks need their per-layer inputs",
+            ));
+        }
         run_kernel(py, openmp, |parallel| {
             // SAFETY: the caller (layers/decoder_stack.py) checked every tensor behind these addresses
             // and keeps them alive; the sizes are the ones it checked.
@@ -307,6 +362,14 @@ impl DecoderStack {
                     .map(|l| {
                         let [qkv, o, gate_up, down] = &l.projections;
                         let [input_norm, attn_out_norm, post_norm, mlp_out_norm] = l.norms;
+                        let ple = match &l.ple {
+                            Some((gate, proj, norm_at)) => Some(PerLayerInput {
+                                gate: gate.view()?,
+                                proj: proj.view()?,
+                                norm: slice(*norm_at, hidden),
+                            }),
+                            None => None,
+                        };
                         Ok(DecoderLayer {
                             input_norm: norm(input_norm),
                             qkv: qkv.view()?,
@@ -326,19 +389,48 @@ impl DecoderStack {
                             softcap: l.softcap,
                             residual_scale: l.residual_scale,
                             cache_group: l.cache_group,
+                            extras: LayerExtras {
+                                head_dim: l.head_dim,
+                                kv_heads: l.kv_heads,
+                                norms_round_once: l.norms_round_once,
+                                v_norm: l.v_norm,
+                                v_from_k: l.v_from_k,
+                                kv_source: l.kv_source,
+                                ple,
+                                layer_scalar: l.layer_scalar,
+                            },
                         })
                     })
                     .collect::<Result<Vec<_>, KernelError>>()?;
-                // Each layer's cache length in its elements (bf16 values or int8 bytes).
-                let row = if self.int8 {
-                    self.kv_heads * int8_row_len(self.head_dim)
-                } else {
-                    kv_row
-                };
+                // Each layer's cache length in its elements (bf16 values or int8 bytes); a
+                // layer that attends over another's has none of its own (its entry in
+                // `caches` is that layer's tensor, not to be borrowed twice).
                 let lens: Vec<usize> = self
                     .layers
                     .iter()
-                    .map(|l| self.group_blocks[l.cache_group] * self.block_size * row)
+                    .map(|l| {
+                        let hd = if l.head_dim == 0 {
+                            self.head_dim
+                        } else {
+                            l.head_dim
+                        };
+                        let kv = if l.kv_heads == 0 {
+                            self.kv_heads
+                        } else {
+                            l.kv_heads
+                        };
+                        let row = if self.int8 {
+                            kv * int8_row_len(hd)
+                        } else {
+                            kv * hd
+                        };
+                        let own = l.kv_source.is_none();
+                        if own {
+                            self.group_blocks[l.cache_group] * self.block_size * row
+                        } else {
+                            0
+                        }
+                    })
                     .collect();
                 let ropes: Vec<RopeTable<'_>> = ropes
                     .iter()
@@ -348,11 +440,17 @@ impl DecoderStack {
                         dim,
                     })
                     .collect();
+                let per_layer: &[_] = if ple_dim == 0 {
+                    &[]
+                } else {
+                    slice(per_layer, rows * self.layers.len() * ple_dim)
+                };
                 let inputs = DecodeInputs {
                     ropes: &ropes,
                     groups: &cache_groups,
                     shape,
                     eps,
+                    per_layer,
                 };
                 let h = slice_mut(h, rows * hidden);
                 // One parallel region for the whole step (see `run_in_team`).
@@ -363,8 +461,8 @@ impl DecoderStack {
                             .iter()
                             .zip(&lens)
                             .map(|(&(k, v), &len)| Int8LayerCache {
-                                k: slice_mut(k, len),
-                                v: slice_mut(v, len),
+                                k: own_slice(k, len),
+                                v: own_slice(v, len),
                             })
                             .collect();
                         decode_layers(h, &layers, &mut caches, &inputs, threads, team)
@@ -374,8 +472,8 @@ impl DecoderStack {
                             .iter()
                             .zip(&lens)
                             .map(|(&(k, v), &len)| LayerCache {
-                                k: slice_mut(k, len),
-                                v: slice_mut(v, len),
+                                k: own_slice(k, len),
+                                v: own_slice(v, len),
                             })
                             .collect();
                         decode_layers(h, &layers, &mut caches, &inputs, threads, team)
@@ -383,5 +481,17 @@ impl DecoderStack {
                 })
             }
         })
+    }
+}
+
+/// A layer's cache at `addr` (`len` elements), or an empty slice for a layer with none of
+/// its own (its address is another layer's cache, already borrowed).
+///
+/// SAFETY: as `slice_mut` when `len` is positive.
+unsafe fn own_slice<'a, T>(addr: usize, len: usize) -> &'a mut [T] {
+    if len == 0 {
+        &mut []
+    } else {
+        slice_mut(addr, len)
     }
 }

@@ -7,7 +7,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use iron_batch_kernels::{
-    add_rms_norm, dequantize_bf16, dequantize_mxfp4, gemv_bf16, gemv_mxfp4, gemv_quant,
+    add_rms_norm_with, dequantize_bf16, dequantize_mxfp4, gemv_bf16, gemv_mxfp4, gemv_quant,
     moe_experts_with, paged_decode_attention_sinks_on, parse_layout, q4_nibble, rope_store_kv,
     Activation, AttentionPath, Bf16, Blocks, DecodeShape, Element, ExpertActivation, ExpertExtras,
     Experts, KernelError, MoeShape, Mxfp4, Parallel, QMatrix, ScopedThreads, Segment, F16,
@@ -224,9 +224,12 @@ pub fn _paged_decode_attention(
     })
 }
 
-/// `residual += delta` (delta 0: none), then `out = weight * rms_norm(residual)`.
+/// `residual += delta` (delta 0: none), then `out = weight * rms_norm(residual)`;
+/// `round_once`: as the kernels' `add_rms_norm_once` (Gemma 4's rounding).
 #[pyfunction]
-#[pyo3(signature = (out, residual, delta, weight, *, rows, dim, eps, bf16, threads, openmp=None))]
+#[pyo3(signature = (
+    out, residual, delta, weight, *, rows, dim, eps, bf16, threads, openmp=None, round_once=false
+))]
 #[allow(clippy::too_many_arguments)]
 pub fn _add_rms_norm(
     py: Python<'_>,
@@ -240,12 +243,15 @@ pub fn _add_rms_norm(
     bf16: bool,
     threads: usize,
     openmp: Option<(usize, usize, usize)>,
+    round_once: bool,
 ) -> PyResult<()> {
+    #[allow(clippy::too_many_arguments)]
     fn go<T: Element>(
         addrs: [usize; 4],
         rows: usize,
         dim: usize,
         eps: f32,
+        once: bool,
         threads: usize,
         parallel: &dyn Parallel,
     ) -> Result<(), KernelError> {
@@ -259,14 +265,14 @@ pub fn _add_rms_norm(
                 slice::<T>(addrs[3], dim),
             )
         };
-        add_rms_norm(out, res, delta, weight, rows, eps, threads, parallel)
+        add_rms_norm_with(out, res, delta, weight, rows, eps, once, threads, parallel)
     }
     let addrs = [out, residual, delta, weight];
     run_kernel(py, openmp, |parallel| {
         if bf16 {
-            go::<Bf16>(addrs, rows, dim, eps, threads, parallel)
+            go::<Bf16>(addrs, rows, dim, eps, round_once, threads, parallel)
         } else {
-            go::<f32>(addrs, rows, dim, eps, threads, parallel)
+            go::<f32>(addrs, rows, dim, eps, round_once, threads, parallel)
         }
     })
 }

@@ -14,7 +14,7 @@
 
 use crate::attention::{paged_decode_attention, DecodeShape, KernelError, Parallel};
 use crate::element::{Bf16, Element};
-use crate::elementwise::{add_rms_norm, rope_store_kv};
+use crate::elementwise::{add_rms_norm_with, rope_q, rope_store_kv};
 use crate::gemv::{gemv_bf16, GEMV_MAX_ROWS};
 use crate::kv_int8::{int8_row_len, paged_decode_attention_int8, rope_store_kv_int8};
 use crate::quant::{gemv_quant, QMatrix};
@@ -111,7 +111,11 @@ impl Activation {
 /// d = down(act(gate_up(m)))
 /// d = mlp_out_norm ? mlp_out_norm(d) : d
 /// h = h + residual_scale * d
+/// h = h + ple.norm(ple.proj(act(ple.gate(h)) * per_layer[row, layer]))   // extras.ple
+/// h = h * layer_scalar                                                     // extras
 /// ```
+///
+/// [`LayerExtras`] holds what Gemma 4 adds (its default: none of it).
 #[derive(Clone, Copy)]
 pub struct DecoderLayer<'a> {
     /// RMSNorm before the attention (None: the attention reads the residual itself).
@@ -150,6 +154,64 @@ pub struct DecoderLayer<'a> {
     pub residual_scale: f32,
     /// Which of the step's cache groups ([`DecodeInputs::groups`]) the layer's KV is in.
     pub cache_group: usize,
+    pub extras: LayerExtras<'a>,
+}
+
+/// Gemma 4's additions to a layer; the default has none of them.
+#[derive(Clone, Copy, Default)]
+pub struct LayerExtras<'a> {
+    /// The layer's head width and K/V heads (0: the step's [`DecodeShape`]'s): a model's
+    /// sliding and global layers may differ. Query heads are the step's.
+    pub head_dim: usize,
+    pub kv_heads: usize,
+    /// Every norm of the layer rounds once (Gemma 4's: statistics and weight product in
+    /// f32, then to bf16; see [`crate::add_rms_norm_once`]).
+    pub norms_round_once: bool,
+    /// A per-head RMSNorm without a weight on the values.
+    pub v_norm: bool,
+    /// The values are the k projection's output (normed by the v norm, not rotated): `qkv`
+    /// is q and k only, `n = (heads + kv_heads) * head_dim`.
+    pub v_from_k: bool,
+    /// An earlier layer whose cache this layer attends over (same group and head shape):
+    /// `qkv` is q alone (`n = heads * head_dim`), no k/v norms, and the layer stores
+    /// nothing (its own cache must be empty).
+    pub kv_source: Option<usize>,
+    /// The per-layer-embedding block after the MLP.
+    pub ple: Option<PerLayerInput<'a>>,
+    /// The layer's output residual is multiplied by this (None: by one), rounded to bf16.
+    pub layer_scalar: Option<f32>,
+}
+
+/// A layer's per-layer-embedding block: `h += norm(proj(act(gate(h)) * v))`, `v` the row's
+/// vector for this layer ([`DecodeInputs::per_layer`]) and `act` the MLP's activation.
+#[derive(Clone, Copy)]
+pub struct PerLayerInput<'a> {
+    /// `[ple_dim, hidden]` and `[hidden, ple_dim]`.
+    pub gate: Projection<'a>,
+    pub proj: Projection<'a>,
+    /// RMSNorm (`hidden` weights) of the projection.
+    pub norm: &'a [Bf16],
+}
+
+impl DecoderLayer<'_> {
+    /// (head width, K/V heads) of the layer in a step of `shape`.
+    fn head_shape(&self, shape: &DecodeShape) -> (usize, usize) {
+        let e = &self.extras;
+        let pick = |own: usize, step: usize| if own == 0 { step } else { own };
+        (
+            pick(e.head_dim, shape.head_dim),
+            pick(e.kv_heads, shape.num_kv_heads),
+        )
+    }
+
+    /// Widths of the k and v parts of `qkv`: 0, 1 or 2 K/V rows.
+    fn kv_parts(&self) -> usize {
+        match (self.extras.kv_source, self.extras.v_from_k) {
+            (Some(_), _) => 0,
+            (None, true) => 1,
+            (None, false) => 2,
+        }
+    }
 }
 
 /// One layer's paged KV cache: K and V, each `[num_blocks * block_size, kv_heads * head_dim]`
@@ -379,9 +441,13 @@ pub struct DecodeInputs<'a> {
     /// layer uses is not read).
     pub groups: &'a [CacheGroup<'a>],
     /// `num_seqs` is the number of rows; `max_blocks` and `num_blocks` come from each
-    /// layer's group and `sliding_window` from each layer (the shape's are not read).
+    /// layer's group and `sliding_window` from each layer (the shape's are not read);
+    /// `head_dim` and `num_kv_heads` are those of layers without their own.
     pub shape: DecodeShape,
     pub eps: f32,
+    /// `[rows, layers, ple_dim]`: each row's vector for each layer's per-layer-embedding
+    /// block (empty when no layer has one).
+    pub per_layer: &'a [Bf16],
 }
 
 fn invalid(what: String) -> KernelError {
@@ -401,9 +467,6 @@ fn check(
         return Err(invalid("no layers".into()));
     };
     let hidden = first.o.n;
-    let hd = s.head_dim;
-    let q_size = s.num_heads * hd;
-    let kv_row = s.num_kv_heads * hd;
     if rows == 0 || hidden == 0 || h.len() != rows * hidden {
         return Err(invalid(format!(
             "{} residual values for {rows} rows of {hidden}",
@@ -417,8 +480,9 @@ fn check(
             layers.len()
         )));
     }
+    let widest = layers.iter().map(|l| l.head_shape(&s).0).max().unwrap_or(0);
     for (t, rope) in inputs.ropes.iter().enumerate() {
-        if !rope.fits(rows, hd) {
+        if !rope.fits(rows, widest) {
             return Err(invalid(format!(
                 "rotary table {t} must be [rows, an even dim up to head_dim]"
             )));
@@ -433,10 +497,19 @@ fn check(
             .check(rows, s.block_size)
             .map_err(|what| invalid(format!("group {g}: {what}")))?;
     }
-    let inter = first.gate_up.n / 2;
+    // Every per-layer-embedding block reads vectors of one width.
+    let ple_dim = layers
+        .iter()
+        .find_map(|l| l.extras.ple.map(|p| p.gate.n))
+        .unwrap_or(0);
+    if inputs.per_layer.len() != rows * layers.len() * ple_dim {
+        return Err(invalid(format!(
+            "{} per-layer input values for {rows} rows of {} layers of {ple_dim}",
+            inputs.per_layer.len(),
+            layers.len()
+        )));
+    }
     let norm_fits = |w: Option<&[Bf16]>, len: usize| w.is_none_or(|w| w.len() == len);
-    let head_norm_fits =
-        |w: Option<&[Bf16]>, heads: usize| w.is_none_or(|w| w.len() == hd || w.len() == heads * hd);
     for (i, (l, c)) in layers.iter().zip(caches).enumerate() {
         let Some(group) = inputs.groups.get(l.cache_group) else {
             return Err(invalid(format!(
@@ -445,35 +518,77 @@ fn check(
                 inputs.groups.len()
             )));
         };
+        let (hd, kv_heads) = l.head_shape(&s);
+        if hd == 0 || kv_heads == 0 || !s.num_heads.is_multiple_of(kv_heads) {
+            return Err(invalid(format!(
+                "layer {i}: {kv_heads} K/V heads of {hd} for {} query heads",
+                s.num_heads
+            )));
+        }
         let rope_fits = l.rotary_dim == 0
-            || inputs
-                .ropes
-                .get(l.rope_table)
-                .is_some_and(|t| t.dim == l.rotary_dim);
+            || (l.rotary_dim <= hd
+                && inputs
+                    .ropes
+                    .get(l.rope_table)
+                    .is_some_and(|t| t.dim == l.rotary_dim));
         if !rope_fits {
             return Err(invalid(format!(
                 "layer {i} rotates {} dims: its rotary table {} does not fit",
                 l.rotary_dim, l.rope_table
             )));
         }
+        let e = &l.extras;
+        if let Some(src) = e.kv_source {
+            let source = (src < i).then(|| &layers[src]);
+            let shares = source.is_some_and(|o| {
+                o.extras.kv_source.is_none()
+                    && o.cache_group == l.cache_group
+                    && o.head_shape(&s) == (hd, kv_heads)
+            });
+            if !shares || l.k_norm.is_some() || e.v_norm || e.v_from_k || !c.holds(0, kv_heads, hd)
+            {
+                return Err(invalid(format!(
+                    "layer {i} cannot attend over layer {src}'s K/V (an earlier layer that \
+                     stores its own, of the same group and head shape; the sharing layer \
+                     has no k/v norms and an empty cache)"
+                )));
+            }
+        } else if !c.holds(group.num_blocks * s.block_size, kv_heads, hd) {
+            return Err(invalid(format!("layer {i}'s cache does not fit its group")));
+        }
+        let q_size = s.num_heads * hd;
+        let kv_row = kv_heads * hd;
+        // The MLP's width may differ between layers (Gemma 4's double-wide ones).
+        let inter = l.gate_up.n / 2;
+        let head_norm_fits = |w: Option<&[Bf16]>, heads: usize| {
+            w.is_none_or(|w| w.len() == hd || w.len() == heads * hd)
+        };
+        let ple_fits = e.ple.is_none_or(|p| {
+            (p.gate.k, p.gate.n) == (hidden, ple_dim)
+                && (p.proj.k, p.proj.n) == (ple_dim, hidden)
+                && p.norm.len() == hidden
+                && rows <= p.gate.max_rows()
+                && rows <= p.proj.max_rows()
+        });
         let fits = norm_fits(l.input_norm, hidden)
             && norm_fits(l.attn_out_norm, hidden)
             && norm_fits(l.post_norm, hidden)
             && norm_fits(l.mlp_out_norm, hidden)
-            && (l.qkv.k, l.qkv.n) == (hidden, q_size + 2 * kv_row)
+            && (l.qkv.k, l.qkv.n) == (hidden, q_size + l.kv_parts() * kv_row)
             && (l.o.k, l.o.n) == (q_size, hidden)
             && (l.gate_up.k, l.gate_up.n) == (hidden, 2 * inter)
             && (l.down.k, l.down.n) == (inter, hidden)
             && head_norm_fits(l.q_norm, s.num_heads)
-            && head_norm_fits(l.k_norm, s.num_kv_heads)
+            && head_norm_fits(l.k_norm, kv_heads)
             && l.scale.is_finite()
             && l.softcap.is_finite()
             && l.softcap >= 0.0
             && l.residual_scale.is_finite()
+            && e.layer_scalar.is_none_or(f32::is_finite)
+            && ple_fits
             && [l.qkv, l.o, l.gate_up, l.down]
                 .iter()
-                .all(|p| rows <= p.max_rows())
-            && c.holds(group.num_blocks * s.block_size, s.num_kv_heads, hd);
+                .all(|p| rows <= p.max_rows());
         if !fits {
             return Err(invalid(format!("layer {i}'s sizes do not fit the step")));
         }
@@ -488,14 +603,15 @@ fn add_into(h: &mut [Bf16], delta: &[Bf16]) {
     }
 }
 
-/// `delta` through the sublayer-output norm (when there is one), then times
-/// `residual_scale` (rounded to bf16, as torch's `d * scale`; skipped when 1), ready to
-/// join the residual; `spare` is a scratch buffer of the same size.
+/// `delta` through the sublayer-output norm (when there is one; rounded once if `once`),
+/// then times `residual_scale` (rounded to bf16, as torch's `d * scale`; skipped when 1),
+/// ready to join the residual; `spare` is a scratch buffer of the same size.
 #[allow(clippy::too_many_arguments)]
 fn finish_delta(
     delta: &mut Vec<Bf16>,
     spare: &mut Vec<Bf16>,
     norm: Option<&[Bf16]>,
+    once: bool,
     residual_scale: f32,
     rows: usize,
     eps: f32,
@@ -503,7 +619,7 @@ fn finish_delta(
     parallel: &dyn Parallel,
 ) -> Result<(), KernelError> {
     if let Some(w) = norm {
-        add_rms_norm(spare, delta, None, w, rows, eps, threads, parallel)?;
+        add_rms_norm_with(spare, delta, None, w, rows, eps, once, threads, parallel)?;
         std::mem::swap(delta, spare);
     }
     if residual_scale != 1.0 {
@@ -529,31 +645,56 @@ pub fn decode_layers(
     let hidden = check(h, layers, caches, inputs)?;
     let s = inputs.shape;
     let rows = s.num_seqs;
-    let hd = s.head_dim;
     let eps = inputs.eps;
-    let (heads, kv_heads) = (s.num_heads, s.num_kv_heads);
-    let width = (heads + 2 * kv_heads) * hd;
-    let inter = layers[0].gate_up.n / 2;
+    let heads = s.num_heads;
+    let most = |f: &dyn Fn(usize, usize) -> usize| {
+        layers
+            .iter()
+            .map(|l| {
+                let (hd, kv) = l.head_shape(&s);
+                f(hd, kv)
+            })
+            .max()
+            .unwrap_or(0)
+    };
+    let inter = layers.iter().map(|l| l.gate_up.n / 2).max().unwrap_or(0);
     let zeros = |len: usize| vec![Bf16(0); len];
     let (mut x, mut delta) = (zeros(rows * hidden), zeros(rows * hidden));
-    // Only layers with a norm after a sublayer need a second delta buffer.
+    // Only layers with a norm after a sublayer (or a per-layer-embedding block) need a
+    // second delta buffer.
     let out_norms = layers
         .iter()
-        .any(|l| l.attn_out_norm.is_some() || l.mlp_out_norm.is_some());
+        .any(|l| l.attn_out_norm.is_some() || l.mlp_out_norm.is_some() || l.extras.ple.is_some());
     let mut spare = zeros(if out_norms { rows * hidden } else { 0 });
-    let mut qkv = zeros(rows * width);
-    let (mut q, mut attn) = (zeros(rows * heads * hd), zeros(rows * heads * hd));
-    let (mut gate_up, mut act) = (zeros(rows * 2 * inter), zeros(rows * inter));
-    let mut head_row = vec![Bf16(0); heads.max(kv_heads) * hd];
+    // The q/k/v rows at their widest (a layer whose values are its keys spreads its
+    // q|k projection into q|k|v here).
+    let mut qkv = zeros(rows * most(&|hd, kv| (heads + 2 * kv) * hd));
+    let q_len = rows * heads * most(&|hd, _| hd);
+    let (mut q, mut attn) = (zeros(q_len), zeros(q_len));
+    let ple_dim = layers
+        .iter()
+        .find_map(|l| l.extras.ple.map(|p| p.gate.n))
+        .unwrap_or(0);
+    // `act` also holds a per-layer-embedding block's gated rows.
+    let mut gate_up = zeros(rows * 2 * inter);
+    let mut act = zeros(rows * inter.max(ple_dim));
+    let mut head_row = zeros(most(&|hd, kv| heads.max(kv) * hd));
+    // The v norm's weight: ones (none without a v norm).
+    let v_norms = layers.iter().any(|l| l.extras.v_norm);
+    let ones = vec![Bf16::from_f32(1.0); if v_norms { most(&|hd, _| hd) } else { 0 }];
+    let (mut ple_gate, mut ple_gate_vec) = (zeros(rows * ple_dim), zeros(rows * 2 * ple_dim));
     // Whether `delta` holds the previous sublayer's output, not yet in the residual.
     let mut pending = false;
-    for (layer, cache) in layers.iter().zip(caches.iter_mut()) {
+    for (i, layer) in layers.iter().enumerate() {
+        let e = &layer.extras;
+        let (hd, kv_heads) = layer.head_shape(&s);
+        let once = e.norms_round_once;
         let group = inputs.groups[layer.cache_group];
         // The input norm also adds the previous sublayer's output into the residual.
         let previous = pending.then_some(&delta[..]);
         let attn_in: &[Bf16] = match layer.input_norm {
             Some(w) => {
-                add_rms_norm(&mut x, h, previous, w, rows, eps, threads, parallel)?;
+                add_rms_norm_with(&mut x, h, previous, w, rows, eps, once, threads, parallel)?;
                 &x
             }
             None => {
@@ -563,18 +704,43 @@ pub fn decode_layers(
                 h
             }
         };
-        layer
-            .qkv
-            .apply(&mut qkv, attn_in, rows, threads, parallel)?;
-        if layer.q_norm.is_some() || layer.k_norm.is_some() {
+        let q_size = heads * hd;
+        let kv_row = kv_heads * hd;
+        let proj_width = layer.qkv.n;
+        // The row as it is normed and stored: q, then k and v unless the layer shares them.
+        let width = q_size + if e.kv_source.is_some() { 0 } else { 2 * kv_row };
+        let qkv = &mut qkv[..rows * width];
+        layer.qkv.apply(
+            &mut qkv[..rows * proj_width],
+            attn_in,
+            rows,
+            threads,
+            parallel,
+        )?;
+        if e.v_from_k {
+            // Rows of q|k to rows of q|k|k, the last row first (each moves up, never over
+            // a row not yet moved): the raw keys are the values.
+            for r in (0..rows).rev() {
+                qkv.copy_within(r * proj_width..(r + 1) * proj_width, r * width);
+                let k_at = r * width + q_size;
+                qkv.copy_within(k_at..k_at + kv_row, k_at + kv_row);
+            }
+        }
+        let v_norm = e.v_norm.then(|| &ones[..hd]);
+        if layer.q_norm.is_some() || layer.k_norm.is_some() || v_norm.is_some() {
             for row in qkv.chunks_exact_mut(width) {
-                let (q_part, rest) = row.split_at_mut(heads * hd);
-                let k_part = &mut rest[..kv_heads * hd];
-                for (part, w) in [(q_part, layer.q_norm), (k_part, layer.k_norm)] {
+                let (q_part, rest) = row.split_at_mut(q_size);
+                let (k_part, v_part) = rest.split_at_mut(rest.len().min(kv_row));
+                for (part, w) in [
+                    (q_part, layer.q_norm),
+                    (k_part, layer.k_norm),
+                    (v_part, v_norm),
+                ] {
                     let Some(w) = w else { continue };
                     // Per head or over the whole projection: `part.len() / w.len()` rows.
                     let out = &mut head_row[..part.len()];
-                    add_rms_norm(out, part, None, w, part.len() / w.len(), eps, 1, parallel)?;
+                    let n = part.len() / w.len();
+                    add_rms_norm_with(out, part, None, w, n, eps, once, 1, parallel)?;
                     part.copy_from_slice(out);
                 }
             }
@@ -586,26 +752,33 @@ pub fn decode_layers(
                 (t.cos, t.sin)
             }
         };
-        cache.rope_store(
-            &mut q,
-            &qkv,
-            cos,
-            sin,
-            group.slots,
-            heads,
-            kv_heads,
-            hd,
-            layer.rotary_dim,
-        )?;
+        let q = &mut q[..rows * q_size];
+        match e.kv_source {
+            None => caches[i].rope_store(
+                q,
+                qkv,
+                cos,
+                sin,
+                group.slots,
+                heads,
+                kv_heads,
+                hd,
+                layer.rotary_dim,
+            )?,
+            Some(_) => rope_q(q, qkv, cos, sin, rows, heads, hd, layer.rotary_dim)?,
+        }
         let layer_shape = DecodeShape {
+            num_kv_heads: kv_heads,
+            head_dim: hd,
             sliding_window: layer.sliding_window,
             max_blocks: group.max_blocks,
             num_blocks: group.num_blocks,
             ..s
         };
-        cache.attend(
-            &mut attn,
-            &q,
+        let attn = &mut attn[..rows * q_size];
+        caches[e.kv_source.unwrap_or(i)].attend(
+            attn,
+            q,
             group.block_tables,
             group.seq_lens,
             &layer_shape,
@@ -614,11 +787,12 @@ pub fn decode_layers(
             threads,
             parallel,
         )?;
-        layer.o.apply(&mut delta, &attn, rows, threads, parallel)?;
+        layer.o.apply(&mut delta, attn, rows, threads, parallel)?;
         finish_delta(
             &mut delta,
             &mut spare,
             layer.attn_out_norm,
+            once,
             layer.residual_scale,
             rows,
             eps,
@@ -627,7 +801,17 @@ pub fn decode_layers(
         )?;
         let mlp_in: &[Bf16] = match layer.post_norm {
             Some(w) => {
-                add_rms_norm(&mut x, h, Some(&delta), w, rows, eps, threads, parallel)?;
+                add_rms_norm_with(
+                    &mut x,
+                    h,
+                    Some(&delta),
+                    w,
+                    rows,
+                    eps,
+                    once,
+                    threads,
+                    parallel,
+                )?;
                 &x
             }
             None => {
@@ -635,17 +819,21 @@ pub fn decode_layers(
                 h
             }
         };
+        let inter = layer.gate_up.n / 2;
+        let gate_up = &mut gate_up[..rows * 2 * inter];
         layer
             .gate_up
-            .apply(&mut gate_up, mlp_in, rows, threads, parallel)?;
-        layer.activation.apply(&mut act, &gate_up, inter);
+            .apply(gate_up, mlp_in, rows, threads, parallel)?;
+        let act_rows = &mut act[..rows * inter];
+        layer.activation.apply(act_rows, gate_up, inter);
         layer
             .down
-            .apply(&mut delta, &act, rows, threads, parallel)?;
+            .apply(&mut delta, act_rows, rows, threads, parallel)?;
         finish_delta(
             &mut delta,
             &mut spare,
             layer.mlp_out_norm,
+            once,
             layer.residual_scale,
             rows,
             eps,
@@ -653,9 +841,43 @@ pub fn decode_layers(
             parallel,
         )?;
         pending = true;
+        if let Some(p) = e.ple {
+            // The block reads the residual with the MLP's output in it.
+            add_into(h, &delta);
+            p.gate.apply(&mut ple_gate, h, rows, threads, parallel)?;
+            // Each row's gate beside its vector for this layer: the activation's layout.
+            for (r, pair) in ple_gate_vec.chunks_exact_mut(2 * ple_dim).enumerate() {
+                let (g, v) = pair.split_at_mut(ple_dim);
+                g.copy_from_slice(&ple_gate[r * ple_dim..][..ple_dim]);
+                v.copy_from_slice(&inputs.per_layer[(r * layers.len() + i) * ple_dim..][..ple_dim]);
+            }
+            let gated = &mut act[..rows * ple_dim];
+            layer.activation.apply(gated, &ple_gate_vec, ple_dim);
+            p.proj.apply(&mut delta, gated, rows, threads, parallel)?;
+            finish_delta(
+                &mut delta,
+                &mut spare,
+                Some(p.norm),
+                once,
+                1.0,
+                rows,
+                eps,
+                threads,
+                parallel,
+            )?;
+        }
+        if let Some(scalar) = e.layer_scalar {
+            add_into(h, &delta);
+            pending = false;
+            for v in h.iter_mut() {
+                *v = Bf16::from_f32(v.to_f32() * scalar);
+            }
+        }
     }
-    // The last layer's MLP output joins the residual (the final norm is the caller's).
-    add_into(h, &delta);
+    // The last layer's output joins the residual (the final norm is the caller's).
+    if pending {
+        add_into(h, &delta);
+    }
     Ok(())
 }
 

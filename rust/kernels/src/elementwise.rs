@@ -36,6 +36,9 @@ macro_rules! simd_dispatch {
 simd_dispatch!(norm_rows_dispatch, norm_rows, (
     out: &mut [T], res: &mut [T], delta: Option<&[T]>, weight: &[T], eps: f32
 ));
+simd_dispatch!(norm_rows_once_dispatch, norm_rows_once, (
+    out: &mut [T], res: &mut [T], delta: Option<&[T]>, weight: &[T], eps: f32
+));
 
 /// Rows per part below which splitting a call across threads costs more than it saves.
 const MIN_ELEMENTS_PER_PART: usize = 32 * 1024;
@@ -76,6 +79,43 @@ pub fn add_rms_norm<T: Element>(
     threads: usize,
     parallel: &dyn Parallel,
 ) -> Result<(), KernelError> {
+    add_rms_norm_with(
+        out, residual, delta, weight, rows, eps, false, threads, parallel,
+    )
+}
+
+/// [`add_rms_norm`] rounded once, as Gemma 4's norm is: `y = x.float()`;
+/// `out = (y * rsqrt(mean(y * y) + eps) * weight.float()).to(T)`: the sum is rounded to T,
+/// the normalized value is not (the weight product is f32 too).
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_once<T: Element>(
+    out: &mut [T],
+    residual: &mut [T],
+    delta: Option<&[T]>,
+    weight: &[T],
+    rows: usize,
+    eps: f32,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
+    add_rms_norm_with(
+        out, residual, delta, weight, rows, eps, true, threads, parallel,
+    )
+}
+
+/// [`add_rms_norm`] (`once` false) or [`add_rms_norm_once`] (`once` true).
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_with<T: Element>(
+    out: &mut [T],
+    residual: &mut [T],
+    delta: Option<&[T]>,
+    weight: &[T],
+    rows: usize,
+    eps: f32,
+    once: bool,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
     let dim = weight.len();
     if dim == 0 || out.len() != rows * dim || residual.len() != rows * dim {
         return Err(KernelError(format!(
@@ -99,13 +139,40 @@ pub fn add_rms_norm<T: Element>(
             )
         };
         let delta = delta.map(|d| &d[lo * dim..hi * dim]);
-        norm_rows_dispatch(out, res, delta, weight, eps);
+        if once {
+            norm_rows_once_dispatch(out, res, delta, weight, eps);
+        } else {
+            norm_rows_dispatch(out, res, delta, weight, eps);
+        }
     });
     Ok(())
 }
 
 #[inline(always)]
 fn norm_rows<T: Element>(
+    out: &mut [T],
+    res: &mut [T],
+    delta: Option<&[T]>,
+    weight: &[T],
+    eps: f32,
+) {
+    norm_rows_as::<T, false>(out, res, delta, weight, eps)
+}
+
+#[inline(always)]
+fn norm_rows_once<T: Element>(
+    out: &mut [T],
+    res: &mut [T],
+    delta: Option<&[T]>,
+    weight: &[T],
+    eps: f32,
+) {
+    norm_rows_as::<T, true>(out, res, delta, weight, eps)
+}
+
+/// The rows of [`add_rms_norm`] (`ONCE` false) or of [`add_rms_norm_once`].
+#[inline(always)]
+fn norm_rows_as<T: Element, const ONCE: bool>(
     out: &mut [T],
     res: &mut [T],
     delta: Option<&[T]>,
@@ -148,9 +215,100 @@ fn norm_rows<T: Element>(
             sum += v * v;
         }
         let inv = 1.0 / (sum / dim as f32 + eps).sqrt();
-        for ((o, v), w) in o.iter_mut().zip(&row).zip(weight) {
-            let normed = T::from_f32(v * inv).to_f32();
-            *o = T::from_f32(w.to_f32() * normed);
+        if ONCE {
+            for ((o, v), w) in o.iter_mut().zip(&row).zip(weight) {
+                *o = T::from_f32(v * inv * w.to_f32());
+            }
+        } else {
+            for ((o, v), w) in o.iter_mut().zip(&row).zip(weight) {
+                let normed = T::from_f32(v * inv).to_f32();
+                *o = T::from_f32(w.to_f32() * normed);
+            }
+        }
+    }
+}
+
+/// One head's half-split rotation over its first `rd` dims (see [`rope_store_kv`]).
+#[inline(always)]
+fn rotate_head<T: Element>(dst: &mut [T], x: &[T], c: &[T], s: &[T], rd: usize) {
+    let half = rd / 2;
+    // Straight loops over the two halves (no per-element branch), so they vectorize:
+    // first half x1 * cos - x2 * sin, second half x2 * cos + x1 * sin; then the dims past
+    // `rotary_dim` (none unless partial) as they are.
+    let round = |v: f32| T::from_f32(v).to_f32();
+    let (x, pass) = x.split_at(rd);
+    let (dst, dst_pass) = dst.split_at_mut(rd);
+    dst_pass.copy_from_slice(pass);
+    let (x1, x2) = x.split_at(half);
+    let (c1, c2) = c.split_at(half);
+    let (s1, s2) = s.split_at(half);
+    let (d1, d2) = dst.split_at_mut(half);
+    for i in 0..half {
+        let a = round(x1[i].to_f32() * c1[i].to_f32());
+        let b = round(-x2[i].to_f32() * s1[i].to_f32());
+        d1[i] = T::from_f32(a + b);
+    }
+    for i in 0..half {
+        let a = round(x2[i].to_f32() * c2[i].to_f32());
+        let b = round(x1[i].to_f32() * s2[i].to_f32());
+        d2[i] = T::from_f32(a + b);
+    }
+}
+
+/// The query half of [`rope_store_kv`] alone: `q` `[tokens, heads * head_dim]` rotated into
+/// `q_out` (a layer that reads another layer's K/V stores none of its own).
+#[allow(clippy::too_many_arguments)]
+pub fn rope_q<T: Element>(
+    q_out: &mut [T],
+    q: &[T],
+    cos: &[T],
+    sin: &[T],
+    tokens: usize,
+    heads: usize,
+    head_dim: usize,
+    rotary_dim: usize,
+) -> Result<(), KernelError> {
+    let width = heads * head_dim;
+    let ok = head_dim > 0
+        && rotary_dim.is_multiple_of(2)
+        && rotary_dim <= head_dim
+        && q.len() == tokens * width
+        && q_out.len() == tokens * width
+        && cos.len() == tokens * rotary_dim
+        && sin.len() == tokens * rotary_dim;
+    if !ok {
+        return Err(KernelError("rope_q: inconsistent sizes".into()));
+    }
+    rope_q_dispatch(q_out, q, cos, sin, tokens, width, head_dim, rotary_dim);
+    Ok(())
+}
+
+simd_dispatch!(rope_q_dispatch, rope_q_rows, (
+    q_out: &mut [T], q: &[T], cos: &[T], sin: &[T], tokens: usize, width: usize,
+    head_dim: usize, rotary_dim: usize
+));
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn rope_q_rows<T: Element>(
+    q_out: &mut [T],
+    q: &[T],
+    cos: &[T],
+    sin: &[T],
+    tokens: usize,
+    width: usize,
+    head_dim: usize,
+    rotary_dim: usize,
+) {
+    let rd = rotary_dim;
+    for t in 0..tokens {
+        let c = &cos[t * rd..(t + 1) * rd];
+        let s = &sin[t * rd..(t + 1) * rd];
+        for (dst, x) in q_out[t * width..(t + 1) * width]
+            .chunks_exact_mut(head_dim)
+            .zip(q[t * width..(t + 1) * width].chunks_exact(head_dim))
+        {
+            rotate_head(dst, x, c, s, rd);
         }
     }
 }
@@ -228,30 +386,7 @@ fn rope_tokens<T: Element>(
     let width = (heads + 2 * kv_heads) * head_dim;
     let kv_row = kv_heads * head_dim;
     let rd = rotary_dim;
-    let half = rd / 2;
-    // Straight loops over the two halves (no per-element branch), so they vectorize:
-    // first half x1 * cos - x2 * sin, second half x2 * cos + x1 * sin; then the dims past
-    // `rotary_dim` (none unless partial) as they are.
-    let rotate = |dst: &mut [T], x: &[T], c: &[T], s: &[T]| {
-        let round = |v: f32| T::from_f32(v).to_f32();
-        let (x, pass) = x.split_at(rd);
-        let (dst, dst_pass) = dst.split_at_mut(rd);
-        dst_pass.copy_from_slice(pass);
-        let (x1, x2) = x.split_at(half);
-        let (c1, c2) = c.split_at(half);
-        let (s1, s2) = s.split_at(half);
-        let (d1, d2) = dst.split_at_mut(half);
-        for i in 0..half {
-            let a = round(x1[i].to_f32() * c1[i].to_f32());
-            let b = round(-x2[i].to_f32() * s1[i].to_f32());
-            d1[i] = T::from_f32(a + b);
-        }
-        for i in 0..half {
-            let a = round(x2[i].to_f32() * c2[i].to_f32());
-            let b = round(x1[i].to_f32() * s2[i].to_f32());
-            d2[i] = T::from_f32(a + b);
-        }
-    };
+    let rotate = |dst: &mut [T], x: &[T], c: &[T], s: &[T]| rotate_head(dst, x, c, s, rd);
     for t in 0..tokens {
         let row = &qkv[t * width..(t + 1) * width];
         let c = &cos[t * rd..(t + 1) * rd];

@@ -22,14 +22,15 @@ pub use attention::{
 };
 pub use decoder::{
     decode_layers, exp, gelu_tanh_mul, silu_mul, tanh, Activation, CacheGroup, DecodeInputs,
-    DecoderLayer, Int8LayerCache, LayerCache, LayerKv, Matrix, Projection, RopeTable,
+    DecoderLayer, Int8LayerCache, LayerCache, LayerExtras, LayerKv, Matrix, PerLayerInput,
+    Projection, RopeTable,
 };
 pub use delta_rule::{
     causal_conv_chunk, causal_conv_decode, delta_rule_chunk, delta_rule_decode, DeltaShape,
     DELTA_CHUNK,
 };
 pub use element::{Bf16, Element, F16};
-pub use elementwise::{add_rms_norm, rope_store_kv};
+pub use elementwise::{add_rms_norm, add_rms_norm_once, add_rms_norm_with, rope_q, rope_store_kv};
 pub use gemv::{gemv_bf16, GEMV_MAX_ROWS};
 pub use hybrid_decoder::{
     decode_hybrid_layers, GatedAttention, GatedDelta, HybridInputs, HybridLayer, HybridShape,

@@ -4,11 +4,14 @@
 //! with an optional soft cap, SiLU- or GELU-tanh-and-mul, norms before and after each
 //! sublayer, a residual multiplier), with bf16, Q4 and Q8 projections, a bias, two rows
 //! with their own block tables, sliding windows (the same in every layer, or one per
-//! layer), two rotary tables and two cache groups with blocks of their own.
+//! layer), two rotary tables and two cache groups with blocks of their own. And Gemma 4's
+//! additions against equivalent plain layers: values from the keys, K/V attended over
+//! from an earlier layer, a per-layer-embedding block and a layer scalar.
 
 use iron_batch_kernels::{
-    decode_layers, exp, gelu_tanh_mul, q4_nibble, run_in_team, silu_mul, tanh, Activation, Bf16,
-    CacheGroup, DecodeInputs, DecodeShape, DecoderLayer, Element, LayerCache, Matrix, Projection,
+    add_rms_norm, add_rms_norm_once, decode_layers, exp, gelu_tanh_mul, q4_nibble, rope_q,
+    rope_store_kv, run_in_team, silu_mul, tanh, Activation, Bf16, CacheGroup, DecodeInputs,
+    DecodeShape, DecoderLayer, Element, LayerCache, LayerExtras, Matrix, PerLayerInput, Projection,
     QMatrix, RopeTable, ScopedThreads, F16, Q4, Q8, QBLOCK,
 };
 
@@ -191,6 +194,7 @@ impl Layer {
             softcap: sp.softcap,
             residual_scale: sp.residual_scale,
             cache_group: sp.cache_group,
+            extras: Default::default(),
         }
     }
 }
@@ -568,6 +572,7 @@ fn run_step(c: &Case, run: Runner) -> (Vec<Bf16>, Vec<BfCache>) {
         groups: &groups,
         shape: s.shape(),
         eps: EPS,
+        per_layer: &[],
     };
     run(&mut h, &views, &mut cache_views, &inputs);
     drop(cache_views);
@@ -931,6 +936,7 @@ fn bad_steps_are_errors_and_write_nothing() {
             groups,
             shape,
             eps: EPS,
+            per_layer: &[],
         };
         let result = decode_layers(&mut h, &[*l], &mut caches, &inputs, 2, &ScopedThreads);
         assert!(result.is_err(), "case {i} was taken");
@@ -948,6 +954,7 @@ fn bad_steps_are_errors_and_write_nothing() {
         groups: &[good_group],
         shape,
         eps: EPS,
+        per_layer: &[],
     };
     decode_layers(&mut h, &[good], &mut caches, &inputs, 2, &ScopedThreads).unwrap();
     assert_ne!(h, h0);
@@ -1024,4 +1031,387 @@ fn gelu_tanh_mul_rounds_like_torch() {
         let want = Bf16::from_f32(gelu * gate_up[n + i].to_f32());
         assert_eq!(out[i], want, "element {i} (gate {g})");
     }
+}
+
+/// The step over `views` (the case's layers, changed) and `caches`, with `per_layer`.
+fn run_views(
+    c: &Case,
+    views: &[DecoderLayer<'_>],
+    mut caches: Vec<BfCache>,
+    per_layer: &[Bf16],
+) -> Result<(Vec<Bf16>, Vec<BfCache>), String> {
+    let s = &c.step;
+    let mut h = c.h0.clone();
+    let mut cache_views: Vec<LayerCache<'_>> = caches
+        .iter_mut()
+        .map(|(k, v)| LayerCache { k, v })
+        .collect();
+    let (ropes, groups) = (ropes_of(s), groups_of(s));
+    let inputs = DecodeInputs {
+        ropes: &ropes,
+        groups: &groups,
+        shape: s.shape(),
+        eps: EPS,
+        per_layer,
+    };
+    decode_layers(&mut h, views, &mut cache_views, &inputs, 2, &ScopedThreads).map_err(|e| e.0)?;
+    drop(cache_views);
+    Ok((h, caches))
+}
+
+fn dense(rng: &mut Rng, n: usize, k: usize) -> Vec<Bf16> {
+    bf16s(rng, n * k, 0.15, 0.0)
+}
+
+fn bf16_projection(w: &[Bf16], n: usize, k: usize) -> Projection<'_> {
+    Projection {
+        weight: Matrix::Bf16(w),
+        bias: None,
+        n,
+        k,
+    }
+}
+
+const GEMMA4: Spec = Spec {
+    kinds: ["bf16"; 4],
+    qk_norm: QkNorm::PerHead,
+    activation: Activation::GeluTanhMul,
+    scale: 1.0,
+    ..LLAMA
+};
+
+#[test]
+fn values_from_the_keys_are_a_v_projection_that_repeats_k() {
+    let c = case_of(0x9e44_0001, &[GEMMA4, GEMMA4]);
+    let Store::Dense(w) = &c.layers[1].qkv.store else {
+        unreachable!()
+    };
+    let (q_rows, k_rows) = (HEADS * HD * HIDDEN, KV_ROW * HIDDEN);
+    // q|k alone, and q|k|k: the same values, taken from the k projection or a copy of it.
+    let q_k = w[..q_rows + k_rows].to_vec();
+    let q_k_k = [&w[..q_rows + k_rows], &w[q_rows..q_rows + k_rows]].concat();
+    let mut plain = c.layers.iter().map(Layer::view).collect::<Vec<_>>();
+    let v_norm = LayerExtras {
+        v_norm: true,
+        ..Default::default()
+    };
+    plain[1].qkv = bf16_projection(&q_k_k, (HEADS + 2 * KV_HEADS) * HD, HIDDEN);
+    plain[1].extras = v_norm;
+    let mut from_k = plain.clone();
+    from_k[1].qkv = bf16_projection(&q_k, (HEADS + KV_HEADS) * HD, HIDDEN);
+    from_k[1].extras = LayerExtras {
+        v_from_k: true,
+        ..v_norm
+    };
+    let want = run_views(&c, &plain, c.caches.clone(), &[]).unwrap();
+    let got = run_views(&c, &from_k, c.caches.clone(), &[]).unwrap();
+    assert!(got == want);
+    // The v norm matters: without it the step differs.
+    plain[1].extras = LayerExtras::default();
+    assert!(run_views(&c, &plain, c.caches.clone(), &[]).unwrap().0 != want.0);
+}
+
+#[test]
+fn a_layer_sharing_k_v_attends_its_sources_cache_and_stores_nothing() {
+    let c = case_of(0x9e44_0002, &[GEMMA4, GEMMA4, GEMMA4]);
+    let Store::Dense(w) = &c.layers[2].qkv.store else {
+        unreachable!()
+    };
+    let q_only = w[..HEADS * HD * HIDDEN].to_vec();
+    let mut views = c.layers.iter().map(Layer::view).collect::<Vec<_>>();
+    views[2].qkv = bf16_projection(&q_only, HEADS * HD, HIDDEN);
+    views[2].k_norm = None;
+    views[2].extras.kv_source = Some(0);
+    let mut caches = c.caches.clone();
+    caches[2] = (Vec::new(), Vec::new());
+    let (h, after) = run_views(&c, &views, caches.clone(), &[]).unwrap();
+    // The first two layers as a plain step: the same caches, and layer 2 changed h.
+    let two = run_views(&c, &views[..2], c.caches[..2].to_vec(), &[]).unwrap();
+    assert!(after[..2] == two.1[..] && after[2] == caches[2]);
+    assert!(h != two.0);
+    // Layer 2 reads layer 0's cache, this step's rows included: another cache there
+    // gives another result, and a layer that stores its own K/V there is unaffected.
+    let mut other = caches.clone();
+    other[0]
+        .1
+        .iter_mut()
+        .for_each(|v| *v = Bf16::from_f32(v.to_f32() * 0.5));
+    let (h_other, _) = run_views(&c, &views, other, &[]).unwrap();
+    assert!(h_other != h);
+    // Refused before the step: a later source, a source that shares,
+    // a source in another group, a cache of its own, k norms.
+    let mut later = views.clone();
+    later[1].extras.kv_source = Some(2);
+    later[1].qkv = views[2].qkv;
+    later[1].k_norm = None;
+    let mut chained = views.clone();
+    chained.push(views[2]);
+    chained[3].extras.kv_source = Some(2);
+    let mut grouped = views.clone();
+    grouped[2].cache_group = 1;
+    let mut normed = views.clone();
+    normed[2].k_norm = views[0].k_norm;
+    let mut chained_caches = caches.clone();
+    chained_caches.push((Vec::new(), Vec::new()));
+    let bad: [(&[DecoderLayer<'_>], Vec<BfCache>); 5] = [
+        (&later, {
+            let mut cs = caches.clone();
+            cs.swap(1, 2);
+            cs
+        }),
+        (&chained, chained_caches),
+        (&grouped, caches.clone()),
+        (&views, c.caches.clone()),
+        (&normed, caches.clone()),
+    ];
+    for (i, (layers, cs)) in bad.into_iter().enumerate() {
+        let err = run_views(&c, layers, cs, &[]).expect_err(&format!("case {i} was taken"));
+        assert!(
+            err.contains("cannot attend") || err.contains("sizes"),
+            "case {i}: {err}"
+        );
+    }
+}
+
+#[test]
+fn a_per_layer_embedding_block_and_a_layer_scalar_join_after_the_mlp() {
+    const PLE: usize = 8;
+    let c = case_of(0x9e44_0003, &[GEMMA4, GEMMA4]);
+    let mut rng = Rng(0x9e44_0004);
+    let (gate, proj) = (dense(&mut rng, PLE, HIDDEN), dense(&mut rng, HIDDEN, PLE));
+    let norm = bf16s(&mut rng, HIDDEN, 0.5, 1.0);
+    let rows = c.step.rows();
+    let vectors = bf16s(&mut rng, rows * 2 * PLE, 1.0, 0.0);
+    let block = PerLayerInput {
+        gate: bf16_projection(&gate, PLE, HIDDEN),
+        proj: bf16_projection(&proj, HIDDEN, PLE),
+        norm: &norm,
+    };
+    let plain = c.layers.iter().map(Layer::view).collect::<Vec<_>>();
+    let mut with = plain.clone();
+    for l in &mut with {
+        l.extras.ple = Some(block);
+    }
+    let (h_plain, caches_plain) = run_views(&c, &plain, c.caches.clone(), &[]).unwrap();
+    // Zero vectors: the block adds norm(0) = 0, bit for bit the plain step.
+    let zeros = vec![Bf16(0); rows * 2 * PLE];
+    let (h_zero, _) = run_views(&c, &with, c.caches.clone(), &zeros).unwrap();
+    assert!(h_zero == h_plain);
+    // The last layer's block against its definition in f64 over the plain step's output
+    // (the first layer's block without effect: its vectors zero).
+    let mut last_only = vectors.clone();
+    for r in 0..rows {
+        last_only[r * 2 * PLE..][..PLE].fill(Bf16(0));
+    }
+    let (h, caches) = run_views(&c, &with, c.caches.clone(), &last_only).unwrap();
+    let mut want = Vec::new();
+    for r in 0..rows {
+        let x = f64s(&h_plain[r * HIDDEN..][..HIDDEN]);
+        let g = bf16_apply(&gate, PLE, HIDDEN, &x);
+        let v = f64s(&last_only[(r * 2 + 1) * PLE..][..PLE]);
+        let gated: Vec<f64> = g.iter().zip(&v).map(|(g, v)| gelu_tanh(*g) * v).collect();
+        let d = rms_norm(&bf16_apply(&proj, HIDDEN, PLE, &gated), &norm);
+        want.extend(x.iter().zip(&d).map(|(x, d)| x + d));
+    }
+    let err: Vec<f64> = f64s(&h).iter().zip(&want).map(|(a, b)| a - b).collect();
+    assert!(
+        max_abs(&err) <= 0.02 * max_abs(&want),
+        "error {}",
+        max_abs(&err)
+    );
+    assert!(
+        max_abs(&err)
+            < 0.2
+                * max_abs(
+                    &f64s(&h_plain)
+                        .iter()
+                        .zip(&want)
+                        .map(|(a, b)| a - b)
+                        .collect::<Vec<_>>()
+                )
+    );
+    assert!(caches == caches_plain);
+    // A scalar on each layer's output: the last layer's multiplies the residual, rounded.
+    let mut scaled = plain.clone();
+    scaled[1].extras.layer_scalar = Some(0.375);
+    let (h_scaled, _) = run_views(&c, &scaled, c.caches.clone(), &[]).unwrap();
+    let want: Vec<Bf16> = h_plain
+        .iter()
+        .map(|v| Bf16::from_f32(v.to_f32() * 0.375))
+        .collect();
+    assert!(h_scaled == want);
+    // The vectors must be [rows, layers, ple_dim].
+    let err = run_views(&c, &with, c.caches.clone(), &vectors[PLE..]).unwrap_err();
+    assert!(err.contains("per-layer input"), "{err}");
+}
+
+/// `x W^T` in f64 for a bf16 `[n, k]` weight.
+fn bf16_apply(w: &[Bf16], n: usize, k: usize, x: &[f64]) -> Vec<f64> {
+    (0..n)
+        .map(|i| {
+            (0..k)
+                .map(|j| f64::from(w[i * k + j].to_f32()) * x[j])
+                .sum()
+        })
+        .collect()
+}
+
+#[test]
+fn per_layer_head_shapes() {
+    // One wide layer (heads of 2 * HD, one K/V head) between two of the step's shape: it
+    // matches the same layer run as a step of its own shape.
+    let c = case_of(0x9e44_0005, &[GEMMA4]);
+    let mut rng = Rng(0x9e44_0006);
+    let (hd, kv) = (2 * HD, 1);
+    let qkv = dense(&mut rng, (HEADS + 2 * kv) * hd, HIDDEN);
+    let o = dense(&mut rng, HIDDEN, HEADS * hd);
+    let q_norm = bf16s(&mut rng, hd, 0.5, 1.0);
+    let blocks = c.step.groups[0].blocks * BLOCK;
+    let cache = (
+        bf16s(&mut rng, blocks * kv * hd, 1.0, 0.0),
+        bf16s(&mut rng, blocks * kv * hd, 1.0, 0.0),
+    );
+    let first = c.layers[0].view();
+    let wide = DecoderLayer {
+        qkv: bf16_projection(&qkv, (HEADS + 2 * kv) * hd, HIDDEN),
+        o: bf16_projection(&o, HIDDEN, HEADS * hd),
+        q_norm: Some(&q_norm),
+        k_norm: Some(&q_norm),
+        rotary_dim: 0,
+        ..first
+    };
+    let with_extras = DecoderLayer {
+        extras: LayerExtras {
+            head_dim: hd,
+            kv_heads: kv,
+            ..Default::default()
+        },
+        ..wide
+    };
+    let caches = vec![c.caches[0].clone(), cache.clone()];
+    let (h, after) = run_views(&c, &[first, with_extras], caches, &[]).unwrap();
+    // The same two layers as two steps: the first, then the wide one in a step whose
+    // shape is its own.
+    let (h1, first_cache) = run_views(&c, &[first], vec![c.caches[0].clone()], &[]).unwrap();
+    let s = &c.step;
+    let mut h2 = h1.clone();
+    let mut wide_cache = cache.clone();
+    let (ropes, groups) = (ropes_of(s), groups_of(s));
+    let inputs = DecodeInputs {
+        ropes: &ropes[..0],
+        groups: &groups,
+        shape: DecodeShape {
+            num_kv_heads: kv,
+            head_dim: hd,
+            ..s.shape()
+        },
+        eps: EPS,
+        per_layer: &[],
+    };
+    let mut views = [LayerCache {
+        k: &mut wide_cache.0,
+        v: &mut wide_cache.1,
+    }];
+    decode_layers(&mut h2, &[wide], &mut views, &inputs, 2, &ScopedThreads).unwrap();
+    assert!(h == h2);
+    assert!(after == vec![first_cache[0].clone(), wide_cache]);
+}
+
+#[test]
+fn rope_q_rotates_as_rope_store_kv_does() {
+    let mut rng = Rng(0x9e44_0007);
+    let (tokens, heads, kv_heads, hd) = (3, 4, 2, 16);
+    let width = (heads + 2 * kv_heads) * hd;
+    let qkv = bf16s(&mut rng, tokens * width, 1.0, 0.0);
+    for rd in [hd, hd / 2, 0] {
+        let cos = bf16s(&mut rng, tokens * rd, 1.0, 0.0);
+        let sin = bf16s(&mut rng, tokens * rd, 1.0, 0.0);
+        let mut want = vec![Bf16(0); tokens * heads * hd];
+        let (mut k, mut v) = (
+            vec![Bf16(0); tokens * kv_heads * hd],
+            vec![Bf16(0); tokens * kv_heads * hd],
+        );
+        let slots: Vec<i64> = (0..tokens as i64).collect();
+        rope_store_kv(
+            &mut want, &mut k, &mut v, &qkv, &cos, &sin, &slots, heads, kv_heads, hd, rd,
+        )
+        .unwrap();
+        let q: Vec<Bf16> = qkv
+            .chunks_exact(width)
+            .flat_map(|r| r[..heads * hd].to_vec())
+            .collect();
+        let mut got = vec![Bf16(0); tokens * heads * hd];
+        rope_q(&mut got, &q, &cos, &sin, tokens, heads, hd, rd).unwrap();
+        assert!(got == want, "rotary_dim {rd}");
+    }
+    let mut out = vec![Bf16(0); 4];
+    assert!(rope_q(&mut out, &qkv[..5], &[], &[], 1, 1, 4, 0).is_err());
+}
+
+#[test]
+fn a_norm_that_rounds_once_rounds_the_weighted_value() {
+    let mut rng = Rng(0x9e44_0008);
+    let (rows, dim) = (4, 96);
+    let x = bf16s(&mut rng, rows * dim, 3.0, 0.0);
+    let w = bf16s(&mut rng, dim, 0.5, 1.0);
+    let (mut once, mut twice) = (vec![Bf16(0); rows * dim], vec![Bf16(0); rows * dim]);
+    add_rms_norm_once(
+        &mut once,
+        &mut x.clone(),
+        None,
+        &w,
+        rows,
+        EPS,
+        1,
+        &ScopedThreads,
+    )
+    .unwrap();
+    add_rms_norm(
+        &mut twice,
+        &mut x.clone(),
+        None,
+        &w,
+        rows,
+        EPS,
+        1,
+        &ScopedThreads,
+    )
+    .unwrap();
+    // Each value is the f64 one rounded once (the f32 statistics aside: within an ulp).
+    for (r, row) in once.chunks_exact(dim).enumerate() {
+        let want = rms_norm(&f64s(&x[r * dim..][..dim]), &w);
+        for (got, want) in row.iter().zip(&want) {
+            let ulp = Bf16::from_f32(*want as f32).to_f32().abs() / 128.0;
+            assert!(
+                (f64::from(got.to_f32()) - want).abs() <= f64::from(ulp),
+                "{got:?} {want}"
+            );
+        }
+    }
+    assert!(once != twice);
+    // With a weight of ones the two roundings agree (the v norm's case).
+    let ones = vec![Bf16::from_f32(1.0); dim];
+    add_rms_norm_once(
+        &mut once,
+        &mut x.clone(),
+        None,
+        &ones,
+        rows,
+        EPS,
+        1,
+        &ScopedThreads,
+    )
+    .unwrap();
+    add_rms_norm(
+        &mut twice,
+        &mut x.clone(),
+        None,
+        &ones,
+        rows,
+        EPS,
+        1,
+        &ScopedThreads,
+    )
+    .unwrap();
+    assert!(once == twice);
 }
