@@ -48,8 +48,7 @@ ASK = [{"role": "user", "content": "What is the weather in London?"}]
 LONDON = f"<|tool_call>call:get_weather{{location:{Q}London{Q},unit:{Q}celsius{Q}}}<tool_call|>"
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[tuple[ScriptedBackend, ServerHandle]]:
+def _server(template: str) -> Iterator[tuple[ScriptedBackend, ServerHandle]]:
     from iron_batch.loader import read_gguf_fields, resolve
     from iron_batch.tokenizer import Tokenizer
     from tokenizers import AddedToken
@@ -58,11 +57,34 @@ def server() -> Iterator[tuple[ScriptedBackend, ServerHandle]]:
     info = Tokenizer.from_gguf_fields(read_gguf_fields(resolve("smollm2-135m").gguf)).to_info()
     hf = HFTokenizer.from_str(info["json"])
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    tok = Tokenizer.from_info({**info, "json": hf.to_str(), "chat_template": TURNS})
+    tok = Tokenizer.from_info({**info, "json": hf.to_str(), "chat_template": template})
     backend = ScriptedBackend(tok)
     starter = ServerStarter()
     yield backend, starter(backend, total_kv_blocks=256)
     starter.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[ScriptedBackend, ServerHandle]]:
+    yield from _server(TURNS)
+
+
+# A short stand-in for Gemma 4's own template, which renders tools, calls and results.
+NATIVE = (
+    "{% if tools %}<|turn>system\n{% for t in tools %}<|tool>declaration:"
+    "{{ t['function']['name'] }}<tool|>{% endfor %}<turn|>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|tool_response>response:"
+    "{{ m['tool_call_id'] }}{value:{{ m['content'] }}}<tool_response|>{% else %}"
+    "<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m['tool_calls'] or [] %}<|tool_call>call:{{ c['function']['name'] }}"
+    "{{ c['function']['arguments'] | tojson }}<tool_call|>{% endfor %}<turn|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def native() -> Iterator[tuple[ScriptedBackend, ServerHandle]]:
+    yield from _server(NATIVE)
 
 
 def _client(handle: ServerHandle) -> openai.OpenAI:
@@ -211,7 +233,7 @@ def test_history_and_tools_are_written_in_gemma4_form(
             {"id": "call_2", "type": "function", "function": {
                 "name": "search", "arguments": '{"query": "Paris, FR", "days": [1, 2]}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "3 degrees"},
-        {"role": "tool", "tool_call_id": "call_2", "content": '{"sky": "sunny", "wind": 2}'},
+        {"role": "tool", "tool_call_id": "call_2", "content": '{"sky": "sunny"}'},
     ]
     out = _client(handle).chat.completions.create(
         model="mock", messages=history, tools=[WEATHER, SEARCH], max_tokens=60)
@@ -226,9 +248,37 @@ def test_history_and_tools_are_written_in_gemma4_form(
     assert (
         f"<|turn>model\nLooking.<|tool_call>call:get_weather{{location:{Q}Oslo{Q},"
         f"unit:{Q}celsius{Q}}}<tool_call|><|tool_call>call:search{{query:{Q}Paris, FR{Q},"
-        f"days:[1,2]}}<tool_call|><turn|>\n"
-        f"<|turn>tool\n<|tool_response>response:get_weather{{value:{Q}3 degrees{Q}}}"
-        "<tool_response|><turn|>\n"
-        f"<|turn>tool\n<|tool_response>response:search{{sky:{Q}sunny{Q},wind:2}}"
+        f"days:[1,2]}}<tool_call|>"
+        f"<|tool_response>response:get_weather{{value:{Q}3 degrees{Q}}}<tool_response|>"
+        f"<|tool_response>response:search{{value:{Q}{{\"sky\": \"sunny\"}}{Q}}}"
         "<tool_response|><turn|>\n<|turn>model\n"
     ) in prompt
+
+
+def test_a_template_that_renders_tools_gets_them_as_they_are(
+    native: tuple[ScriptedBackend, ServerHandle],
+) -> None:
+    backend, handle = native
+    backend.script = LONDON
+    history: list[Any] = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"location": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3 degrees"},
+        {"role": "user", "content": "And London?"},
+    ]
+    choice = _client(handle).chat.completions.create(
+        model="mock", messages=history, tools=[WEATHER], max_tokens=60).choices[0]
+    got = [(c.function.name, json.loads(c.function.arguments))
+           for c in choice.message.tool_calls or []]
+    assert got == [GET_LONDON]
+    assert backend.tokenizer is not None
+    prompt = backend.tokenizer.decode(backend.prompts[-1], skip_special_tokens=False)
+    assert prompt == (
+        "<|turn>system\n<|tool>declaration:get_weather<tool|><turn|>\n"
+        "<|turn>user\nWeather in Oslo?<turn|>\n"
+        '<|turn>model\n<|tool_call>call:get_weather{"location": "Oslo"}<tool_call|><turn|>\n'
+        "<|tool_response>response:call_1{value:3 degrees}<tool_response|>"
+        "<|turn>user\nAnd London?<turn|>\n<|turn>model\n"
+    )

@@ -190,12 +190,5 @@ def write_call(name: str, arguments: Any) -> str:
 
 
 def write_response(name: str, content: str) -> str:
-    """A tool's result as Gemma 4 reads it: a JSON object's fields, else the text as
-    ``value``."""
-    try:
-        value = json.loads(content)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        value = {"value": content}
-    return f"{RESPONSE_OPEN}response:{name}{_format(value)}{RESPONSE_CLOSE}"
+    """A tool's result (its text) as Gemma 4's own template writes one."""
+    return f"{RESPONSE_OPEN}response:{name}{{value:{_format(content)}}}{RESPONSE_CLOSE}"

@@ -370,11 +370,13 @@ def _calls_as_text(
 
 
 def _gemma4_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` with calls and results written as Gemma 4 writes them; a result is
-    named after the call its ``tool_call_id`` names (else the latest call)."""
+    """``messages`` with calls and results written as Gemma 4 writes them. As in its own
+    template, results follow the calls in the model's turn; each is named after the call
+    its ``tool_call_id`` names (else the latest call)."""
     names: dict[str, str] = {}
     latest = "unknown"
-    out = []
+    out: list[dict[str, Any]] = []
+    answering = False  # the last message out is a model turn whose calls these answer
     for m in messages:
         m = dict(m)
         call_id = m.pop("tool_call_id", None)
@@ -389,7 +391,12 @@ def _gemma4_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m["content"] = m["content"] + "".join(written)
         if m["role"] == "tool":
             name = names.get(call_id or "") or m.get("name") or latest
-            m["content"] = gemma4.write_response(name, m["content"])
+            response = gemma4.write_response(name, m["content"])
+            if answering:
+                out[-1] = {**out[-1], "content": out[-1]["content"] + response}
+                continue
+            m["content"] = response
+        answering = bool(calls) and m["role"] == "assistant"
         out.append(m)
     return out
 
