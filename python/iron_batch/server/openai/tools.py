@@ -15,6 +15,10 @@
   - ``<tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>``:
     Qwen3.5's XML form (``xml_tool_calls.py``);
   - ``<|tool_call|>[{json}, ...]<|/tool_call|>``: Phi-4-mini;
+  - ``<|tool_call>call:NAME{key:<|"|>text<|"|>,...}<tool_call|>``: Gemma 4
+    (``gemma4_tool_calls.py``). Its markers are special tokens: ``auto`` requests keep
+    them in the decoded text (:data:`KEEP_TOKENS`) while other special tokens are still
+    skipped;
   - ``<|tool_call|>[...]`` and ``<tool_call>[...]`` with no closing tag: Granite 3.x, as
     its system prompt asks (a tag's body may be one call or a JSON list of them);
   - bare JSON at the start of the output, ``{"name": ..., "parameters": ...}`` (Llama 3,
@@ -29,7 +33,11 @@ and ``tool_call_id``) as they are. Phi-4-mini's template reads them from the sys
 message's ``tools`` (a JSON list of the functions, written between ``<|tool|>`` and
 ``<|/tool|>``): they are put there, and earlier calls are written in its
 ``<|tool_call|>`` format. Granite 3.x templates take ``tools`` but write no calls: those
-are written in the tag its system prompt names. For any other template, the tools are
+are written in the tag its system prompt names. A template that writes Gemma 4's turns
+(``<|turn>``) but no calls gets them, and their results, in Gemma 4's form, results
+following the calls inside the model's turn as its own template puts them; where it
+takes no ``tools`` either, their declarations (``<|tool>declaration:NAME{...}<tool|>``)
+end the system message. For any other template, the tools are
 described in the system message and earlier calls and results are written in the Hermes
 format.
 """
