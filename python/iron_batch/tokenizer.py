@@ -338,7 +338,9 @@ class IncrementalDetokenizer:
         self._tok = tokenizer
         self._stop = [s for s in stop or [] if s]
         self._skip = skip_special_tokens
-        ids = (tokenizer.token_to_id(t) for t in keep_special_tokens or ())
+        # Tokenizers that know no special tokens (test doubles) have nothing to keep.
+        lookup = getattr(tokenizer, "token_to_id", None)
+        ids = [lookup(t) for t in keep_special_tokens or ()] if lookup else []
         self._keep = frozenset(i for i in ids if i is not None)
         self._ids = list(prompt_token_ids[-self._CONTEXT :])
         self._prefix = 0  # decode window start
