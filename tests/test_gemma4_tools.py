@@ -129,6 +129,9 @@ GET_LONDON = ("get_weather", {"location": "London", "unit": "celsius"})
          f"<|tool_call>call:launch_rocket{{target:{Q}Moon{Q}}}<tool_call|>", []),
         ("<|tool_call>call:get_weather{location:London}<tool_call|>",
          "<|tool_call>call:get_weather{location:London}<tool_call|>", []),
+        # NaN is no JSON: arguments with it could not be read by a client.
+        ("<|tool_call>call:get_weather{location:NaN}<tool_call|>",
+         "<|tool_call>call:get_weather{location:NaN}<tool_call|>", []),
         (f"<|tool_call>call:get_weather{{location:{Q}London}}<tool_call|>",
          f"<|tool_call>call:get_weather{{location:{Q}London}}<tool_call|>", []),
         (f"Sure. <|tool_call>get_weather{{location:{Q}London{Q}}}<tool_call|>",

@@ -15,6 +15,7 @@ default: requests whose output may hold such calls keep them (:data:`KEEP_TOKENS
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -82,7 +83,9 @@ def _value(text: str, i: int) -> tuple[Any, int]:
         value = json.loads(m.group())
     except ValueError:
         raise _Malformed(f"bare value {m.group()!r}") from None
-    if isinstance(value, (dict, list, str)):
+    if isinstance(value, (dict, list, str)) or (
+        isinstance(value, float) and not math.isfinite(value)
+    ):
         raise _Malformed(f"bare value {m.group()!r}")
     return value, m.end()
 
