@@ -229,6 +229,9 @@ BOTH = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"ti
         ('<|tool_call|>[{"name": "launch_rocket", "arguments": {}}]<|/tool_call|>',
          '<|tool_call|>[{"name": "launch_rocket", "arguments": {}}]<|/tool_call|>', []),
         ("Use <|tool_call| for calls.", "Use <|tool_call| for calls.", []),
+        # Gemma 4, its markers spelled out in text (tokenized piece by piece).
+        ('Let me look.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius'
+         '<|"|>}<tool_call|>', "Let me look.", BOTH[:1]),
     ],
 )
 def test_auto_reads_the_models_own_call_format(

@@ -70,3 +70,28 @@ def test_detokenizer_holds_partial_stop_prefix(tok: Tokenizer) -> None:
 def test_detokenizer_earliest_stop_wins(tok: Tokenizer) -> None:
     deltas, stopped, _ = _stream(tok, "xxBAyyAB", ["AB", "BA"])
     assert stopped and "".join(deltas) == "xx"
+
+
+def test_detokenizer_keeps_the_special_tokens_it_is_told_to() -> None:
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    info = Tokenizer.from_folder(checkpoint("llama")).to_info()
+    hf = HFTokenizer.from_str(info["json"])
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t in ("<|call>", "<call|>", "<|q|>")])
+    tok = Tokenizer.from_info({**info, "json": hf.to_str()})
+    text = "ok <|call>f{a:<|q|>x<|q|>}<call|></s>"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == "ok f{a:x}"
+
+    def streamed(keep: list[str] | None, skip: bool = True) -> str:
+        detok = IncrementalDetokenizer(tok, [1], skip_special_tokens=skip,
+                                       keep_special_tokens=keep)
+        return "".join(detok.add(i)[0] for i in ids) + detok.flush()
+
+    assert streamed(None) == "ok f{a:x}"
+    # Kept: the named ones; </s> (special too) is still skipped.
+    assert streamed(["<|call>", "<call|>", "<|q|>"]) == "ok <|call>f{a:<|q|>x<|q|>}<call|>"
+    assert streamed(["<|q|>", "<|unknown|>"]) == "ok f{a:<|q|>x<|q|>}"
+    assert streamed(["<|q|>"], skip=False) == text

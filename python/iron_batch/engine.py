@@ -797,7 +797,8 @@ class Engine:
             from iron_batch.tokenizer import IncrementalDetokenizer
 
             req.detok = IncrementalDetokenizer(
-                self._tokenizer, req.prompt_token_ids, params.stop, params.skip_special_tokens
+                self._tokenizer, req.prompt_token_ids, params.stop, params.skip_special_tokens,
+                params.keep_special_tokens,
             )
 
     def _reject(

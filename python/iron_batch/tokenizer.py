@@ -54,6 +54,7 @@ class Tokenizer:
         self._bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
         self._eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
         self._template: Any = None
+        self._special: frozenset[int] | None = None
 
     def to_info(self) -> dict[str, Any]:
         """Everything :meth:`from_info` needs: tokenizers' own JSON, no code (a worker
@@ -102,7 +103,20 @@ class Tokenizer:
             ids = [*ids, self._eos_id]
         return ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the tokens ``skip_special_tokens`` drops."""
+        if self._special is None:
+            self._special = frozenset(
+                i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        return self._special
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               keep: frozenset[int] = frozenset()) -> str:
+        """``keep``: ids of special tokens written out even when skipping the others."""
+        if skip_special_tokens and keep:
+            special = self.special_ids()
+            ids = [i for i in ids if i in keep or i not in special]
+            return self._tok.decode(ids, skip_special_tokens=False)
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
@@ -319,10 +333,15 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: list[str] | None = None,
         skip_special_tokens: bool = True,
+        keep_special_tokens: list[str] | None = None,
     ) -> None:
         self._tok = tokenizer
         self._stop = [s for s in stop or [] if s]
         self._skip = skip_special_tokens
+        # Tokenizers that know no special tokens (test doubles) have nothing to keep.
+        lookup = getattr(tokenizer, "token_to_id", None)
+        ids = [lookup(t) for t in keep_special_tokens or ()] if lookup else []
+        self._keep = frozenset(i for i in ids if i is not None)
         self._ids = list(prompt_token_ids[-self._CONTEXT :])
         self._prefix = 0  # decode window start
         self._read = len(self._ids)  # ids before this are already in _text
@@ -330,12 +349,17 @@ class IncrementalDetokenizer:
         self._emitted = 0  # chars of _text already returned
         self.stopped = False
 
+    def _decode(self, ids: list[int]) -> str:
+        if self._keep and self._skip:
+            return self._tok.decode(ids, True, self._keep)
+        return self._tok.decode(ids, self._skip)
+
     def add(self, token_id: int) -> tuple[str, bool]:
         if self.stopped:
             return "", True
         self._ids.append(int(token_id))
-        prefix_text = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
-        new_text = self._tok.decode(self._ids[self._prefix :], self._skip)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self._text += new_text[len(prefix_text) :]
             self._prefix, self._read = self._read, len(self._ids)
@@ -345,8 +369,8 @@ class IncrementalDetokenizer:
         """Everything still held back (call when generation ended without a stop match)."""
         if self.stopped:
             return ""
-        prefix_text = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
-        new_text = self._tok.decode(self._ids[self._prefix :], self._skip)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
         if len(new_text) > len(prefix_text):
             self._text += new_text[len(prefix_text) :]
         self._prefix = self._read = len(self._ids)

@@ -387,6 +387,9 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> OpenAIRequest:
         raise ApiError("messages render to no tokens", param="messages")
     base = _common_params(body, model)
     base.grammar = grammar
+    if tool_plan is not None and tool_plan.mode == "auto":
+        # Calls written with special tokens (Gemma 4's) must survive decoding.
+        base.keep_special_tokens = list(openai_tools.KEEP_TOKENS)
     want = _bool(body, "logprobs", False)
     top = fields.TOP_LOGPROBS.read(body, null_ok=True)
     if top is not None and not want:

@@ -15,6 +15,10 @@
   - ``<tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>``:
     Qwen3.5's XML form (``xml_tool_calls.py``);
   - ``<|tool_call|>[{json}, ...]<|/tool_call|>``: Phi-4-mini;
+  - ``<|tool_call>call:NAME{key:<|"|>text<|"|>,...}<tool_call|>``: Gemma 4
+    (``gemma4_tool_calls.py``). Its markers are special tokens: ``auto`` requests keep
+    them in the decoded text (:data:`KEEP_TOKENS`) while other special tokens are still
+    skipped;
   - ``<|tool_call|>[...]`` and ``<tool_call>[...]`` with no closing tag: Granite 3.x, as
     its system prompt asks (a tag's body may be one call or a JSON list of them);
   - bare JSON at the start of the output, ``{"name": ..., "parameters": ...}`` (Llama 3,
@@ -29,7 +33,11 @@ and ``tool_call_id``) as they are. Phi-4-mini's template reads them from the sys
 message's ``tools`` (a JSON list of the functions, written between ``<|tool|>`` and
 ``<|/tool|>``): they are put there, and earlier calls are written in its
 ``<|tool_call|>`` format. Granite 3.x templates take ``tools`` but write no calls: those
-are written in the tag its system prompt names. For any other template, the tools are
+are written in the tag its system prompt names. A template that writes Gemma 4's turns
+(``<|turn>``) but no calls gets them, and their results, in Gemma 4's form, results
+following the calls inside the model's turn as its own template puts them; where it
+takes no ``tools`` either, their declarations (``<|tool>declaration:NAME{...}<tool|>``)
+end the system message. For any other template, the tools are
 described in the system message and earlier calls and results are written in the Hermes
 format.
 """
@@ -44,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from iron_batch.server.errors import ApiError
+from iron_batch.server.openai import gemma4_tool_calls as gemma4
 from iron_batch.server.openai.structured import require_support
 from iron_batch.server.openai.xml_tool_calls import xml_calls
 from iron_batch.structured import GrammarError, json_schema_grammar
@@ -60,6 +69,12 @@ _BLOCK = re.compile(
     re.DOTALL,
 )
 _PYTHON_TAG = "<|python_tag|>"
+#: What may start a call in streamed text: the tags above and Gemma 4's.
+_STREAM_OPENERS = (*_OPENERS, gemma4.OPEN)
+#: Special tokens a call may be written with, kept in the decoded text of ``auto`` output.
+KEEP_TOKENS = gemma4.KEEP_TOKENS
+#: Gemma 4's turn marker: a template that writes it is Gemma 4's.
+_GEMMA4_TURN = "<|turn>"
 
 
 @dataclass(frozen=True)
@@ -164,6 +179,12 @@ def parse_auto(
 ) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, calls) of a model's free output; unparseable text stays content.
     ``schemas``: each tool's parameters schema (typed values of Qwen3.5's XML calls)."""
+    if gemma4.OPEN in text:
+        found = gemma4.gemma4_calls(text, names)
+        if found is None:
+            return text, []
+        content = found[0].strip()
+        return content or None, [_call(n, a) for n, a in found[1]]
     if any(tag in text for tag in _OPENERS):
         calls = []
         for body in _BLOCK.findall(text):
@@ -356,6 +377,38 @@ def _calls_as_text(
     return out
 
 
+def _gemma4_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with calls and results written as Gemma 4 writes them. As in its own
+    template, results follow the calls in the model's turn; each is named after the call
+    its ``tool_call_id`` names (else the latest call)."""
+    names: dict[str, str] = {}
+    latest = "unknown"
+    out: list[dict[str, Any]] = []
+    answering = False  # the last message out is a model turn whose calls these answer
+    for m in messages:
+        m = dict(m)
+        call_id = m.pop("tool_call_id", None)
+        calls = m.pop("tool_calls", None)
+        if calls:
+            written = []
+            for c in calls:
+                latest = c["function"]["name"]
+                if c.get("id"):
+                    names[c["id"]] = latest
+                written.append(gemma4.write_call(latest, c["function"]["arguments"]))
+            m["content"] = m["content"] + "".join(written)
+        if m["role"] == "tool":
+            name = names.get(call_id or "") or m.get("name") or latest
+            response = gemma4.write_response(name, m["content"])
+            if answering:
+                out[-1] = {**out[-1], "content": out[-1]["content"] + response}
+                continue
+            m["content"] = response
+        answering = bool(calls) and m["role"] == "assistant"
+        out.append(m)
+    return out
+
+
 def _with_system(messages: list[dict[str, Any]], default: str) -> list[dict[str, Any]]:
     if messages and messages[0]["role"] == "system":
         return messages
@@ -370,6 +423,14 @@ def template_messages(
     docstring)."""
     if "tool_calls" in template and (tools is None or "tools" in template):
         return messages, tools
+    if _GEMMA4_TURN in template or gemma4.OPEN in template:
+        out = _gemma4_history(messages)
+        if tools and "tools" not in template:
+            out = _with_system(out, "")
+            declared = "".join(gemma4.write_declaration(t["function"]) for t in tools)
+            out[0] = {**out[0], "content": out[0]["content"] + declared}
+            return out, None
+        return out, tools
     if _PHI_TOOLS in template:
         out = _calls_as_text(messages, lambda js: f"{_PHI_OPEN}[{', '.join(js)}]{_PHI_CLOSE}")
         if tools:
@@ -403,8 +464,8 @@ class ToolStream:
 
     A named call streams its arguments as they come. ``required`` and ``auto`` output is
     parsed when it ends; until then ``auto`` streams content up to anything that may
-    start a call (a ``<tool_call>`` or ``<|tool_call|>`` tag, or JSON at the very start)
-    and holds the rest.
+    start a call (a ``<tool_call>``, ``<|tool_call|>`` or ``<|tool_call>`` tag, or JSON at
+    the very start) and holds the rest.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
@@ -437,10 +498,14 @@ class ToolStream:
         if not calls:
             return ({"content": rest} if rest else {}), reason
         delta = {}
-        if any(tag in rest for tag in _OPENERS):
+        leftover = None
+        if gemma4.OPEN in rest:
+            found = gemma4.gemma4_calls(rest, plan.names)
+            leftover = found[0] if found is not None else None
+        elif any(tag in rest for tag in _OPENERS):
             leftover = _BLOCK.sub("", rest)
-            if leftover.strip():
-                delta["content"] = leftover
+        if leftover is not None and leftover.strip():
+            delta["content"] = leftover
         delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
         return delta, ("tool_calls" if reason == "stop" else reason)
 
@@ -453,14 +518,16 @@ class ToolStream:
         if self._sent == 0 and text.lstrip().startswith(("{", "[", _PYTHON_TAG)):
             self._held = True
             return {}
-        starts = [i for i in (text.find(tag, self._sent) for tag in _OPENERS) if i != -1]
+        starts = [i for i in (text.find(tag, self._sent) for tag in _STREAM_OPENERS)
+                  if i != -1]
         if starts:
             end = min(starts)
             self._held = True
         else:
             # Hold back a tail that may be the start of a tag.
             end = len(text) - max(
-                (n for tag in _OPENERS for n in range(1, min(len(tag), len(text) - self._sent + 1))
+                (n for tag in _STREAM_OPENERS
+                 for n in range(1, min(len(tag), len(text) - self._sent + 1))
                  if text.endswith(tag[:n])), default=0)
         out = text[self._sent:end]
         self._sent = end
