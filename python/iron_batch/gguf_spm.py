@@ -45,6 +45,8 @@ SPM_DEFAULT_IDS = {"tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.bos_tok
 
 #: Token texts llama.cpp takes for an end of generation wherever a vocabulary has them,
 #: whatever the file names as its eos (Gemma's ``<end_of_turn>``, Phi-3's ``<|end|>``).
+#: Gemma 4's ends (``<turn|>``, ``<|tool_response>``) are added to any Gemma 4 vocabulary's
+#: eos ids by :class:`iron_batch.tokenizer.Tokenizer`, whatever file it came from.
 END_OF_TURN_TEXTS = ("<end_of_turn>", "<|end|>", "<|endoftext|>", "<|eot_id|>",
                      "<|im_end|>", "<|eom_id|>", "<EOT>", "<|end_of_text|>")
 

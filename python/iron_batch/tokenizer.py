@@ -28,6 +28,21 @@ _LLAMA3_SPLIT = (
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 
+#: A vocabulary with this token is Gemma 4's.
+_GEMMA4_TURN = "<|turn>"
+#: Where Gemma 4 ends its output: the end of its turn, and after a tool call the opening of
+#: the tool's result, which is the caller's to write. Its checkpoints list both in
+#: generation_config.json; a GGUF file may name neither.
+_GEMMA4_ENDS = ("<turn|>", "<|tool_response>")
+
+
+def _with_turn_ends(tokenizer: HFTokenizer, eos_ids: list[int]) -> list[int]:
+    """``eos_ids`` and, for Gemma 4's vocabulary, the ids of :data:`_GEMMA4_ENDS`."""
+    if tokenizer.token_to_id(_GEMMA4_TURN) is None:
+        return eos_ids
+    ends = [tokenizer.token_to_id(t) for t in _GEMMA4_ENDS]
+    return list(dict.fromkeys([*eos_ids, *(i for i in ends if i is not None)]))
+
 
 class Tokenizer:
     def __init__(
@@ -45,7 +60,7 @@ class Tokenizer:
         self._tok = tokenizer
         self.pad_token = pad_token
         self.chat_template = chat_template
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = _with_turn_ends(tokenizer, eos_token_ids)
         self.bos_token = bos_token
         self.eos_token = eos_token
         # Only for tokenizers whose post-processor does not add BOS (or EOS) itself (GGUF).
