@@ -80,7 +80,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     #: Special tokens written out even where ``skip_special_tokens`` drops the others (the
-    #: markers of a tool-call format made of special tokens, such as Gemma 4's).
+    #: markers of a tool-call or thinking format made of special tokens, such as Gemma 4's).
     keep_special_tokens: list[str] = field(default_factory=list)
     #: Logprob of every prompt token but the first (which has none) and this many top
     #: alternatives per position. Such a request computes its whole prompt: it skips the

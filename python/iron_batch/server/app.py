@@ -72,7 +72,7 @@ def create_app(
     ``app.state.info`` is the configuration it and the console banner show.
     ``api_key`` may be several keys, one per tenant: then, with ``isolate_tenant_caches``,
     each key's requests get a prefix-cache salt of their own (no tenant can time another's
-    prompts through the cache). ``reasoning_parser`` (auto, think, none) says how chat
+    prompts through the cache). ``reasoning_parser`` (auto, think, gemma4, none) says how chat
     output splits into reasoning and answer (see :mod:`iron_batch.server.openai.reasoning`).
     ``pooling`` is how /v1/embeddings pools (default: last token, normalised; see
     :func:`iron_batch.pooling.read_pooling_config`). ``max_stored_responses`` bounds the

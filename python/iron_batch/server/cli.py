@@ -184,10 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Python GIL switch interval in microseconds (default 200; Python's "
                    "own is 5000, which lets a busy HTTP loop delay each engine step by "
                    "up to 5 ms)")
-    model.add_argument("--reasoning-parser", choices=("auto", "think", "none"), default="auto",
+    model.add_argument("--reasoning-parser", choices=("auto", "think", "gemma4", "none"),
+                   default="auto",
                    help="split chat output into reasoning and answer: 'think' at "
-                   "<think>...</think>, 'none' never, 'auto' (default) when the model's chat "
-                   "template writes think tags")
+                   "<think>...</think>, 'gemma4' at Gemma 4's <|channel>thought...<channel|>, "
+                   "'none' never, 'auto' (default) when the model's chat template writes "
+                   "either format's tags or its vocabulary has Gemma 4's channel tokens")
     model.add_argument("--embedding-pooling", choices=("auto", "last", "mean"), default="auto",
                    help="/v1/embeddings pooling: 'auto' (default) as the checkpoint's "
                    "sentence-transformers config says (last token without one), or "

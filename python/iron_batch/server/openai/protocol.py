@@ -387,9 +387,15 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> OpenAIRequest:
         raise ApiError("messages render to no tokens", param="messages")
     base = _common_params(body, model)
     base.grammar = grammar
+    keep: list[str] = []
     if tool_plan is not None and tool_plan.mode == "auto":
         # Calls written with special tokens (Gemma 4's) must survive decoding.
-        base.keep_special_tokens = list(openai_tools.KEEP_TOKENS)
+        keep += openai_tools.KEEP_TOKENS
+    # A grammar (forced call, response_format) starts the output at its JSON: no thinking.
+    reasoning = model.reasoning if grammar is None else None
+    if reasoning is not None:
+        keep += reasoning.keep_tokens  # tags written with special tokens (Gemma 4's channel)
+    base.keep_special_tokens = keep
     want = _bool(body, "logprobs", False)
     top = fields.TOP_LOGPROBS.read(body, null_ok=True)
     if top is not None and not want:
@@ -408,10 +414,9 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> OpenAIRequest:
         tool_plan=tool_plan,
     )
     out.continuous_usage = continuous_usage
-    # A grammar (forced call, response_format) starts the output at its JSON: no thinking.
-    if model.reasoning is not None and grammar is None:
-        out.reasoning = model.reasoning
-        out.reasoning_open = opens_reasoning(model.reasoning, prompt_text)
+    if reasoning is not None:
+        out.reasoning = reasoning
+        out.reasoning_open = opens_reasoning(reasoning, prompt_text)
     return out
 
 

@@ -1,11 +1,14 @@
 """Reasoning output: the thinking a model writes between tags, split from its answer.
 
 Models such as Qwen3, SmolLM3 and the DeepSeek-R1 distills think in ``<think>...</think>``
-before they answer. The parser is chosen from the model's chat template (a template that
-writes both tags) or by the server's ``reasoning_parser`` setting, never guessed from the
-output. Whether the output starts inside the thinking block follows from the rendered
-prompt: a template that opens ``<think>`` itself (R1 distills) leaves only the closing tag
-to the model.
+before they answer. Gemma 4 thinks in a thought channel, ``<|channel>thought\n...<channel|>``,
+whose markers are special tokens of its tokenizer: requests split by that format keep them
+in the decoded text (:attr:`ReasoningFormat.keep_tokens`), as tool calls keep theirs. The
+parser is chosen from the model's chat template (a template that writes both tags) or its
+vocabulary (Gemma 4's channel markers), or by the server's ``reasoning_parser`` setting,
+never guessed from the output. Whether the output starts inside the thinking block follows
+from the rendered prompt: a template that opens the block itself (R1 distills; Gemma 4's
+after a tool result, in some versions) leaves only the closing tag to the model.
 
 :class:`ReasoningSplitter` works on text deltas and holds back anything that may be the
 start of a tag, so a tag split across tokens is still found, and the whole text fed at once
@@ -15,30 +18,53 @@ start of a tag, so a tag split across tokens is still found, and the whole text 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 #: Values of the server's ``reasoning_parser`` setting.
-REASONING_PARSERS = ("auto", "think", "none")
+REASONING_PARSERS = ("auto", "think", "gemma4", "none")
 
 
 @dataclass(frozen=True)
 class ReasoningFormat:
     start: str = "<think>"
     end: str = "</think>"
+    #: Special tokens the tags are written with: kept in the decoded text of the requests
+    #: split by this format (decoding skips special tokens otherwise).
+    keep_tokens: tuple[str, ...] = ()
 
 
 THINK = ReasoningFormat()
+#: Gemma 4's markers, each one special token.
+CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
+#: Gemma 4's thought channel. The channel's name ends the start tag; the newline after it
+#: is dropped with the other whitespace at the block's start (a block cut short may lack it).
+GEMMA4 = ReasoningFormat(f"{CHANNEL_OPEN}thought", CHANNEL_CLOSE, (CHANNEL_OPEN, CHANNEL_CLOSE))
 
 
-def reasoning_format(chat_template: str | None, setting: str = "auto") -> ReasoningFormat | None:
-    """The format a model's output is split by: ``think`` always, ``none`` never, ``auto``
-    when the chat template writes both think tags."""
+def _has_tokens(tokenizer: Any, *texts: str) -> bool:
+    lookup = getattr(tokenizer, "token_to_id", None)
+    return lookup is not None and all(lookup(t) is not None for t in texts)
+
+
+def reasoning_format(chat_template: str | None, setting: str = "auto",
+                     tokenizer: Any = None) -> ReasoningFormat | None:
+    """The format a model's output is split by: ``think`` and ``gemma4`` always, ``none``
+    never, ``auto`` when the chat template writes both think tags, or when the template
+    writes both of Gemma 4's channel markers or the vocabulary has them as tokens."""
     if setting not in REASONING_PARSERS:
         raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}")
     if setting == "think":
         return THINK
-    if setting == "none" or not chat_template:
+    if setting == "gemma4":
+        return GEMMA4
+    if setting == "none":
         return None
-    return THINK if THINK.start in chat_template and THINK.end in chat_template else None
+    template = chat_template or ""
+    if CHANNEL_OPEN in template and CHANNEL_CLOSE in template:
+        return GEMMA4
+    if _has_tokens(tokenizer, CHANNEL_OPEN, CHANNEL_CLOSE):
+        return GEMMA4
+    return THINK if THINK.start in template and THINK.end in template else None
 
 
 def opens_reasoning(fmt: ReasoningFormat, prompt_text: str) -> bool:

@@ -106,7 +106,7 @@ class OpenAIServer:
             limits=admission.limits,
             structured_output=backend.supports_structured_output,
             reasoning=reasoning_format(getattr(backend.tokenizer, "chat_template", None),
-                                       reasoning_parser),
+                                       reasoning_parser, backend.tokenizer),
         )
         #: The backend pools hidden states (/v1/embeddings), of this many components.
         self.embeddings = bool(getattr(backend, "supports_embeddings", False))
