@@ -215,6 +215,8 @@ class DecoderModel:
         self.attention = attention_backends.select(device, dtype, kernels)
         if device.type == "cpu" and kernels.keep_freed_memory:
             heap.keep_freed_memory()
+        if device.type == "cpu" and kernels.one_malloc_arena:
+            heap.one_arena()
         self._load(ctx, plan)
         #: Checkpoint tensors that --quantization gguf had to dequantize (unsupported types).
         self.dequantized = ctx.dequantized

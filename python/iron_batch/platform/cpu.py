@@ -59,6 +59,8 @@ class CpuKernels:
     huge_pages: bool = False
     #: Freed activations kept in the heap.
     keep_freed_memory: bool = False
+    #: Every thread's allocations from glibc's main arena.
+    one_malloc_arena: bool = False
     #: Activation rows up to which quantized projections take the block GEMV.
     quant_gemv_rows: int = 8
 
@@ -85,6 +87,7 @@ def select(device: torch.device, dtype: torch.dtype, switches: Switches) -> CpuK
         decoder=fused and bf16 and switches.cpu_decoder and _has("_DecoderStack"),
         huge_pages=switches.huge_pages and huge_pages.supported(),
         keep_freed_memory=switches.keep_freed_memory,
+        one_malloc_arena=switches.one_malloc_arena,
         quant_gemv_rows=switches.quant_gemv_rows,
     )
 

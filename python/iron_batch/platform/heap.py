@@ -15,6 +15,16 @@ limit for the threshold) come from the heap, and up to 1 GiB of freed memory sta
 for the next step. Where the call does not exist (not glibc) nothing changes.
 ``IRON_BATCH_KEEP_FREED_MEMORY=0`` (``platform/switches.py``) keeps the model from calling it,
 for comparison.
+
+Those thresholds hold for glibc's main arena. Every other thread that allocates gets an
+arena of its own, whose heaps are at most 64 MiB: a block larger than that (a step's
+float32 logits over a large vocabulary: 64 rows x 262k is 67 MB) is mapped fresh and
+faulted in at every step. The server runs its steps on the engine thread, so Gemma-3-1B's
+64 x 128 x 64 workload faulted 1.2-1.5 million pages a run there, about 100 on the
+caller's thread. :func:`one_arena` caps glibc at one arena, so every thread shares the main
+one (``IRON_BATCH_ONE_MALLOC_ARENA=1``): that run's W through the server rose 1.06-1.12x,
+but batch 1 of SmolLM2 got 1.08-1.28x slower (the threads now share the arena's lock), so
+it is off by default.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import ctypes
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 _MMAP_THRESHOLD = 32 << 20
 #: Blocks up to this size are meant to come from the heap (under the threshold, with room).
 HEAP_BLOCK = 24 << 20
@@ -46,3 +57,15 @@ def keep_freed_memory() -> bool:
         mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
     )
     return _done
+
+
+def one_arena() -> bool:
+    """Caps glibc's malloc at one arena (threads that allocate later share the main one,
+    with the thresholds of :func:`keep_freed_memory`); True when it is set."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_ARENA_MAX, 1))

@@ -54,6 +54,11 @@ SWITCHES: dict[str, Switch] = {
         "IRON_BATCH_KEEP_FREED_MEMORY", "1", ("1", "0"),
         "Freed CPU activations stay in the heap for the next step (1), or go back to the "
         "kernel as glibc decides (0)."),
+    "one_malloc_arena": Switch(
+        "IRON_BATCH_ONE_MALLOC_ARENA", "0", ("1", "0"),
+        "Every thread allocates from glibc's main arena (1), or each from its own (0): the "
+        "engine thread then keeps large activations between steps (W), at a cost in "
+        "batch-1 latency."),
     "quant_gemv_rows": Switch(
         "IRON_BATCH_QUANT_GEMV_ROWS", "8", (),
         "Activation rows up to which quantized projections run the block GEMV; above, a "
@@ -76,6 +81,7 @@ class Switches:
     cpu_gemv_rows: int = 192
     huge_pages: bool = True
     keep_freed_memory: bool = True
+    one_malloc_arena: bool = False
     quant_gemv_rows: int = 8
 
     def changed(self) -> dict[str, str]:
