@@ -42,30 +42,27 @@ _TRIM_THRESHOLD = 1 << 30
 _done = False
 
 
-def keep_freed_memory() -> bool:
-    """Sets the process's malloc thresholds once; True when they are set."""
-    global _done
-    if _done:
-        return True
+def _mallopt(*settings: tuple[int, int]) -> bool:
+    """glibc's ``mallopt`` for each (parameter, value); False where there is none (not
+    glibc) or a setting is refused."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    _done = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
-    )
+    return all(bool(mallopt(param, value)) for param, value in settings)
+
+
+def keep_freed_memory() -> bool:
+    """Sets the process's malloc thresholds once; True when they are set."""
+    global _done
+    if not _done:
+        _done = _mallopt((_M_MMAP_THRESHOLD, _MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
     return _done
 
 
 def one_arena() -> bool:
     """Caps glibc's malloc at one arena (threads that allocate later share the main one,
     with the thresholds of :func:`keep_freed_memory`); True when it is set."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_ARENA_MAX, 1))
+    return _mallopt((_M_ARENA_MAX, 1))
