@@ -2,8 +2,8 @@
 //! layouts (nibble pairs of neighbouring blocks; per-block scale and min), in f64.
 
 use iron_batch_kernels::{
-    dequantize_bf16, gemv_quant, q4_nibble, Bf16, Element, QMatrix, ScopedThreads, F16, Q4, Q8,
-    QBLOCK,
+    dequantize_bf16, gemv_quant, q4_nibble, Bf16, BlockFormat, Blocks, Element, QMatrix,
+    ScopedThreads, F16, MAX_ROWS, Q4, Q8, QBLOCK,
 };
 
 mod common;
@@ -118,7 +118,7 @@ fn q4_gemv_case(rng: &mut Rng, n: usize, k: usize) {
         min: &data.min,
     });
     let bias: Vec<Bf16> = activations(rng, n);
-    for rows in [1, 2, 3, 4, 5, 9] {
+    for rows in [1, 2, 3, 4, 5, 8, 9, 13] {
         for threads in [1, 3] {
             let x = activations(rng, rows * k);
             let mut out = vec![Bf16(0); rows * n];
@@ -160,7 +160,7 @@ fn q8_gemv_matches_dequantized_reference() {
         quants: &quants,
         scale: &scale,
     });
-    for rows in [1, 4, 6] {
+    for rows in [1, 4, 6, 8, 9, 13] {
         let x = activations(&mut rng, rows * k);
         let mut out = vec![Bf16(0); rows * n];
         gemv_quant(&mut out, &x, weight, None, rows, n, k, 2, &ScopedThreads).unwrap();
@@ -220,4 +220,93 @@ fn shapes_that_do_not_fit_are_errors_not_reads_out_of_bounds() {
     .is_err());
     let mut short = vec![Bf16(0); 3 * 64];
     assert!(dequantize_bf16(&mut short, weight, 4, 64, 1, &ScopedThreads).is_err());
+}
+
+/// A row's output is the same, bit for bit, whichever rows share the call, in every
+/// quantized layout: a speculative step verifies its proposals as rows beside the decode
+/// row, and must give what a one-row decode gives. The row counts cover one pass over the
+/// weights ([`MAX_ROWS`] rows), several, and a last pass of every size.
+#[test]
+fn quantized_rows_do_not_depend_on_the_rows_beside_them() {
+    let mut rng = Rng(4242);
+    let (n, k) = (70, 512);
+    let q4 = q4(&mut rng, n, k);
+    let quants: Vec<i8> = (0..n * k).map(|_| (rng.next() % 255) as i8).collect();
+    let q8_scale: Vec<F16> = (0..n * k / QBLOCK)
+        .map(|_| F16::from_f32(rng.unit().abs() * 0.01 + 1e-4))
+        .collect();
+    // GGUF blocks of every format: random bytes, with small finite f16 scales.
+    let blocks: Vec<(BlockFormat, Vec<u8>)> = BlockFormat::ALL
+        .iter()
+        .map(|&f| {
+            let mut data: Vec<u8> = (0..f.row_bytes(k) * n).map(|_| rng.next() as u8).collect();
+            let halves: &[usize] = match f {
+                BlockFormat::Q4K | BlockFormat::Q5K | BlockFormat::Q5_1 | BlockFormat::Q4_1 => {
+                    &[0, 2]
+                }
+                BlockFormat::Q6K => &[208],
+                BlockFormat::Q5_0 | BlockFormat::Q8_0 => &[0],
+            };
+            for block in data.chunks_exact_mut(f.bytes()) {
+                for &at in halves {
+                    let v = F16::from_f32(0.002 + rng.unit().abs() * 0.01);
+                    block[at..at + 2].copy_from_slice(&v.0.to_le_bytes());
+                }
+            }
+            (f, data)
+        })
+        .collect();
+    let mut layouts = vec![
+        (
+            "q4".to_string(),
+            QMatrix::Q4(Q4 {
+                packed: &q4.packed,
+                scale: &q4.scale,
+                min: &q4.min,
+            }),
+        ),
+        (
+            "q8".to_string(),
+            QMatrix::Q8(Q8 {
+                quants: &quants,
+                scale: &q8_scale,
+            }),
+        ),
+    ];
+    for (f, data) in &blocks {
+        layouts.push((
+            f.name().to_string(),
+            QMatrix::Blocks(Blocks::new(*f, n, data)),
+        ));
+    }
+    let most = 3 * MAX_ROWS + 3;
+    let x = activations(&mut rng, most * k);
+    for (name, weight) in layouts {
+        let run = |rows: usize| {
+            let mut out = vec![Bf16(0); rows * n];
+            gemv_quant(
+                &mut out,
+                &x[..rows * k],
+                weight,
+                None,
+                rows,
+                n,
+                k,
+                2,
+                &ScopedThreads,
+            )
+            .unwrap();
+            out
+        };
+        let together = run(most);
+        for rows in 1..most {
+            let got = run(rows);
+            for r in 0..rows {
+                assert!(
+                    got[r * n..(r + 1) * n] == together[r * n..(r + 1) * n],
+                    "{name}: row {r} of {rows} differs from the same row among {most}"
+                );
+            }
+        }
+    }
 }
