@@ -17,7 +17,13 @@
 //! The AVX-512 Q4 path widens each nibble to the bf16 number `128 + q` by an OR with the
 //! bit pattern of 128.0 and takes 32 products a block in one `vdpbf16ps`; the extra
 //! `128 * sum(x)` of each block is subtracted once per row from precomputed block sums of
-//! `x`. Products of two bf16 numbers are exact in f32, so nothing is rounded but the sums.
+//! `x`. Its Q8 path widens each block's `i8` weights once to bf16 (exact) and takes one
+//! `vdpbf16ps` a row. Products of two bf16 numbers are exact in f32, so nothing is rounded
+//! but the sums. Without AVX-512 BF16, Q8 runs f32 FMAs on widened activations.
+//!
+//! Up to [`MAX_ROWS`] activation rows share one pass over the weights, and every row is
+//! computed the same way whatever the number of rows beside it (the same operations in the
+//! same order): a speculative step's verification rows give what one-row decode steps give.
 
 use crate::attention::{KernelError, Parallel};
 use crate::element::{Bf16, Element, F16};
@@ -285,8 +291,8 @@ fn simd_available(weight: &QMatrix<'_>) -> bool {
 
 /// Whether the AVX-512 Q8 path takes bf16 dot products (the weights widened to bf16, exact
 /// for `i8`; the activations as they are) rather than f32 FMAs on widened activations:
-/// three instructions a row per block of 32 instead of five, which is what a step of
-/// several rows (speculative verification) pays for every row.
+/// three instructions a row per block of 32 instead of five, paid by every row of a step
+/// (a speculative step's verification rows too).
 fn q8_in_bf16() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -765,22 +771,47 @@ mod avx512 {
         dots: &mut [f32; MAX_ROWS],
     ) {
         let xp = xs.bf16.as_ptr() as *const u16;
+        let top_words: [i16; 32] = std::array::from_fn(|j| (2 * j + 1) as i16);
+        let top = _mm512_loadu_si512(top_words.as_ptr().cast());
         let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
-        for b in 0..k / QBLOCK {
+        // Block `b`'s 32 weights as bf16: the top halves of their f32 numbers (the rest is
+        // zero), weights 0..16 in the low half and 16..32 in the high half, the order of
+        // the activations.
+        let widen = |qp: *const i8| {
+            let w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp.cast())));
+            let w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp.add(16).cast())));
+            let w =
+                _mm512_permutex2var_epi16(_mm512_castps_si512(w0), top, _mm512_castps_si512(w1));
+            std::mem::transmute::<__m512i, __m512bh>(w)
+        };
+        let blocks = k / QBLOCK;
+        let mut b = 0;
+        // Two blocks a step (one into each accumulator), so that each row's two chains
+        // have independent work beside them.
+        while b + 2 <= blocks {
             let qp = quants.as_ptr().add(b * QBLOCK);
-            let w0 =
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp as *const __m128i)));
-            let w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                qp.add(16) as *const __m128i
-            )));
-            // Weights 0..16 in the low half, 16..32 in the high half: the activations' order.
-            let w = _mm512_cvtne2ps_pbh(w1, w0);
+            let (wa, wb) = (widen(qp), widen(qp.add(QBLOCK)));
+            let da = _mm512_set1_ps(*scale.get_unchecked(b));
+            let db = _mm512_set1_ps(*scale.get_unchecked(b + 1));
+            for r in 0..ROWS {
+                let x = xp.add(r * k + b * QBLOCK);
+                let xa: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.cast()));
+                let xb: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.add(QBLOCK).cast()));
+                let sa = _mm512_dpbf16_ps(_mm512_setzero_ps(), wa, xa);
+                let sb = _mm512_dpbf16_ps(_mm512_setzero_ps(), wb, xb);
+                acc[r][0] = _mm512_fmadd_ps(sa, da, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(sb, db, acc[r][1]);
+            }
+            b += 2;
+        }
+        if b < blocks {
+            let w = widen(quants.as_ptr().add(b * QBLOCK));
             let d = _mm512_set1_ps(*scale.get_unchecked(b));
             for r in 0..ROWS {
                 let x: __m512bh =
                     std::mem::transmute(_mm512_loadu_si512(xp.add(r * k + b * QBLOCK).cast()));
                 let s = _mm512_dpbf16_ps(_mm512_setzero_ps(), w, x);
-                acc[r][b & 1] = _mm512_fmadd_ps(s, d, acc[r][b & 1]);
+                acc[r][0] = _mm512_fmadd_ps(s, d, acc[r][0]);
             }
         }
         for r in 0..ROWS {
