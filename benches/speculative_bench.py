@@ -231,11 +231,16 @@ def main() -> None:
                 m, t = llamacpp(args, lookup)
                 cpp[lookup].append(m)
                 cpp_texts[lookup] = t
+    for i, (plain_ms, spec_ms) in enumerate(zip(ms[False], ms[True], strict=True)):
+        print(f"round {i + 1}: {plain_ms:.2f} ms/token without, {spec_ms:.2f} with: "
+              f"{plain_ms / spec_ms:.2f}x")
+    ratio = statistics.median(a / b for a, b in zip(ms[False], ms[True], strict=True))
     base, fast = statistics.median(ms[False]), statistics.median(ms[True])
     kind = (f"chat prompts, draft {args.draft_model} ({args.draft_quantization or 'as is'})"
             if args.draft_model else "copy prompts")
     print(f"batch 1, {kind}: {base:.2f} ms/token without, {fast:.2f} with "
-          f"speculation: {base / fast:.2f}x; accepted {accepted} of {drafted} proposed "
+          f"speculation (medians); the rounds' ratios' median: {ratio:.2f}x; accepted "
+          f"{accepted} of {drafted} proposed "
           f"({100 * accepted / max(drafted, 1):.0f}%); same text: {texts[False] == texts[True]}")
     if alone:
         a = statistics.median(alone)

@@ -1,0 +1,108 @@
+"""The quantized GEMV by activation row count, two builds in one process: what each extra
+row of a step (a speculative step's verification rows) costs in the "q4" and "q8" layouts
+that GGUF Q4_0/Q4_1/Q8_0 matrices and ``--quantization int4|int8`` run on.
+
+SmolLM2-135M's projections (30 layers of q/k/v, o, gate/up and down, random Q4 blocks) and
+its 49152 x 576 Q8 LM head, each set called matrix by matrix through
+``iron_batch._core._gemv_quant`` as a decode step calls them; plus the same projections in
+Q8 (``--quantization int8``). Both builds' extension modules are loaded side by side and
+called in turns, the order flipping every repetition, so that both meet the same minutes of
+this machine's memory bandwidth; each figure is the median of ``--reps`` calls.
+
+    python benches/quant_rows.py --other /path/to/other/checkout/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import statistics
+import time
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+from iron_batch.platform.openmp import entry_points
+
+LAYERS = 30
+# (n, k) of one layer's projections: fused q/k/v, o, fused gate/up, down.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+HEAD = (49152, 576)
+
+Matrix = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, str]
+
+
+def load_core(python_dir: str, name: str) -> ModuleType:
+    """The ``_core`` extension of the checkout whose ``python/`` folder is ``python_dir``."""
+    found = glob.glob(str(Path(python_dir) / "iron_batch" / "_core*.so"))
+    if not found:
+        raise SystemExit(f"no built iron_batch/_core*.so under {python_dir}")
+    spec = importlib.util.spec_from_file_location(f"{name}._core", found[0])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def matrix(rng: np.random.Generator, n: int, k: int, kind: str) -> Matrix:
+    bits = 4 if kind == "q4" else 8
+    quants = torch.from_numpy(rng.integers(0, 256, size=n * k * bits // 8, dtype=np.uint8))
+    scale = torch.from_numpy((rng.random(n * k // 32) * 0.004 + 0.001).astype(np.float16))
+    low = torch.from_numpy((rng.random(n * k // 32) * -0.02).astype(np.float16))
+    return quants, scale, low, n, k, kind
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--other", required=True,
+                    help="the python/ folder of the other checkout (built in place)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 5, 8])
+    ap.add_argument("--reps", type=int, default=21)
+    ap.add_argument("--warmup-s", type=float, default=5.0)
+    args = ap.parse_args()
+    this = load_core(str(Path(__file__).resolve().parents[1] / "python"), "this")
+    other = load_core(args.other, "other")
+    rng = np.random.default_rng(0)
+    sets: dict[str, list[Matrix]] = {
+        "q4 projections": [matrix(rng, n, k, "q4") for _ in range(LAYERS) for n, k in SHAPES],
+        "q8 LM head": [matrix(rng, *HEAD, "q8")],
+        "q8 projections": [matrix(rng, n, k, "q8") for _ in range(LAYERS) for n, k in SHAPES],
+    }
+    threads = torch.get_num_threads()
+    openmp = entry_points()
+    xs = {(r, k): torch.randn(r, k).bfloat16() for r in args.rows for k in (576, 1536)}
+    ys: dict[tuple[int, int], torch.Tensor] = {}
+
+    def call(core: ModuleType, mats: list[Matrix], rows: int) -> None:
+        for quants, scale, low, n, k, kind in mats:
+            x = xs[(rows, k)]
+            y = ys.setdefault((rows, n), torch.empty(rows, n, dtype=torch.bfloat16))
+            core._gemv_quant(y.data_ptr(), x.data_ptr(), kind, quants.data_ptr(),
+                             scale.data_ptr(), low.data_ptr(), 0, rows=rows, n=n, k=k,
+                             threads=threads, openmp=openmp)
+
+    deadline = time.monotonic() + args.warmup_s
+    while time.monotonic() < deadline:
+        for core in (this, other):
+            call(core, sets["q4 projections"], 1)
+    print("| matrices | rows | other (ms) | this (ms) | **this / other** |")
+    print("|---|---|---|---|---|")
+    for name, mats in sets.items():
+        for rows in args.rows:
+            times: dict[str, list[float]] = {"this": [], "other": []}
+            for rep in range(args.reps):
+                order = [("this", this), ("other", other)]
+                for label, core in order if rep % 2 else order[::-1]:
+                    t0 = time.perf_counter()
+                    call(core, mats, rows)
+                    times[label].append(time.perf_counter() - t0)
+            a, b = statistics.median(times["other"]), statistics.median(times["this"])
+            print(f"| {name} | {rows} | {1000 * a:.2f} | {1000 * b:.2f} | **{b / a:.2f}x** |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
