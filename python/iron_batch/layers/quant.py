@@ -44,7 +44,8 @@ QBLOCK = 32
 
 #: Activation rows up to which the quantized GEMV runs by default; above it, dequantize +
 #: dense GEMM. Measured on SmolLM2's projections (BENCHMARKS.md, "Quantized weights"): the
-#: GEMV reads the weights once per 4 rows, the dense path pays one dequantization per call.
+#: GEMV reads the weights once per 8 rows (per 4 for the GGUF block formats), the dense
+#: path pays one dequantization per call.
 #: ``IRON_BATCH_QUANT_GEMV_ROWS`` moves it (read at load: see ``platform/switches.py``).
 GEMV_MAX_ROWS = int(SWITCHES["quant_gemv_rows"].default)
 
