@@ -270,6 +270,27 @@ struct Rows<'a> {
     count: usize,
 }
 
+/// `$body` with `$r` a constant equal to `$count` (1 to [`MAX_ROWS`], more taken as
+/// [`MAX_ROWS`]): one copy of a kernel's loop per row count, its accumulators in registers.
+macro_rules! with_row_count {
+    ($count:expr, $r:ident => $body:expr) => {
+        match $count {
+            1 => with_row_count!(@one 1, $r => $body),
+            2 => with_row_count!(@one 2, $r => $body),
+            3 => with_row_count!(@one 3, $r => $body),
+            4 => with_row_count!(@one 4, $r => $body),
+            5 => with_row_count!(@one 5, $r => $body),
+            6 => with_row_count!(@one 6, $r => $body),
+            7 => with_row_count!(@one 7, $r => $body),
+            _ => with_row_count!(@one 8, $r => $body),
+        }
+    };
+    (@one $n:literal, $r:ident => $body:expr) => {{
+        const $r: usize = $n;
+        $body
+    }};
+}
+
 fn simd_available(weight: &QMatrix<'_>) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -434,42 +455,15 @@ fn dot_row(
             match weight {
                 QMatrix::Q4(m) => {
                     let w = &m.packed[row * k / 2..(row + 1) * k / 2];
-                    match xs.count {
-                        1 => avx512::dot_q4::<1>(w, scale, min, xs, k, dots),
-                        2 => avx512::dot_q4::<2>(w, scale, min, xs, k, dots),
-                        3 => avx512::dot_q4::<3>(w, scale, min, xs, k, dots),
-                        4 => avx512::dot_q4::<4>(w, scale, min, xs, k, dots),
-                        5 => avx512::dot_q4::<5>(w, scale, min, xs, k, dots),
-                        6 => avx512::dot_q4::<6>(w, scale, min, xs, k, dots),
-                        7 => avx512::dot_q4::<7>(w, scale, min, xs, k, dots),
-                        _ => avx512::dot_q4::<8>(w, scale, min, xs, k, dots),
-                    }
+                    with_row_count!(xs.count, R => avx512::dot_q4::<R>(w, scale, min, xs, k, dots))
                 }
                 QMatrix::Q8(m) if q8_in_bf16() => {
                     let w = &m.quants[row * k..(row + 1) * k];
-                    match xs.count {
-                        1 => avx512::dot_q8_bf16::<1>(w, scale, xs, k, dots),
-                        2 => avx512::dot_q8_bf16::<2>(w, scale, xs, k, dots),
-                        3 => avx512::dot_q8_bf16::<3>(w, scale, xs, k, dots),
-                        4 => avx512::dot_q8_bf16::<4>(w, scale, xs, k, dots),
-                        5 => avx512::dot_q8_bf16::<5>(w, scale, xs, k, dots),
-                        6 => avx512::dot_q8_bf16::<6>(w, scale, xs, k, dots),
-                        7 => avx512::dot_q8_bf16::<7>(w, scale, xs, k, dots),
-                        _ => avx512::dot_q8_bf16::<8>(w, scale, xs, k, dots),
-                    }
+                    with_row_count!(xs.count, R => avx512::dot_q8_bf16::<R>(w, scale, xs, k, dots))
                 }
                 QMatrix::Q8(m) => {
                     let w = &m.quants[row * k..(row + 1) * k];
-                    match xs.count {
-                        1 => avx512::dot_q8::<1>(w, scale, xs, k, dots),
-                        2 => avx512::dot_q8::<2>(w, scale, xs, k, dots),
-                        3 => avx512::dot_q8::<3>(w, scale, xs, k, dots),
-                        4 => avx512::dot_q8::<4>(w, scale, xs, k, dots),
-                        5 => avx512::dot_q8::<5>(w, scale, xs, k, dots),
-                        6 => avx512::dot_q8::<6>(w, scale, xs, k, dots),
-                        7 => avx512::dot_q8::<7>(w, scale, xs, k, dots),
-                        _ => avx512::dot_q8::<8>(w, scale, xs, k, dots),
-                    }
+                    with_row_count!(xs.count, R => avx512::dot_q8::<R>(w, scale, xs, k, dots))
                 }
                 QMatrix::Blocks(_) => unreachable!("gemv_blocks serves these"),
             }
@@ -511,26 +505,14 @@ mod avx512 {
         results: &mut [[f32; MAX_ROWS]],
     ) {
         // One copy of the loop per activation row count, its accumulators in registers.
-        macro_rules! each_row {
-            ($r:literal) => {
-                for (i, row) in rows.enumerate() {
-                    let (scale, min) = scales.row(i);
-                    let w = packed.get_unchecked(row * k / 2..(row + 1) * k / 2);
-                    prefetch_ahead(w.as_ptr(), k / 2);
-                    dot_q4::<$r>(w, scale, min, xs, k, results.get_unchecked_mut(i));
-                }
-            };
-        }
-        match xs.count {
-            1 => each_row!(1),
-            2 => each_row!(2),
-            3 => each_row!(3),
-            4 => each_row!(4),
-            5 => each_row!(5),
-            6 => each_row!(6),
-            7 => each_row!(7),
-            _ => each_row!(8),
-        }
+        with_row_count!(xs.count, R => {
+            for (i, row) in rows.enumerate() {
+                let (scale, min) = scales.row(i);
+                let w = packed.get_unchecked(row * k / 2..(row + 1) * k / 2);
+                prefetch_ahead(w.as_ptr(), k / 2);
+                dot_q4::<R>(w, scale, min, xs, k, results.get_unchecked_mut(i));
+            }
+        })
     }
 
     /// [`dot_q8`] for each row of `rows`. SAFETY: as for `dot_q8`, for every row.
@@ -543,25 +525,13 @@ mod avx512 {
         scales: &RowScales,
         results: &mut [[f32; MAX_ROWS]],
     ) {
-        macro_rules! each_row {
-            ($r:literal) => {
-                for (i, row) in rows.enumerate() {
-                    let w = quants.get_unchecked(row * k..(row + 1) * k);
-                    prefetch_ahead(w.as_ptr() as *const u8, k);
-                    dot_q8::<$r>(w, scales.row(i).0, xs, k, results.get_unchecked_mut(i));
-                }
-            };
-        }
-        match xs.count {
-            1 => each_row!(1),
-            2 => each_row!(2),
-            3 => each_row!(3),
-            4 => each_row!(4),
-            5 => each_row!(5),
-            6 => each_row!(6),
-            7 => each_row!(7),
-            _ => each_row!(8),
-        }
+        with_row_count!(xs.count, R => {
+            for (i, row) in rows.enumerate() {
+                let w = quants.get_unchecked(row * k..(row + 1) * k);
+                prefetch_ahead(w.as_ptr() as *const u8, k);
+                dot_q8::<R>(w, scales.row(i).0, xs, k, results.get_unchecked_mut(i));
+            }
+        })
     }
     /// [`dot_q8_bf16`] for each row of `rows`. SAFETY: as for `dot_q8_bf16`, for every row.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
@@ -573,25 +543,13 @@ mod avx512 {
         scales: &RowScales,
         results: &mut [[f32; MAX_ROWS]],
     ) {
-        macro_rules! each_row {
-            ($r:literal) => {
-                for (i, row) in rows.enumerate() {
-                    let w = quants.get_unchecked(row * k..(row + 1) * k);
-                    prefetch_ahead(w.as_ptr() as *const u8, k);
-                    dot_q8_bf16::<$r>(w, scales.row(i).0, xs, k, results.get_unchecked_mut(i));
-                }
-            };
-        }
-        match xs.count {
-            1 => each_row!(1),
-            2 => each_row!(2),
-            3 => each_row!(3),
-            4 => each_row!(4),
-            5 => each_row!(5),
-            6 => each_row!(6),
-            7 => each_row!(7),
-            _ => each_row!(8),
-        }
+        with_row_count!(xs.count, R => {
+            for (i, row) in rows.enumerate() {
+                let w = quants.get_unchecked(row * k..(row + 1) * k);
+                prefetch_ahead(w.as_ptr() as *const u8, k);
+                dot_q8_bf16::<R>(w, scales.row(i).0, xs, k, results.get_unchecked_mut(i));
+            }
+        })
     }
     use crate::element::{Bf16, F16};
 
