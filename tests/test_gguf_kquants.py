@@ -70,7 +70,7 @@ def reference(type_name: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(n, k))
 
 
-def _bound(x: torch.Tensor, exact: torch.Tensor, want: torch.Tensor, rows: int) -> torch.Tensor:
+def _bound(x: torch.Tensor, exact: torch.Tensor, want: torch.Tensor, dense: bool) -> torch.Tensor:
     """How far the kernel's bf16 output may be from the float64 product.
 
     The output is one bf16 rounding of an f32 value: 2^-8 of it. That f32 value sums, per
@@ -79,13 +79,14 @@ def _bound(x: torch.Tensor, exact: torch.Tensor, want: torch.Tensor, rows: int) 
     within ``k 2^-24`` of the sum of the terms' magnitudes; ``scale * q`` and ``offset``
     are each within twice the largest weight of their row for these blocks (the offset is
     a weight at ``q = 0``, the scaled quant the difference of two weights), so
-    ``2 max|w| sum|x|`` bounds those magnitudes. Above ``GEMV_MAX_ROWS`` the weights are
-    rounded to bf16 first for the dense GEMM: 2^-8 of each term's magnitude.
+    ``2 max|w| sum|x|`` bounds those magnitudes. ``dense``: the step took more rows than
+    the matrix's GEMV takes, so the weights were rounded to bf16 first for the dense GEMM:
+    2^-8 of each term's magnitude.
     """
     k = exact.shape[1]
     row_max = exact.abs().amax(1).double()
     magnitude = x.double().abs().sum(1, keepdim=True) * (2 * row_max)[None]
-    per_term = 2**-8 if rows > quant.GEMV_MAX_ROWS else k * 2**-24
+    per_term = 2**-8 if dense else k * 2**-24
     terms = x.double().abs() @ exact.double().abs().T
     return 2**-8 * want.abs() + per_term * torch.maximum(magnitude, terms) + 1e-7
 
@@ -96,7 +97,7 @@ def _check_linear(w: quant.QuantWeight, exact: torch.Tensor, rows: int, seed: in
     want = x.double() @ exact.double().T
     got = w.linear(x).double()
     err = (got - want).abs()
-    assert bool((err <= _bound(x, exact, want, rows)).all()), err.max().item()
+    assert bool((err <= _bound(x, exact, want, rows > w.gemv_rows())).all()), err.max().item()
 
 
 @pytest.mark.parametrize("type_name", RAW)

@@ -31,6 +31,28 @@ def _reference_product(x: torch.Tensor, w: quant.QuantWeight) -> torch.Tensor:
     return x.double() @ exact.double().T
 
 
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_a_step_of_up_to_16_rows_gives_each_row_what_it_gets_alone(mode: str) -> None:
+    """Q4 and Q8 matrices (int4, int8, GGUF Q4_0/Q4_1/Q8_0) take the block GEMV for steps
+    of up to 16 rows by default: every row's output is the bits a one-row decode step
+    gives it (a batch of 9-16 decoding sequences, or a speculative step, changes no
+    token). GGUF block formats stop at 8 rows; the switch lowers both."""
+    torch.manual_seed(3)
+    n, k = 96, 128
+    dense = torch.randn(n, k) * 0.1
+    w = quant.quantize_int4(dense) if mode == "int4" else quant.quantize_int8(dense)
+    assert quant.GEMV_MAX_ROWS == 16 and w.gemv_rows() == 16 and w.gemv_rows(4) == 4
+    x = torch.randn(17, k).to(torch.bfloat16)
+    alone = torch.cat([w.linear(x[i : i + 1]) for i in range(17)])
+    for rows in (9, 12, 16):
+        assert torch.equal(w.linear(x[:rows]), alone[:rows]), rows
+    # Past the GEMV the weights are rounded to bf16 for a dense GEMM: the rows move.
+    assert not torch.equal(w.linear(x), alone)
+    blocks = quant.QuantWeight("q4_k", 1, 256, torch.zeros(1, 144, dtype=torch.uint8),
+                               torch.empty(0, dtype=torch.float16), None, "Q4_K")
+    assert blocks.gemv_rows() == 8 and blocks.gemv_rows(4) == 4
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16])
 @pytest.mark.parametrize("mode", ["int4", "int8", "q8_0", "q4_0", "q4_1"])
 def test_quantized_linear_is_the_product_with_the_dequantized_weights(mode: str, rows: int) -> None:
@@ -57,12 +79,12 @@ def test_quantized_linear_is_the_product_with_the_dequantized_weights(mode: str,
     bias = torch.randn(n).to(torch.bfloat16)
     got = w.linear(x, bias).float()
     want = (_reference_product(x, w) + bias.double()).float()
-    # The output is one bf16 rounding of an f32 sum (2^-8 relative at most). Above
-    # GEMV_MAX_ROWS the weights are first rounded to bf16 for a dense GEMM: 2^-8 of each
+    # The output is one bf16 rounding of an f32 sum (2^-8 relative at most). Above the
+    # matrix's GEMV rows the weights are first rounded to bf16 for a dense GEMM: 2^-8 of each
     # term, bounded by the sum of |terms|.
     exact = w.rows(torch.arange(n), torch.float32).double()
     terms = x.double().abs() @ exact.abs().T + bias.double().abs()
-    per_term = 2**-8 if rows > quant.GEMV_MAX_ROWS else 1e-6
+    per_term = 2**-8 if rows > w.gemv_rows() else 1e-6
     bound = 2**-8 * want.abs() + per_term * terms
     assert bool(((got - want).abs() <= bound.float() + 1e-6).all()), (got - want).abs().max()
     # Embedding rows come out of the same layout.

@@ -207,8 +207,11 @@ class DecoderStack(TensorAddresses):
                              head_dim=head_dim)
 
     def _linear(self, linear: Linear) -> tuple[str, int, int, int, int, int, int]:
-        """A projection's spec; a bf16 one bounds the rows of a step."""
-        if not isinstance(linear.weight, QuantWeight):
+        """A projection's spec; a bf16 one, or a GGUF block format, bounds the rows of a
+        step."""
+        if isinstance(linear.weight, QuantWeight):
+            self.max_rows = linear.weight.gemv_rows(self.max_rows)
+        else:
             self.max_rows = min(self.max_rows, BF16_GEMV_MAX_ROWS)
         return self._projection(linear.weight, linear.bias)
 

@@ -126,7 +126,9 @@ class HybridStack(TensorAddresses):
         return self._address(norm.weight, shape, torch.float32)
 
     def _linear(self, linear: Linear) -> tuple[str, int, int, int, int, int, int]:
-        if not isinstance(linear.weight, QuantWeight):
+        if isinstance(linear.weight, QuantWeight):
+            self.max_rows = linear.weight.gemv_rows(self.max_rows)
+        else:
             self.max_rows = min(self.max_rows, BF16_GEMV_MAX_ROWS)
         return self._projection(linear.weight, linear.bias)
 

@@ -287,7 +287,9 @@ def kernel_rows(linear: StackedLinear) -> int:
     GEMV (what the grouped path runs for it too), at least :data:`DECODE_MAX_ROWS`."""
     w = linear.weight
     if isinstance(w, QuantWeight):
-        return DECODE_MAX_ROWS if w.kind == "mxfp4" else max(DECODE_MAX_ROWS, linear.gemv_rows)
+        if w.kind == "mxfp4":
+            return DECODE_MAX_ROWS
+        return max(DECODE_MAX_ROWS, w.gemv_rows(linear.gemv_rows))
     return max(DECODE_MAX_ROWS, linear.dense_gemv_rows) if linear.gemv else DECODE_MAX_ROWS
 
 

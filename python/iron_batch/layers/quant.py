@@ -43,11 +43,18 @@ from iron_batch.platform.switches import SWITCHES
 QBLOCK = 32
 
 #: Activation rows up to which the quantized GEMV runs by default; above it, dequantize +
-#: dense GEMM. Measured on SmolLM2's projections (BENCHMARKS.md, "Quantized weights"): the
-#: GEMV reads the weights once per 8 rows (per 4 for the GGUF block formats), the dense
-#: path pays one dequantization per call.
+#: dense GEMM. The GEMV reads Q4 and Q8 weights once per 8 rows and pays each row's
+#: arithmetic; the dense path pays one dequantization per call. Measured on SmolLM2's
+#: matrices (``benches/quant_cutover.py``), the GEMV still wins at 16 rows.
 #: ``IRON_BATCH_QUANT_GEMV_ROWS`` moves it (read at load: see ``platform/switches.py``).
 GEMV_MAX_ROWS = int(SWITCHES["quant_gemv_rows"].default)
+#: The most rows the GGUF block formats (K-quants, Q5_0, Q5_1) take the GEMV for, whatever
+#: the switch says: their kernel reads the weights once per 4 rows with fixed-point
+#: activations, and from 8 to 12 rows the dense path wins (``benches/quant_cutover.py``).
+BLOCK_GEMV_MAX_ROWS = 8
+#: Layouts whose GEMV serves up to ``GEMV_MAX_ROWS`` rows (the block formats stop at
+#: ``BLOCK_GEMV_MAX_ROWS``).
+_WIDE_GEMV_KINDS = ("q4", "q8")
 
 _GEMV = getattr(_core, "_gemv_quant", None)
 _DEQUANT = getattr(_core, "_dequantize_bf16", None)
@@ -113,16 +120,23 @@ class QuantWeight:
         parts = [self.quants, self.scale] + ([self.min] if self.min is not None else [])
         return sum(t.numel() * t.element_size() for t in parts)
 
+    def gemv_rows(self, limit: int = GEMV_MAX_ROWS) -> int:
+        """The most rows this matrix takes the block GEMV for, given the switch's
+        ``limit``: the limit itself, or at most ``BLOCK_GEMV_MAX_ROWS`` for the GGUF
+        block formats."""
+        return limit if self.kind in _WIDE_GEMV_KINDS else min(limit, BLOCK_GEMV_MAX_ROWS)
+
     def linear(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, gemv_rows: int = GEMV_MAX_ROWS
     ) -> torch.Tensor:
         """``x @ W.T (+ bias)`` for bf16 ``x`` ``[rows, k]``: bf16 ``[rows, n]``; the block
-        GEMV up to ``gemv_rows`` rows, a dequantization and a dense GEMM above."""
+        GEMV up to :meth:`gemv_rows` of ``gemv_rows`` rows, a dequantization and a dense
+        GEMM above."""
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k:
             raise ValueError(f"quantized linear: x {tuple(x.shape)} {x.dtype} does not fit "
                              f"[rows, {self.k}] bf16")
         rows = x.shape[0]
-        if rows > gemv_rows or rows == 0:
+        if rows > self.gemv_rows(gemv_rows) or rows == 0:
             dense = self.dequantize(scratch=True)
             if bf16_gemm_is_native():
                 return F.linear(x, dense, bias)

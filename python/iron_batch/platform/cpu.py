@@ -62,7 +62,7 @@ class CpuKernels:
     #: Every thread's allocations from glibc's main arena.
     one_malloc_arena: bool = False
     #: Activation rows up to which quantized projections take the block GEMV.
-    quant_gemv_rows: int = 8
+    quant_gemv_rows: int = 16
 
 
 def select(device: torch.device, dtype: torch.dtype, switches: Switches) -> CpuKernels:

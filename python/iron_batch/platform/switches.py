@@ -60,9 +60,10 @@ SWITCHES: dict[str, Switch] = {
         "engine thread then keeps large activations between steps (W), at a cost in "
         "batch-1 latency."),
     "quant_gemv_rows": Switch(
-        "IRON_BATCH_QUANT_GEMV_ROWS", "8", (),
-        "Activation rows up to which quantized projections run the block GEMV; above, a "
-        "bf16 dequantization and a dense GEMM."),
+        "IRON_BATCH_QUANT_GEMV_ROWS", "16", (),
+        "Activation rows up to which quantized projections run the block GEMV (GGUF "
+        "K-quant, Q5_0 and Q5_1 matrices: at most 8 of them); above, a bf16 dequantization "
+        "and a dense GEMM."),
 }
 
 
@@ -82,7 +83,7 @@ class Switches:
     huge_pages: bool = True
     keep_freed_memory: bool = True
     one_malloc_arena: bool = False
-    quant_gemv_rows: int = 8
+    quant_gemv_rows: int = 16
 
     def changed(self) -> dict[str, str]:
         """The switches set away from their defaults: environment name -> value."""
