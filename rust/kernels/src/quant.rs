@@ -515,42 +515,32 @@ mod avx512 {
         })
     }
 
-    /// [`dot_q8`] for each row of `rows`. SAFETY: as for `dot_q8`, for every row.
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn dot_q8_rows(
-        quants: &[i8],
-        rows: std::ops::Range<usize>,
-        k: usize,
-        xs: &Rows<'_>,
-        scales: &RowScales,
-        results: &mut [[f32; MAX_ROWS]],
-    ) {
-        with_row_count!(xs.count, R => {
-            for (i, row) in rows.enumerate() {
-                let w = quants.get_unchecked(row * k..(row + 1) * k);
-                prefetch_ahead(w.as_ptr() as *const u8, k);
-                dot_q8::<R>(w, scales.row(i).0, xs, k, results.get_unchecked_mut(i));
+    /// A row loop over a Q8 kernel: `$kernel` for each row of `rows` (one call, so the loop
+    /// runs with the kernel's features on). SAFETY: as for `$kernel`, for every row.
+    macro_rules! q8_rows {
+        ($name:ident, $kernel:ident, $features:literal) => {
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $name(
+                quants: &[i8],
+                rows: std::ops::Range<usize>,
+                k: usize,
+                xs: &Rows<'_>,
+                scales: &RowScales,
+                results: &mut [[f32; MAX_ROWS]],
+            ) {
+                with_row_count!(xs.count, R => {
+                    for (i, row) in rows.enumerate() {
+                        let w = quants.get_unchecked(row * k..(row + 1) * k);
+                        prefetch_ahead(w.as_ptr() as *const u8, k);
+                        $kernel::<R>(w, scales.row(i).0, xs, k, results.get_unchecked_mut(i));
+                    }
+                })
             }
-        })
+        };
     }
-    /// [`dot_q8_bf16`] for each row of `rows`. SAFETY: as for `dot_q8_bf16`, for every row.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn dot_q8_bf16_rows(
-        quants: &[i8],
-        rows: std::ops::Range<usize>,
-        k: usize,
-        xs: &Rows<'_>,
-        scales: &RowScales,
-        results: &mut [[f32; MAX_ROWS]],
-    ) {
-        with_row_count!(xs.count, R => {
-            for (i, row) in rows.enumerate() {
-                let w = quants.get_unchecked(row * k..(row + 1) * k);
-                prefetch_ahead(w.as_ptr() as *const u8, k);
-                dot_q8_bf16::<R>(w, scales.row(i).0, xs, k, results.get_unchecked_mut(i));
-            }
-        })
-    }
+    q8_rows!(dot_q8_rows, dot_q8, "avx512f,avx512bw");
+    q8_rows!(dot_q8_bf16_rows, dot_q8_bf16, "avx512f,avx512bw,avx512bf16");
+
     use crate::element::{Bf16, F16};
 
     /// f16 values to f32, sixteen a conversion. SAFETY: AVX-512 F/BW/VL; equal lengths.
