@@ -1,15 +1,19 @@
 """The quantized GEMV by activation row count, two builds in one process: what each extra
-row of a step (a speculative step's verification rows) costs in the "q4" and "q8" layouts
-that GGUF Q4_0/Q4_1/Q8_0 matrices and ``--quantization int4|int8`` run on.
+row of a step (a speculative step's verification rows, a batch of decoding sequences) costs
+in the "q4" and "q8" layouts that GGUF Q4_0/Q4_1/Q8_0 matrices and
+``--quantization int4|int8`` run on, and in the GGUF block formats kept in their own bytes.
 
 SmolLM2-135M's projections (30 layers of q/k/v, o, gate/up and down, random Q4 blocks) and
 its 49152 x 576 Q8 LM head, each set called matrix by matrix through
 ``iron_batch._core._gemv_quant`` as a decode step calls them; plus the same projections in
-Q8 (``--quantization int8``). Both builds' extension modules are loaded side by side and
+Q8 (``--quantization int8``) and in Q5_0 (what llama.cpp's Q4_K_M makes of most of
+SmolLM2's matrices); and three layers of a Llama-3.2-3B shape's projections in Q4_K and two
+in Q6_K (``--sets`` picks). Both builds' extension modules are loaded side by side and
 called in turns, the order flipping every repetition, so that both meet the same minutes of
 this machine's memory bandwidth; each figure is the median of ``--reps`` calls.
 
     python benches/quant_rows.py --other /path/to/other/checkout/python
+    python benches/quant_rows.py --other OTHER/python --sets q4_k q6_k q5_0 --rows 1 4 8
 """
 
 from __future__ import annotations
@@ -30,8 +34,12 @@ LAYERS = 30
 # (n, k) of one layer's projections: fused q/k/v, o, fused gate/up, down.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)
+# A Llama-3.2-3B layer's projections: fused q/k/v, o, fused gate/up, down.
+LLAMA3B = [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]
+# GGUF block formats: values a block, bytes a block, offsets of the block's f16 fields.
+BLOCK_FORMATS = {"q4_k": (256, 144, (0, 2)), "q6_k": (256, 210, (208,)), "q5_0": (32, 22, (0,))}
 
-Matrix = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, str]
+Matrix = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int, int, str]
 
 
 def load_core(python_dir: str, name: str) -> ModuleType:
@@ -54,6 +62,15 @@ def matrix(rng: np.random.Generator, n: int, k: int, kind: str) -> Matrix:
     return quants, scale, low, n, k, kind
 
 
+def blocks(rng: np.random.Generator, n: int, k: int, kind: str) -> Matrix:
+    """Random blocks of a GGUF format, their f16 fields small finite scales."""
+    values, size, halves = BLOCK_FORMATS[kind]
+    data = rng.integers(0, 256, size=(n * k // values, size), dtype=np.uint8)
+    for at in halves:
+        data[:, at:at + 2] = np.array([0.002], dtype=np.float16).view(np.uint8)
+    return torch.from_numpy(data.reshape(-1)), None, None, n, k, kind
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,18 +79,30 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 5, 8])
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--warmup-s", type=float, default=5.0)
+    ap.add_argument("--sets", nargs="+", default=["q4", "q8"],
+                    choices=["q4", "q8", "q5_0", "q4_k", "q6_k"])
     args = ap.parse_args()
     this = load_core(str(Path(__file__).resolve().parents[1] / "python"), "this")
     other = load_core(args.other, "other")
     rng = np.random.default_rng(0)
-    sets: dict[str, list[Matrix]] = {
-        "q4 projections": [matrix(rng, n, k, "q4") for _ in range(LAYERS) for n, k in SHAPES],
-        "q8 LM head": [matrix(rng, *HEAD, "q8")],
-        "q8 projections": [matrix(rng, n, k, "q8") for _ in range(LAYERS) for n, k in SHAPES],
-    }
+    sets: dict[str, list[Matrix]] = {}
+    if "q4" in args.sets:
+        sets["q4 projections"] = [matrix(rng, n, k, "q4") for _ in range(LAYERS) for n, k in SHAPES]
+    if "q8" in args.sets:
+        sets["q8 LM head"] = [matrix(rng, *HEAD, "q8")]
+        sets["q8 projections"] = [matrix(rng, n, k, "q8") for _ in range(LAYERS)
+                                  for n, k in SHAPES]
+    if "q5_0" in args.sets:
+        sets["q5_0 projections"] = [blocks(rng, n, k, "q5_0") for _ in range(LAYERS)
+                                    for n, k in SHAPES]
+    for kind, layers in (("q4_k", 3), ("q6_k", 2)):
+        if kind in args.sets:
+            sets[f"{kind} 3B layers"] = [blocks(rng, n, k, kind) for _ in range(layers)
+                                         for n, k in LLAMA3B]
     threads = torch.get_num_threads()
     openmp = entry_points()
-    xs = {(r, k): torch.randn(r, k).bfloat16() for r in args.rows for k in (576, 1536)}
+    xs = {(r, k): torch.randn(r, k).bfloat16() for r in args.rows
+          for k in (576, 1536, 3072, 8192)}
     ys: dict[tuple[int, int], torch.Tensor] = {}
 
     def call(core: ModuleType, mats: list[Matrix], rows: int) -> None:
@@ -81,13 +110,14 @@ def main() -> None:
             x = xs[(rows, k)]
             y = ys.setdefault((rows, n), torch.empty(rows, n, dtype=torch.bfloat16))
             core._gemv_quant(y.data_ptr(), x.data_ptr(), kind, quants.data_ptr(),
-                             scale.data_ptr(), low.data_ptr(), 0, rows=rows, n=n, k=k,
+                             0 if scale is None else scale.data_ptr(),
+                             0 if low is None else low.data_ptr(), 0, rows=rows, n=n, k=k,
                              threads=threads, openmp=openmp)
 
     deadline = time.monotonic() + args.warmup_s
     while time.monotonic() < deadline:
         for core in (this, other):
-            call(core, sets["q4 projections"], 1)
+            call(core, next(iter(sets.values())), 1)
     print("| matrices | rows | other (ms) | this (ms) | **this / other** |")
     print("|---|---|---|---|---|")
     for name, mats in sets.items():

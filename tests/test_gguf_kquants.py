@@ -3,10 +3,11 @@
 
 Each kernel is held to the ``gguf`` package's own dequantization (``gguf.quants``) of the
 same blocks: the bf16 dequantization exactly, the GEMV within the rounding of its f32
-sums. Then a tiny Llama written as a GGUF of such blocks, mixed per tensor as llama.cpp's
-Q4_K_M mixes them (a fused q/k/v of three types), must give the logits of transformers
-running the file's dequantized weights in float32, within the existing GGUF tests'
-tolerance, on the prompt path, the one-row path and the one-call decode stack.
+sums (of the activations in the fixed point its AVX-512 path multiplies). Then a
+tiny Llama written as a GGUF of such blocks, mixed per tensor as llama.cpp's Q4_K_M mixes
+them (a fused q/k/v of three types), must give the logits of transformers running the
+file's dequantized weights in float32, within the existing GGUF tests' tolerance, on the
+prompt path, the one-row path and the one-call decode stack.
 """
 
 from __future__ import annotations
@@ -91,13 +92,62 @@ def _bound(x: torch.Tensor, exact: torch.Tensor, want: torch.Tensor, dense: bool
     return 2**-8 * want.abs() + per_term * torch.maximum(magnitude, terms) + 1e-7
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+#: Whether the block GEMV takes its AVX-512 path, which multiplies the activations in 14- or
+#: 15-bit fixed point (``Fixed`` in rust/kernels/src/kquant.rs); other CPUs take them as they are.
+FIXED_POINT = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
+               "f16c"} <= _cpu_flags()
+
+
+def fixed_point(x: torch.Tensor, span: int) -> torch.Tensor:
+    """``x`` [rows, k] as that path holds it, written out here from its definition: per
+    ``span`` values (256 for the K-quants, 32 for the other formats; the last of a row may
+    be fewer), ``s = max |x| / 16383`` and each value ``round(x * (16383 / max |x|)) * s``
+    (to nearest, ties to even), all in float32."""
+    rows, k = x.shape
+    kp = -(-k // span) * span
+    v = torch.nn.functional.pad(x.float(), (0, kp - k)).view(rows, kp // span, span)
+    top = v.abs().amax(-1, keepdim=True)
+    safe = torch.where(top > 0, top, torch.ones_like(top))
+    q = torch.round(v * (16383.0 / safe))
+    out = torch.where(top > 0, q * (safe / 16383.0), torch.zeros_like(v))
+    return out.view(rows, kp)[:, :k]
+
+
+def _segments(w: quant.QuantWeight) -> list[tuple[int, int]]:
+    """Each row range of ``w`` (``kind`` "q4_k*384+q6_k*128", or one name) as (rows, the
+    span its format's fixed point scales together: 256 for the K-quants, 32 for the other
+    block formats, 0 for the regrouped "q4"/"q8" layouts, which take bf16 as it is)."""
+    out = []
+    for part in w.kind.split("+"):
+        name, _, count = part.partition("*")
+        span = 256 if name in ("q4_k", "q5_k", "q6_k") else 0 if name in ("q4", "q8") else 32
+        out.append((int(count) if count else w.n, span))
+    return out
+
+
 def _check_linear(w: quant.QuantWeight, exact: torch.Tensor, rows: int, seed: int) -> None:
     torch.manual_seed(seed)
     x = torch.randn(rows, w.k).to(torch.bfloat16)
-    want = x.double() @ exact.double().T
+    dense = rows > w.gemv_rows()
     got = w.linear(x).double()
-    err = (got - want).abs()
-    assert bool((err <= _bound(x, exact, want, rows > w.gemv_rows())).all()), err.max().item()
+    start = 0
+    for n, span in _segments(w):
+        part = exact[start:start + n]
+        xs = fixed_point(x, span) if FIXED_POINT and span and not dense else x.float()
+        want = xs.double() @ part.double().T
+        err = (got[:, start:start + n] - want).abs()
+        assert bool((err <= _bound(xs, part, want, dense)).all()), err.max().item()
+        start += n
+    assert start == w.n
 
 
 @pytest.mark.parametrize("type_name", RAW)
@@ -129,6 +179,23 @@ def test_gemv_is_the_product_with_gguf_s_weights(type_name: str, rows: int) -> N
     assert w is not None
     torch.set_num_threads(2)
     _check_linear(w, reference(type_name, raw, n, k), rows, seed=rows)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0"])
+def test_a_step_of_up_to_8_rows_gives_each_row_what_it_gets_alone(type_name: str) -> None:
+    """A batch of up to 8 decoding sequences (or a speculative step) over block-format
+    weights takes the GEMV, two passes of 4 rows, where each row's output is the bits a
+    one-row step gives it; past 8 rows the dense path's bf16 weights move them."""
+    values = gguf.GGML_QUANT_SIZES[GGML[type_name]][0]
+    n, k = 67, 3 * values if values == 256 else 18 * 32
+    w = quant.from_gguf_blocks(type_name, random_blocks(type_name, n, k, seed=5), n, k)
+    assert w is not None and w.gemv_rows() == 8
+    torch.manual_seed(5)
+    x = torch.randn(9, k).to(torch.bfloat16)
+    alone = torch.cat([w.linear(x[i : i + 1]) for i in range(9)])
+    for rows in (3, 5, 8):
+        assert torch.equal(w.linear(x[:rows]), alone[:rows]), rows
+    assert not torch.equal(w.linear(x), alone)
 
 
 @pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K"),

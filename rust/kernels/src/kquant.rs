@@ -26,9 +26,10 @@
 //! package's `gguf.quants`) does: the f32 product `d * sc`, then `scale * q`, then the
 //! offset added, no fused multiply-add; then rounds it to bf16. The GEMV sums in f32 per
 //! group `scale * sum(q x) + offset * sum(x)`, which is the dot product with those weights
-//! up to the order and rounding of the additions. Its AVX-512 path takes `x` in 15-bit
-//! [`Fixed`] point (each value within half a step, `2^-15` of its block's largest) so that
-//! `sum(q x)` is an integer dot product of the stored bytes.
+//! up to the order and rounding of the additions. Its AVX-512 path takes `x` in [`Fixed`]
+//! point (each value within half a step, `2^-15` of the largest of the values that share its
+//! scale: 256 for the K-quants, 32 for the other formats) so that `sum(q x)` is an integer
+//! dot product; the K-quants also apply their sub-block scales in integers.
 
 use crate::attention::{KernelError, Parallel};
 use crate::element::{Bf16, Element, F16};
@@ -414,7 +415,9 @@ pub fn gemv_blocks(
     }
     let path = Path::detect();
     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-    let fixed = Fixed::new(&xf, rows, k);
+    let formats = || weight.segments().iter().map(|s| s.format.values());
+    let wide = formats().any(|v| v == 256);
+    let fixed = Fixed::new(&xf, rows, k, wide, formats().any(|v| v == 32));
     // Per-group sums of each activation row (of the values the path multiplies), for
     // groups of 16 and of 32.
     let plain: [Vec<f32>; 2] = if fixed.is_some() {
@@ -792,25 +795,34 @@ mod avx2 {
     }
 }
 
-/// Activation rows in 15-bit fixed point, as the AVX-512 GEMV multiplies them.
+/// Activation rows in fixed point, as the AVX-512 GEMV multiplies them, in two forms. Each
+/// row is padded with zeros to a multiple of 256 values ([`padded_len`]).
 ///
-/// Each row is padded with zeros to a multiple of 64 values ([`padded_len`]). Each block of
-/// 32 values `x` has a scale `s = max |x| / 16383` and stores each value as
-/// `round(x / s) = 128 hi + lo`, `hi` an `i8` and `lo` in `0..128`: two byte planes that
-/// VNNI's `vpdpbusd` multiplies with unsigned weight bytes, 64 products an instruction.
-/// A value is off by at most `s / 2`, which is `2^-15` of its block's largest; a bf16
-/// activation within 2^6 of its block's largest is kept exactly. bf16 itself rounds each
-/// value to `2^-9` of its own size, so the fixed point adds less to a dot product's error
-/// than the bf16 activations have already, where 8 bits a value (as llama.cpp's `Q8_K`
-/// rows) would add more than they do.
+/// - For the K-quants, 14 bits: each 256 values `x` (a super-block's span) have a scale
+///   `s = max |x| / 16383` and store each value as the `i16` `round(x / s)`, which VNNI's
+///   `vpdpwssd` multiplies with the weights' stored values widened to `i16`, 32 products
+///   an instruction, exact in i32. A value is off by at most `s / 2`, `2^-15` of the
+///   largest of its 256.
+/// - For the 32-value formats, 15 bits: each block of 32 has a scale `s = max |x| / 16383`
+///   and stores each value as `round(x / s) = 128 hi + lo`, `hi` an `i8` and `lo` in
+///   `0..128`: two byte planes that `vpdpbusd` multiplies with unsigned weight bytes, 64
+///   products an instruction. A value is off by at most `2^-15` of its block's largest.
+///
+/// bf16 itself rounds each value to `2^-9` of its own size, so either form adds less to a
+/// dot product's error than the bf16 activations have already. 8 bits a value (llama.cpp's
+/// `Q8_K` and `Q8_0` rows) doubled SmolLM2 Q4_K_M's logit error against transformers'
+/// float32 on the same weights.
 struct Fixed {
+    v: Vec<i16>,
+    /// Per 256 values, their `s`.
+    scale: Vec<f32>,
     hi: Vec<i8>,
     lo: Vec<u8>,
     /// Per 64 values, 16 lanes: the first block's `s` in lanes 0..8, the second's in 8..16
     /// (the lanes of `vpdpbusd`'s sums of four products).
-    scale: Vec<f32>,
-    /// Per 4 values (a lane of `vpdpbusd`'s sums), their sum: what a lane's offset
-    /// multiplies.
+    lanes: Vec<f32>,
+    /// Per 4 values (a lane of `vpdpbusd`'s sums), their sum in the 15-bit point: what a
+    /// lane's offset multiplies.
     spread: Vec<f32>,
     /// Each row's sums of its values per 16 and per 32, rows back to back.
     sums16: Vec<f32>,
@@ -822,26 +834,47 @@ struct Fixed {
 /// Pointers to one row of [`Fixed`] and the distances to the next.
 #[derive(Clone, Copy)]
 struct FixedRows {
+    v: *const i16,
+    scale: *const f32,
     hi: *const i8,
     lo: *const u8,
-    scale: *const f32,
+    lanes: *const f32,
     spread: *const f32,
     kp: usize,
 }
 
+impl FixedRows {
+    /// Row `r`'s values from value `at`.
+    #[inline(always)]
+    unsafe fn at(self, r: usize, at: usize) -> *const i16 {
+        self.v.add(r * self.kp + at)
+    }
+
+    /// Row `r`'s scale of the 256 values from `256 c`.
+    #[inline(always)]
+    unsafe fn scale(self, r: usize, c: usize) -> f32 {
+        *self.scale.add(r * self.kp / 256 + c)
+    }
+}
+
 impl Fixed {
     /// `rows` rows of `k` (a multiple of 32) in fixed point, where the CPU has the AVX-512
-    /// path that reads them.
-    fn new(x: &[f32], rows: usize, k: usize) -> Option<Self> {
+    /// path that reads them: the 14-bit form if `wide` (K-quants), the 15-bit one if
+    /// `narrow` (32-value formats). The group sums are the 14-bit form's (zeros without it:
+    /// only the K-quants read them).
+    fn new(x: &[f32], rows: usize, k: usize, wide: bool, narrow: bool) -> Option<Self> {
         if Path::detect() != Path::Avx512 || !k.is_multiple_of(32) || x.len() != rows * k {
             return None;
         }
         let kp = padded_len(k);
+        let sized = |on: bool, len: usize| if on { len } else { 0 };
         let mut fixed = Fixed {
-            hi: vec![0; rows * kp],
-            lo: vec![0; rows * kp],
-            scale: vec![0.0; rows * kp / 4],
-            spread: vec![0.0; rows * kp / 4],
+            v: vec![0; sized(wide, rows * kp)],
+            scale: vec![0.0; sized(wide, rows * kp / 256)],
+            hi: vec![0; sized(narrow, rows * kp)],
+            lo: vec![0; sized(narrow, rows * kp)],
+            lanes: vec![0.0; sized(narrow, rows * kp / 4)],
+            spread: vec![0.0; sized(narrow, rows * kp / 4)],
             sums16: vec![0.0; rows * k / 16],
             sums32: vec![0.0; rows * k / 32],
             kp,
@@ -850,26 +883,39 @@ impl Fixed {
         for (r, row) in x.chunks_exact(k).enumerate() {
             // SAFETY: the path's features were detected; each slice holds row r's part.
             unsafe {
-                avx512::fix_row(
-                    row,
-                    &mut fixed.hi[r * kp..],
-                    &mut fixed.lo[r * kp..],
-                    &mut fixed.scale[r * kp / 4..],
-                    &mut fixed.spread[r * kp / 4..],
-                    &mut fixed.sums16[r * k / 16..],
-                    &mut fixed.sums32[r * k / 32..],
-                )
+                if wide {
+                    avx512::fix_row(
+                        row,
+                        &mut fixed.v[r * kp..],
+                        &mut fixed.scale[r * kp / 256..],
+                        &mut fixed.sums16[r * k / 16..],
+                        &mut fixed.sums32[r * k / 32..],
+                    );
+                }
+                if narrow {
+                    avx512::fix_row_narrow(
+                        row,
+                        &mut fixed.hi[r * kp..],
+                        &mut fixed.lo[r * kp..],
+                        &mut fixed.lanes[r * kp / 4..],
+                        &mut fixed.spread[r * kp / 4..],
+                    );
+                }
             };
         }
         Some(fixed)
     }
 
-    /// Value `j` of row `r` as the fixed point holds it.
+    /// Value `j` of row `r` as the fixed point holds it for format `f`.
     #[cfg(test)]
-    fn value(&self, r: usize, j: usize) -> f32 {
+    fn value(&self, f: BlockFormat, r: usize, j: usize) -> f32 {
         let at = r * self.kp + j;
-        let q = 128 * i32::from(self.hi[at]) + i32::from(self.lo[at]);
-        self.scale[r * self.kp / 4 + j / 4] * q as f32
+        if f.values() == 256 {
+            self.scale[at / 256] * f32::from(self.v[at])
+        } else {
+            let q = 128 * i32::from(self.hi[at]) + i32::from(self.lo[at]);
+            self.lanes[at / 4] * q as f32
+        }
     }
 
     /// Each row's sums of its values per group of `g` (16 or 32), rows back to back.
@@ -884,10 +930,13 @@ impl Fixed {
     fn rows(&self, first: usize) -> FixedRows {
         let at = first * self.kp;
         FixedRows {
-            hi: self.hi[at..].as_ptr(),
-            lo: self.lo[at..].as_ptr(),
-            scale: self.scale[at / 4..].as_ptr(),
-            spread: self.spread[at / 4..].as_ptr(),
+            // A form that was not made is never read: its pointers only keep the shape.
+            v: self.v.as_ptr().wrapping_add(at),
+            scale: self.scale.as_ptr().wrapping_add(at / 256),
+            hi: self.hi.as_ptr().wrapping_add(at),
+            lo: self.lo.as_ptr().wrapping_add(at),
+            lanes: self.lanes.as_ptr().wrapping_add(at / 4),
+            spread: self.spread.as_ptr().wrapping_add(at / 4),
             kp: self.kp,
         }
     }
@@ -895,21 +944,29 @@ impl Fixed {
 
 /// A row's length in [`Fixed`] point.
 fn padded_len(k: usize) -> usize {
-    k.div_ceil(64) * 64
+    k.div_ceil(256) * 256
 }
 
 /// The GEMV with integer dot products, 64 weights a step: their stored values (bytes: every
-/// format's 4, 5 or 6 bits before its own offset; Q8_0's `i8` plus 128) are put in one
-/// register in their natural order. Two `vpdpbusd` take their products with a row's
-/// [`Fixed`] `hi` and `lo` bytes (the first shifted up by 7 bits before the second adds to
-/// it), exact in i32; lanes 0..8 then hold the first 32 weights' sums, lanes 8..16 the last
-/// 32's (in four lanes a group for Q6_K's groups of 16). One conversion to f32 and one FMA
-/// apply each lane's weight scale times its activation scale.
+/// format's 4, 5 or 6 bits before its own offset; Q8_0's `i8` plus 128) are put in their
+/// natural order.
 ///
-/// Each group's offset term, `(offset - scale * c)` times the group's activation sum (`c` the
-/// format's own subtrahend: 32 for Q6_K, 16 for Q5_0, 128 for Q8_0), is added per step for
-/// the 32-value formats (against each lane's sum of four, `Fixed::spread`) and at a row's
-/// end for the K-quants (their groups' coefficients collected in `coef`).
+/// - The K-quants widen them to two registers of 32 `i16` and multiply them by their
+///   sub-block scales (`sc q` is at most 4096 in size, Q6_K's `q` less its 32). Two
+///   `vpdpwssd` a row take their products with the row's 14-bit [`Fixed`] values, so that
+///   the row's products add up in integers over a whole super-block: 16 products a lane of
+///   at most `4096 * 16383`, within i32. One conversion and one FMA a row per 256 weights
+///   apply `d` times the activations' scale. The offsets of Q4_K and Q5_K (`-dmin m` per
+///   group) are collected in `coef` and multiplied with the row's group sums at its end.
+///   Against a 15-bit point with a float FMA per 32 weights, this took 0.5-0.7x the time
+///   of a step of 4 to 8 rows and 0.9-1.0x of one row (`benches/quant_rows.py`).
+/// - The 32-value formats keep their bytes in one register. Two `vpdpbusd` take their
+///   products with the row's 15-bit `hi` and `lo` planes (the first shifted up by 7 bits
+///   before the second adds to it), exact in i32; lanes 0..8 then hold the first block's
+///   sums, lanes 8..16 the second's. One conversion to f32 and one FMA apply each lane's
+///   `d` times its activation scale, and each lane's offset (`-16 d` for Q5_0, `m` for
+///   Q5_1 and Q4_1, `-128 d` for Q8_0) times its sum of four values (`Fixed::spread`) is
+///   added per step.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
@@ -935,42 +992,49 @@ mod avx512 {
         _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(a), _mm512_set1_ps(b))
     }
 
-    /// The 64 weights whose stored values are the bytes of `q`, times `scale` (per lane of
-    /// the products), with `ROWS` [`Fixed`](super::Fixed) rows of `x` from value `at`, into
-    /// `acc`.
+    /// The low and high 32 bytes of `q` as `i16` (unsigned bytes).
+    #[inline(always)]
+    unsafe fn widen_u8(q: __m512i) -> (__m512i, __m512i) {
+        (
+            _mm512_cvtepu8_epi16(_mm512_castsi512_si256(q)),
+            _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64::<1>(q)),
+        )
+    }
+
+    /// 64 weights' `i16` values `w0` (the first 32) and `w1` into each row's integer
+    /// accumulators `acc[r][2 s]` and `acc[r][2 s + 1]`, with the rows' values from `at`.
     #[inline(always)]
     unsafe fn step<const ROWS: usize>(
-        q: __m512i,
-        scale: __m512,
+        w0: __m512i,
+        w1: __m512i,
         x: FixedRows,
         at: usize,
-        acc: &mut [__m512; ROWS],
+        s: usize,
+        acc: &mut [[__m512i; 4]; ROWS],
     ) {
         for (r, acc) in acc.iter_mut().enumerate() {
-            let hi = _mm512_loadu_si512(x.hi.add(r * x.kp + at).cast());
-            let lo = _mm512_loadu_si512(x.lo.add(r * x.kp + at).cast());
-            let t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, hi);
-            let t = _mm512_dpbusd_epi32(_mm512_slli_epi32::<7>(t), q, lo);
-            let s = _mm512_mul_ps(scale, _mm512_loadu_ps(x.scale.add((r * x.kp + at) / 4)));
-            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, *acc);
+            let v = x.at(r, at);
+            acc[2 * s] = _mm512_dpwssd_epi32(acc[2 * s], w0, _mm512_loadu_si512(v.cast()));
+            acc[2 * s + 1] =
+                _mm512_dpwssd_epi32(acc[2 * s + 1], w1, _mm512_loadu_si512(v.add(32).cast()));
         }
     }
 
-    /// [`step`] for the formats with an offset per block of 32: `offset` (per lane) times
-    /// each lane's sum of activations is added too.
+    /// A super-block's integer sums, times `d` and each row's scale of chunk `c`, into
+    /// `total`.
     #[inline(always)]
-    unsafe fn step_offset<const ROWS: usize>(
-        q: __m512i,
-        scale: __m512,
-        offset: __m512,
+    unsafe fn fold<const ROWS: usize>(
+        acc: &[[__m512i; 4]; ROWS],
+        d: f32,
         x: FixedRows,
-        at: usize,
-        acc: &mut [__m512; ROWS],
+        c: usize,
+        total: &mut [__m512; ROWS],
     ) {
-        step::<ROWS>(q, scale, x, at, acc);
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let spread = _mm512_loadu_ps(x.spread.add((r * x.kp + at) / 4));
-            *acc = _mm512_fmadd_ps(offset, spread, *acc);
+        for r in 0..ROWS {
+            let a = &acc[r];
+            let sum = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
+            let s = _mm512_set1_ps(d * x.scale(r, c));
+            total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, total[r]);
         }
     }
 
@@ -1026,7 +1090,7 @@ mod avx512 {
     }
 
     /// `blocks` Q4_K (Q5_K if `five`) blocks at `p`: their offsets into `coef`, 8 a block,
-    /// and their products into the two accumulators, pairs of groups taking turns.
+    /// and their products into `total`.
     #[inline(always)]
     unsafe fn k4_blocks<const ROWS: usize>(
         p: *const u8,
@@ -1034,27 +1098,103 @@ mod avx512 {
         blocks: usize,
         x: FixedRows,
         coef: *mut f32,
-        acc0: &mut [__m512; ROWS],
-        acc1: &mut [__m512; ROWS],
+        total: &mut [__m512; ROWS],
     ) {
         let size = if five { 176 } else { 144 };
-        // Scale lanes of pair p: eight of group 2 p, then eight of group 2 p + 1.
-        let lanes: [__m512i; 4] = std::array::from_fn(|p| {
-            let (a, b) = (2 * p as i32, 2 * p as i32 + 1);
-            _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a)
-        });
         for b in 0..blocks {
             let p = p.add(size * b);
-            let scale = k4_scales(p);
-            let offset = _mm512_shuffle_f32x4::<0b1110_1110>(scale, scale);
-            _mm256_storeu_ps(coef.add(8 * b), _mm512_castps512_ps256(offset));
-            for pair in [0, 2] {
-                for (i, acc) in [(pair, &mut *acc0), (pair + 1, &mut *acc1)] {
-                    let q = k4_values(p, five, i);
-                    let scale = _mm512_permutexvar_ps(lanes[i], scale);
-                    step::<ROWS>(q, scale, x, b * 256 + 64 * i, acc);
-                }
+            let mut numbers = [0u8; 16];
+            _mm_storeu_si128(numbers.as_mut_ptr().cast(), k4_numbers(p));
+            let mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(
+                _mm_loadu_si128(numbers.as_ptr().cast()),
+            )));
+            let minus_dmin = _mm256_set1_ps(-half(p.add(2)));
+            _mm256_storeu_ps(coef.add(8 * b), _mm256_mul_ps(minus_dmin, mins));
+            // The eight scales as `i16` in every 128-bit lane; a byte shuffle spreads one.
+            let sc =
+                _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_loadu_si128(numbers.as_ptr().cast())));
+            let spread = |j: i8| {
+                let pick = _mm512_set1_epi16(i16::from_le_bytes([2 * j as u8, 2 * j as u8 + 1]));
+                _mm512_shuffle_epi8(sc, pick)
+            };
+            let mut acc = [[_mm512_setzero_si512(); 4]; ROWS];
+            for pair in 0..4 {
+                let (w0, w1) = k4_words(p, five, pair);
+                let w0 = _mm512_mullo_epi16(w0, spread(2 * pair as i8));
+                let w1 = _mm512_mullo_epi16(w1, spread(2 * pair as i8 + 1));
+                step::<ROWS>(w0, w1, x, b * 256 + 64 * pair, pair % 2, &mut acc);
             }
+            fold::<ROWS>(&acc, half(p), x, b, total);
+        }
+    }
+
+    /// `blocks` Q6_K blocks at `p`, their products into `total`.
+    #[inline(always)]
+    unsafe fn k6_blocks<const ROWS: usize>(
+        p: *const u8,
+        blocks: usize,
+        x: FixedRows,
+        total: &mut [__m512; ROWS],
+    ) {
+        let to_signed = _mm512_set1_epi16(32);
+        for b in 0..blocks {
+            let p = p.add(210 * b);
+            let sc = p.add(192) as *const i8;
+            // The scales of groups g and g + 1 of 16, over 32 `i16` lanes.
+            let pair = |g: usize| {
+                _mm512_mask_blend_epi16(
+                    0xffff_0000,
+                    _mm512_set1_epi16(i16::from(*sc.add(g))),
+                    _mm512_set1_epi16(i16::from(*sc.add(g + 1))),
+                )
+            };
+            let mut acc = [[_mm512_setzero_si512(); 4]; ROWS];
+            for chunk in 0..4 {
+                let (w0, w1) = widen_u8(k6_values(p, chunk));
+                let w0 = _mm512_mullo_epi16(_mm512_sub_epi16(w0, to_signed), pair(4 * chunk));
+                let w1 = _mm512_mullo_epi16(_mm512_sub_epi16(w1, to_signed), pair(4 * chunk + 2));
+                step::<ROWS>(w0, w1, x, b * 256 + 64 * chunk, chunk % 2, &mut acc);
+            }
+            fold::<ROWS>(&acc, half(p.add(208)), x, b, total);
+        }
+    }
+
+    /// The 64 weights whose stored values are the bytes of `q`, times `scale` (per lane of
+    /// the products), with `ROWS` rows of `x` in their 15-bit point from value `at`, into
+    /// `acc`.
+    #[inline(always)]
+    unsafe fn narrow_step<const ROWS: usize>(
+        q: __m512i,
+        scale: __m512,
+        x: FixedRows,
+        at: usize,
+        acc: &mut [__m512; ROWS],
+    ) {
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let hi = _mm512_loadu_si512(x.hi.add(r * x.kp + at).cast());
+            let lo = _mm512_loadu_si512(x.lo.add(r * x.kp + at).cast());
+            let t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, hi);
+            let t = _mm512_dpbusd_epi32(_mm512_slli_epi32::<7>(t), q, lo);
+            let s = _mm512_mul_ps(scale, _mm512_loadu_ps(x.lanes.add((r * x.kp + at) / 4)));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, *acc);
+        }
+    }
+
+    /// [`step`] for the formats with an offset per block of 32: `offset` (per lane) times
+    /// each lane's sum of activations is added too.
+    #[inline(always)]
+    unsafe fn step_offset<const ROWS: usize>(
+        q: __m512i,
+        scale: __m512,
+        offset: __m512,
+        x: FixedRows,
+        at: usize,
+        acc: &mut [__m512; ROWS],
+    ) {
+        narrow_step::<ROWS>(q, scale, x, at, acc);
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let spread = _mm512_loadu_ps(x.spread.add((r * x.kp + at) / 4));
+            *acc = _mm512_fmadd_ps(offset, spread, *acc);
         }
     }
 
@@ -1084,20 +1224,18 @@ mod avx512 {
         }
     }
 
-    /// Row `x` (whole blocks of 32) in [`Fixed`](super::Fixed) point: its `hi`, `lo` and
-    /// `scale` and `spread`, and its sums per 16 and per 32 values. The slices start at the
+    /// Row `x` (whole blocks of 32) in the 15-bit point of the 32-value formats: its `hi`,
+    /// `lo`, `lanes` and `spread` (see [`Fixed`](super::Fixed)). The slices start at the
     /// row; a zero block leaves them as they are (zeros).
     ///
     /// SAFETY: AVX-512 F/BW/VL/VNNI; each slice holds the row's part.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn fix_row(
+    pub(super) unsafe fn fix_row_narrow(
         x: &[f32],
         hi: &mut [i8],
         lo: &mut [u8],
-        scale: &mut [f32],
+        lanes: &mut [f32],
         spread: &mut [f32],
-        sums16: &mut [f32],
-        sums32: &mut [f32],
     ) {
         let low = _mm512_set1_epi32(127);
         for (b, block) in x.chunks_exact(32).enumerate() {
@@ -1119,7 +1257,7 @@ mod avx512 {
                 _mm_storeu_si128(hi.as_mut_ptr().add(at + 16 * i).cast(), h);
                 _mm_storeu_si128(lo.as_mut_ptr().add(at + 16 * i).cast(), l);
             }
-            _mm256_storeu_ps(scale.as_mut_ptr().add(8 * b), _mm256_set1_ps(s));
+            _mm256_storeu_ps(lanes.as_mut_ptr().add(8 * b), _mm256_set1_ps(s));
             // Sums of four: 128 times those of `hi` plus those of `lo`.
             let ones = _mm256_set1_epi8(1);
             let h = _mm256_loadu_si256(hi.as_ptr().add(at).cast());
@@ -1128,15 +1266,58 @@ mod avx512 {
             let four = _mm256_dpbusd_epi32(_mm256_slli_epi32::<7>(four), ones, l);
             let four = _mm256_mul_ps(_mm256_cvtepi32_ps(four), _mm256_set1_ps(s));
             _mm256_storeu_ps(spread.as_mut_ptr().add(8 * b), four);
-            let (a, c) = (_mm512_reduce_add_epi32(q0), _mm512_reduce_add_epi32(q1));
-            sums16[2 * b] = s * a as f32;
-            sums16[2 * b + 1] = s * c as f32;
-            sums32[b] = s * (a + c) as f32;
         }
     }
 
-    /// Q4_K/Q5_K: the block's 8 scales `d * sc` (lanes 0..8) and 8 offsets `-(dmin * m)`
-    /// (lanes 8..16).
+    /// Row `x` (whole blocks of 32) in [`Fixed`](super::Fixed) point: its values, its
+    /// scales and its sums per 16 and per 32 values. The slices start at the row; 256 zero
+    /// values leave them as they are (zeros).
+    ///
+    /// SAFETY: AVX-512 F/BW/VL; each slice holds the row's part.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn fix_row(
+        x: &[f32],
+        v: &mut [i16],
+        scale: &mut [f32],
+        sums16: &mut [f32],
+        sums32: &mut [f32],
+    ) {
+        let chunks = x.len().div_ceil(256);
+        for (c, scale) in scale.iter_mut().enumerate().take(chunks) {
+            let at = 256 * c;
+            // Up to sixteen vectors of 16 (an even number: the row is whole blocks).
+            let vecs = (x.len() - at).min(256) / 16;
+            let load = |i: usize| _mm512_loadu_ps(x.as_ptr().add(at + 16 * i));
+            let mut top = _mm512_setzero_ps();
+            for i in 0..vecs {
+                top = _mm512_max_ps(top, _mm512_abs_ps(load(i)));
+            }
+            let top = _mm512_reduce_max_ps(top);
+            if top == 0.0 {
+                continue;
+            }
+            let s = top / 16383.0;
+            let inv = _mm512_set1_ps(16383.0 / top);
+            *scale = s;
+            let mut pair = 0;
+            for i in 0..vecs {
+                // To nearest (even), at most 16383 in size.
+                let q = _mm512_cvtps_epi32(_mm512_mul_ps(load(i), inv));
+                let out = v.as_mut_ptr().add(at + 16 * i);
+                _mm256_storeu_si256(out.cast(), _mm512_cvtepi32_epi16(q));
+                let sum = _mm512_reduce_add_epi32(q);
+                let g = at / 16 + i;
+                sums16[g] = s * sum as f32;
+                if i % 2 == 0 {
+                    pair = sum;
+                } else {
+                    sums32[g / 2] = s * (pair + sum) as f32;
+                }
+            }
+        }
+    }
+
+    /// Q4_K/Q5_K: the block's 8 six-bit scales `sc` (bytes 0..8) and 8 mins `m` (bytes 8..16).
     ///
     /// The 12 scale bytes `q` hold 8 six-bit scales and 8 six-bit mins (ggml's
     /// `get_scale_min_k4`): the low six bits of `q[0..4]` (scales 0..4) and `q[4..8]` (mins
@@ -1144,7 +1325,7 @@ mod avx512 {
     /// top two bits of `q[0..4]` (scales) and `q[4..8]` (mins). Two byte shuffles put each
     /// of the 16 numbers' parts in its own byte.
     #[inline(always)]
-    unsafe fn k4_scales(p: *const u8) -> __m512 {
+    unsafe fn k4_numbers(p: *const u8) -> __m128i {
         let q = _mm_loadu_si128(p.add(4).cast());
         // Bytes: q[0..4], q[8..12], q[4..8], q[8..12] (nibbles shifted down for the mins).
         let low = _mm_shuffle_epi8(
@@ -1161,14 +1342,49 @@ mod avx512 {
             _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7),
         );
         let top = _mm_and_si128(_mm_srli_epi16::<2>(top), _mm_set1_epi8(0x30));
-        let numbers = _mm_or_si128(_mm_and_si128(low, keep), top);
-        let numbers = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(numbers));
+        _mm_or_si128(_mm_and_si128(low, keep), top)
+    }
+
+    /// Q4_K/Q5_K: the block's 8 scales `d * sc` (lanes 0..8) and 8 offsets `-(dmin * m)`
+    /// (lanes 8..16), for the dequantization.
+    #[inline(always)]
+    unsafe fn k4_scales(p: *const u8) -> __m512 {
+        let numbers = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_numbers(p)));
         // `d` in lanes 0..8, `-dmin` in lanes 8..16.
         let dd = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(word(p) as i32)));
         let pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
         let d = _mm512_permutexvar_ps(pick, dd);
         let d = _mm512_mask_sub_ps(d, 0xff00, _mm512_setzero_ps(), d);
         _mm512_mul_ps(d, numbers)
+    }
+
+    /// Q4_K/Q5_K: [`k4_values`] as two registers of 32 `i16` (groups `2 pair` and `2 pair
+    /// + 1`): one widening of the 32 bytes, then their low and high nibbles.
+    #[inline(always)]
+    unsafe fn k4_words(p: *const u8, five: bool, pair: usize) -> (__m512i, __m512i) {
+        let qs = p.add(if five { 48 } else { 16 } + 32 * pair);
+        let bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(qs.cast()));
+        let mut w0 = _mm512_and_si512(bytes, _mm512_set1_epi16(15));
+        let mut w1 = _mm512_srli_epi16::<4>(bytes);
+        if five {
+            // Bit 2 pair (2 pair + 1) of `qh[e]` is the fifth bit of weight e of the first
+            // (second) group.
+            let qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256(p.add(16).cast()));
+            let fifth = |bit: usize| {
+                let on = _mm512_srlv_epi16(qh, _mm512_set1_epi16(bit as i16));
+                _mm512_slli_epi16::<4>(_mm512_and_si512(on, _mm512_set1_epi16(1)))
+            };
+            w0 = _mm512_or_si512(w0, fifth(2 * pair));
+            w1 = _mm512_or_si512(w1, fifth(2 * pair + 1));
+        }
+        (w0, w1)
+    }
+
+    /// Q6_K: the block's 16 scales `d * sc`, for the dequantization.
+    #[inline(always)]
+    unsafe fn k6_scales(p: *const u8) -> __m512 {
+        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(192).cast())));
+        _mm512_mul_ps(_mm512_set1_ps(half(p.add(208))), sc)
     }
 
     /// Q4_K/Q5_K: the stored values of weights `64 pair..64 pair + 64` of the block at `p`,
@@ -1191,13 +1407,6 @@ mod avx512 {
         );
         let on = _mm512_test_epi8_mask(qh, bits);
         _mm512_mask_add_epi8(q, on, q, _mm512_set1_epi8(16))
-    }
-
-    /// Q6_K: the block's 16 scales `d * sc`.
-    #[inline(always)]
-    unsafe fn k6_scales(p: *const u8) -> __m512 {
-        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(192).cast())));
-        _mm512_mul_ps(_mm512_set1_ps(half(p.add(208))), sc)
     }
 
     /// Q6_K: the stored values (0..64, before the subtracted 32) of weights `64 c..64 c +
@@ -1226,11 +1435,11 @@ mod avx512 {
     }
 
     /// The portable `dot_row` with integer dot products: see the module docs. `coef` is
-    /// scratch of at least `k / group` values.
+    /// scratch of at least `k / 32` values.
     ///
     /// SAFETY: AVX-512 F/BW/VL/VNNI and F16C; `w` is whole blocks of a row of `k`; `x` is
     /// `ROWS` rows of `k` in fixed point; `sums` their `k / group` group sums.
-    #[allow(clippy::needless_range_loop)] // `r` indexes the accumulators, `dots` and `sums`
+    #[allow(clippy::needless_range_loop)] // `r` indexes the accumulators
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
     pub(super) unsafe fn dot_row<const ROWS: usize>(
         f: BlockFormat,
@@ -1242,49 +1451,19 @@ mod avx512 {
         dots: &mut [f32; MAX_ROWS],
     ) {
         let groups = k / f.group();
-        debug_assert!(coef.len() >= groups);
+        debug_assert!(coef.len() >= k / 32);
         let c = coef.as_mut_ptr();
-        // Two accumulators a row, steps taking turns, so that no row waits on one chain.
+        let mut total = [_mm512_setzero_ps(); ROWS];
+        // The 32-value formats' two accumulators a row, steps taking turns, so that no row
+        // waits on one chain.
         let mut acc0 = [_mm512_setzero_ps(); ROWS];
         let mut acc1 = [_mm512_setzero_ps(); ROWS];
         let p = w.as_ptr();
         // Each arm passes its format as a constant, so the loops are built once per format.
         match f {
-            BlockFormat::Q4K => k4_blocks::<ROWS>(p, false, groups / 8, x, c, &mut acc0, &mut acc1),
-            BlockFormat::Q5K => k4_blocks::<ROWS>(p, true, groups / 8, x, c, &mut acc0, &mut acc1),
-            BlockFormat::Q6K => {
-                for b in 0..groups / 16 {
-                    let p = p.add(210 * b);
-                    let scale = k6_scales(p);
-                    _mm512_storeu_ps(c.add(16 * b), _mm512_mul_ps(scale, _mm512_set1_ps(-32.0)));
-                    for chunk in 0..4 {
-                        let q = k6_values(p, chunk);
-                        // Groups j..j + 4 of 16, four lanes each.
-                        let j = 4 * chunk as i32;
-                        let lanes = _mm512_set_epi32(
-                            j + 3,
-                            j + 3,
-                            j + 3,
-                            j + 3,
-                            j + 2,
-                            j + 2,
-                            j + 2,
-                            j + 2,
-                            j + 1,
-                            j + 1,
-                            j + 1,
-                            j + 1,
-                            j,
-                            j,
-                            j,
-                            j,
-                        );
-                        let s = _mm512_permutexvar_ps(lanes, scale);
-                        let acc = if chunk % 2 == 0 { &mut acc0 } else { &mut acc1 };
-                        step::<ROWS>(q, s, x, b * 256 + 64 * chunk, acc);
-                    }
-                }
-            }
+            BlockFormat::Q4K => k4_blocks::<ROWS>(p, false, k / 256, x, c, &mut total),
+            BlockFormat::Q5K => k4_blocks::<ROWS>(p, true, k / 256, x, c, &mut total),
+            BlockFormat::Q6K => k6_blocks::<ROWS>(p, k / 256, x, &mut total),
             BlockFormat::Q8_0 => pairs32::<ROWS>(groups, x, &mut acc0, &mut acc1, |b, both| {
                 // The `i8` values plus 128.
                 let values = |b: usize| {
@@ -1310,12 +1489,16 @@ mod avx512 {
                 pair32(BlockFormat::Q4_1, p.add(20 * b), both)
             }),
         }
-        let blocks_of_256 = matches!(f, BlockFormat::Q4K | BlockFormat::Q5K | BlockFormat::Q6K);
         for r in 0..ROWS {
-            let mut total = _mm512_add_ps(acc0[r], acc1[r]);
+            total[r] = _mm512_add_ps(total[r], _mm512_add_ps(acc0[r], acc1[r]));
+        }
+        // The 32-value formats added their offsets per step; Q6_K's is in its weights.
+        let offsets = matches!(f, BlockFormat::Q4K | BlockFormat::Q5K);
+        for (r, dot) in dots.iter_mut().enumerate().take(ROWS) {
+            let mut sum = total[r];
             // The row's dot of its group sums with `coef`, sixteen groups a vector.
             let row = sums.as_ptr().add(r * groups);
-            let mut g = if blocks_of_256 { 0 } else { groups };
+            let mut g = if offsets { 0 } else { groups };
             while g < groups {
                 let mask: __mmask16 = if groups - g >= 16 {
                     0xffff
@@ -1324,12 +1507,13 @@ mod avx512 {
                 };
                 let cv = _mm512_maskz_loadu_ps(mask, c.add(g));
                 let sv = _mm512_maskz_loadu_ps(mask, row.add(g));
-                total = _mm512_fmadd_ps(cv, sv, total);
+                sum = _mm512_fmadd_ps(cv, sv, sum);
                 g += 16;
             }
-            dots[r] = _mm512_reduce_add_ps(total);
+            *dot = _mm512_reduce_add_ps(sum);
         }
     }
+
     /// Bytes `16 i..16 i + 16` of `q` as i32 lanes, minus `c`.
     #[inline(always)]
     unsafe fn widen(q: __m512i, i: usize, c: i32) -> __m512i {
@@ -1464,13 +1648,20 @@ mod tests {
             .collect()
     }
 
-    /// The fixed point is within half a step of each activation (exact for the zero
-    /// blocks and for values near their block's largest), and its parts are in range.
+    /// Both fixed-point forms are within half a step of each activation (exact for the zero
+    /// values and for the largest of each span that shares a scale), the 15-bit one's low
+    /// byte plane is in range, and the group sums are the 14-bit form's values'.
     #[test]
     fn fixed_point_activations_are_within_half_a_step() {
-        let k = 224;
+        // Rows of 7 blocks of 32 (less than one chunk of 256), and of 9.
+        for k in [224, 288] {
+            check_fixed_point(k);
+        }
+    }
+
+    fn check_fixed_point(k: usize) {
         let x = activations(k);
-        let Some(fixed) = Fixed::new(&x, MAX_ROWS, k) else {
+        let Some(fixed) = Fixed::new(&x, MAX_ROWS, k, true, true) else {
             // Only the AVX-512 path reads fixed point, and only its CPUs make it.
             assert_ne!(Path::detect(), Path::Avx512);
             return;
@@ -1478,33 +1669,49 @@ mod tests {
         for g in [16, 32] {
             for (i, &sum) in fixed.sums(g).iter().enumerate() {
                 let (r, at) = (i / (k / g), i % (k / g) * g);
-                let want: f32 = (at..at + g).map(|j| fixed.value(r, j)).sum();
+                let value = |j| fixed.value(BlockFormat::Q4K, r, j);
+                let want: f32 = (at..at + g).map(value).sum();
                 // The f32 sum here rounds by up to g ulps of the sizes it adds, whatever
                 // the size of the total.
-                let size: f32 = (at..at + g).map(|j| fixed.value(r, j).abs()).sum();
+                let size: f32 = (at..at + g).map(|j| value(j).abs()).sum();
                 assert!((sum - want).abs() <= 1e-5 * size.max(1.0), "sum {i} of {g}");
             }
         }
-        let mut exact = 0;
-        for r in 0..MAX_ROWS {
-            for j in 0..padded_len(k) {
-                let at = r * fixed.kp + j;
-                assert!((0..128).contains(&fixed.lo[at]));
-                let v = if j < k { x[r * k + j] } else { 0.0 };
-                let block = &x[r * k + (j / 32 * 32).min(k)..r * k + (j / 32 * 32 + 32).min(k)];
-                let top = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let got = fixed.value(r, j);
-                assert!(
-                    (got - v).abs() <= top / 16383.0 * 0.5001,
-                    "row {r} value {j}: {got} for {v}"
-                );
-                if v.abs() == top {
-                    assert_eq!(got, v, "the largest of a block is kept exactly");
-                    exact += 1;
+        for f in [BlockFormat::Q4K, BlockFormat::Q5_0] {
+            let mut exact = 0;
+            for r in 0..MAX_ROWS {
+                for j in 0..padded_len(k) {
+                    assert!((0..128).contains(&fixed.lo[r * fixed.kp + j]));
+                    let v = if j < k { x[r * k + j] } else { 0.0 };
+                    let top = span_top(f, &x[r * k..(r + 1) * k], j);
+                    let got = fixed.value(f, r, j);
+                    assert!(
+                        (got - v).abs() <= top / 16383.0 * 0.5001,
+                        "{f:?} row {r} value {j}: {got} for {v}"
+                    );
+                    if v.abs() == top {
+                        assert_eq!(got, v, "the largest of a span is kept exactly");
+                        exact += 1;
+                    }
                 }
             }
+            let spans = if f == BlockFormat::Q4K {
+                k.div_ceil(256)
+            } else {
+                k / 32
+            };
+            assert!(exact >= MAX_ROWS * spans, "{f:?}");
         }
-        assert!(exact >= MAX_ROWS * k / 32);
+    }
+
+    /// The largest size among the values of `row` that share value `j`'s scale in the fixed
+    /// point of format `f`: its 256 (K-quants) or its block of 32.
+    fn span_top(f: BlockFormat, row: &[f32], j: usize) -> f32 {
+        let span = if f.values() == 256 { 256 } else { 32 };
+        let at = (j / span * span).min(row.len());
+        row[at..(at + span).min(row.len())]
+            .iter()
+            .fold(0f32, |m, v| m.max(v.abs()))
     }
 
     /// Every build of the dot this CPU runs (portable, AVX2, AVX-512 VNNI) equals the dot
@@ -1521,16 +1728,20 @@ mod tests {
             paths.push(Path::Avx512);
         }
         // Five blocks: an odd count (the 32-value formats take blocks in pairs) and group
-        // counts that leave a partial vector of 16 (40 and 80 for the K-quants).
-        for (f, k) in BlockFormat::ALL
-            .into_iter()
-            .flat_map(|f| [(f, 3 * f.values().max(64)), (f, 5 * f.values())])
-        {
+        // counts that leave a partial vector of 16 (40 and 80 for the K-quants); nine: a
+        // pair of blocks of 32 that starts the second 256 activations' scale, unpaired.
+        for (f, k) in BlockFormat::ALL.into_iter().flat_map(|f| {
+            [
+                (f, 3 * f.values().max(64)),
+                (f, 5 * f.values()),
+                (f, 9 * f.values()),
+            ]
+        }) {
             let n = 3;
             let data = blocks(f, n, k, 7);
             let m = Blocks::new(f, n, &data);
             let xs = activations(k);
-            let fixed = Fixed::new(&xs, MAX_ROWS, k);
+            let fixed = Fixed::new(&xs, MAX_ROWS, k, true, true);
             for row in 0..n {
                 let w = &data[row * f.row_bytes(k)..(row + 1) * f.row_bytes(k)];
                 for count in 1..=PASS_ROWS {
@@ -1549,10 +1760,9 @@ mod tests {
                             for j in 0..k {
                                 let wj = f64::from(m.weight(row, j, k));
                                 let x = if path == Path::Avx512 {
-                                    let block = &xs[r * k + j / 32 * 32..r * k + j / 32 * 32 + 32];
-                                    let top = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+                                    let top = span_top(f, &xs[r * k..(r + 1) * k], j);
                                     step += wj.abs() * f64::from(top) / 16383.0 * 0.5;
-                                    fixed.as_ref().unwrap().value(r, j)
+                                    fixed.as_ref().unwrap().value(f, r, j)
                                 } else {
                                     xs[r * k + j]
                                 };
