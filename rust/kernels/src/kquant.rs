@@ -1269,9 +1269,9 @@ mod avx512 {
         }
     }
 
-    /// Row `x` (whole blocks of 32) in [`Fixed`](super::Fixed) point: its values, its
-    /// scales and its sums per 16 and per 32 values. The slices start at the row; 256 zero
-    /// values leave them as they are (zeros).
+    /// Row `x` (whole blocks of 32) in the 14-bit point of the K-quants (see
+    /// [`Fixed`](super::Fixed)): its values, its scales and its sums per 16 and per 32
+    /// values. The slices start at the row; 256 zero values leave them as they are (zeros).
     ///
     /// SAFETY: AVX-512 F/BW/VL; each slice holds the row's part.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
