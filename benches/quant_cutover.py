@@ -10,6 +10,11 @@ wins.
 
     python benches/quant_cutover.py --kinds q4 q8 --rows 8 12 16 24 32
     python benches/quant_cutover.py --kinds q4_k q5_0 q6_k --rows 4 8 12 16
+    python benches/quant_cutover.py --kinds q4_k q6_k --rows 8 12 16 --shape llama3b
+
+``--shape llama3b``: two layers of a Llama-3.2-3B shape's projections instead (q/k/v 5120 x
+3072, o 3072 x 3072, gate/up 16384 x 3072, down 3072 x 8192), whose bf16 dequantization
+no longer fits the caches.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", default=["q4", "q8", "q4_k", "q5_0", "q6_k"])
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 12, 16, 24])
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--shape", choices=["smollm2", "llama3b"], default="smollm2")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print("| layout | rows | GEMV (ms) | dequantize + GEMM (ms) | **GEMV / dense** |")
@@ -58,9 +64,12 @@ def main() -> None:
     for kind in args.kinds:
         k0 = 512 if kind in BLOCKS else 576
         shapes = [(1024 if kind in BLOCKS else 960, k0), (k0, k0), (3072, k0), (k0, 1536)]
-        mats = [weight(rng, n, k, kind) for _ in range(30) for n, k in shapes]
+        layers = 30
+        if args.shape == "llama3b":
+            shapes, layers = [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)], 2
+        mats = [weight(rng, n, k, kind) for _ in range(layers) for n, k in shapes]
         for rows in args.rows:
-            xs = {k: torch.randn(rows, k).bfloat16() for k in (k0, 1536)}
+            xs = {k: torch.randn(rows, k).bfloat16() for k in {w.k for w in mats}}
             times: dict[str, list[float]] = {"gemv": [], "dense": []}
             for _ in range(args.reps):
                 for label, limit in (("gemv", 1 << 20), ("dense", 0)):

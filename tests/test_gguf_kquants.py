@@ -181,19 +181,27 @@ def test_gemv_is_the_product_with_gguf_s_weights(type_name: str, rows: int) -> N
     _check_linear(w, reference(type_name, raw, n, k), rows, seed=rows)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0"])
-def test_a_step_of_up_to_8_rows_gives_each_row_what_it_gets_alone(type_name: str) -> None:
-    """A batch of up to 8 decoding sequences (or a speculative step) over block-format
-    weights takes the GEMV, two passes of 4 rows, where each row's output is the bits a
-    one-row step gives it; past 8 rows the dense path's bf16 weights move them."""
+@pytest.mark.parametrize(("type_name", "n", "limit"), [
+    ("Q4_K", 67, 8), ("Q6_K", 67, 8), ("Q5_0", 67, 8),
+    # At least KQUANT_WIDE_GEMV_WEIGHTS: a K-quant matrix this large takes 16 rows.
+    ("Q4_K", 4096, 16), ("Q6_K", 4096, 16), ("Q5_0", 4096, 8),
+])
+def test_a_step_of_up_to_its_gemv_rows_gives_each_row_what_it_gets_alone(
+    type_name: str, n: int, limit: int,
+) -> None:
+    """A batch of decoding sequences (or a speculative step) over block-format weights
+    takes the GEMV up to the matrix's GEMV rows (8; 16 for large K-quant matrices), in
+    passes of 4 rows, where each row's output is the bits a one-row step gives it; past
+    them the dense path's bf16 weights move them."""
     values = gguf.GGML_QUANT_SIZES[GGML[type_name]][0]
-    n, k = 67, 3 * values if values == 256 else 18 * 32
+    k = 4 * values if values == 256 else 32 * 32
     w = quant.from_gguf_blocks(type_name, random_blocks(type_name, n, k, seed=5), n, k)
-    assert w is not None and w.gemv_rows() == 8
+    assert w is not None and w.gemv_rows() == limit
+    assert (n * k >= quant.KQUANT_WIDE_GEMV_WEIGHTS) == (n == 4096)
     torch.manual_seed(5)
-    x = torch.randn(9, k).to(torch.bfloat16)
-    alone = torch.cat([w.linear(x[i : i + 1]) for i in range(9)])
-    for rows in (3, 5, 8):
+    x = torch.randn(limit + 1, k).to(torch.bfloat16)
+    alone = torch.cat([w.linear(x[i : i + 1]) for i in range(limit + 1)])
+    for rows in (3, 5, limit):
         assert torch.equal(w.linear(x[:rows]), alone[:rows]), rows
     assert not torch.equal(w.linear(x), alone)
 

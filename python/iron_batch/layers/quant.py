@@ -50,11 +50,19 @@ QBLOCK = 32
 GEMV_MAX_ROWS = int(SWITCHES["quant_gemv_rows"].default)
 #: The most rows the GGUF block formats (K-quants, Q5_0, Q5_1) take the GEMV for, whatever
 #: the switch says: their kernel reads the weights once per 4 rows with fixed-point
-#: activations, and from 8 to 12 rows the dense path wins (``benches/quant_cutover.py``).
+#: activations, and on SmolLM2's matrices the dense path wins from 12 rows
+#: (``benches/quant_cutover.py``).
 BLOCK_GEMV_MAX_ROWS = 8
+#: K-quant matrices (Q4_K, Q5_K, Q6_K, or row ranges of those alone) of at least this many
+#: weights take the GEMV up to ``GEMV_MAX_ROWS`` rows, as Q4 and Q8 do: their bf16
+#: dequantization no longer fits the caches, and on a Llama-3.2-3B shape's matrices a
+#: 16-row Q4_K step took 0.76-0.81x the dense path's time (Q6_K 1.03x; Q5_0, whose kernel
+#: pays a float step per block, 1.60x: it stays at ``BLOCK_GEMV_MAX_ROWS``).
+KQUANT_WIDE_GEMV_WEIGHTS = 1 << 22
 #: Layouts whose GEMV serves up to ``GEMV_MAX_ROWS`` rows (the block formats stop at
 #: ``BLOCK_GEMV_MAX_ROWS``).
 _WIDE_GEMV_KINDS = ("q4", "q8")
+_KQUANT_KINDS = ("q4_k", "q5_k", "q6_k")
 
 _GEMV = getattr(_core, "_gemv_quant", None)
 _DEQUANT = getattr(_core, "_dequantize_bf16", None)
@@ -122,9 +130,15 @@ class QuantWeight:
 
     def gemv_rows(self, limit: int = GEMV_MAX_ROWS) -> int:
         """The most rows this matrix takes the block GEMV for, given the switch's
-        ``limit``: the limit itself, or at most ``BLOCK_GEMV_MAX_ROWS`` for the GGUF
-        block formats."""
-        return limit if self.kind in _WIDE_GEMV_KINDS else min(limit, BLOCK_GEMV_MAX_ROWS)
+        ``limit``: the limit itself for Q4 and Q8 and for large K-quant matrices
+        (``KQUANT_WIDE_GEMV_WEIGHTS``), else at most ``BLOCK_GEMV_MAX_ROWS``."""
+        if self.kind in _WIDE_GEMV_KINDS:
+            return limit
+        parts = [part.partition("*")[0] for part in self.kind.split("+")]
+        if self.n * self.k >= KQUANT_WIDE_GEMV_WEIGHTS and all(
+                part in _KQUANT_KINDS for part in parts):
+            return limit
+        return min(limit, BLOCK_GEMV_MAX_ROWS)
 
     def linear(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, gemv_rows: int = GEMV_MAX_ROWS

@@ -62,8 +62,8 @@ SWITCHES: dict[str, Switch] = {
     "quant_gemv_rows": Switch(
         "IRON_BATCH_QUANT_GEMV_ROWS", "16", (),
         "Activation rows up to which quantized projections run the block GEMV (GGUF "
-        "K-quant, Q5_0 and Q5_1 matrices: at most 8 of them); above, a bf16 dequantization "
-        "and a dense GEMM."),
+        "Q5_0 and Q5_1 matrices, and K-quant ones under 4M weights: at most 8 of them); "
+        "above, a bf16 dequantization and a dense GEMM."),
 }
 
 
