@@ -419,14 +419,14 @@ pub fn gemv_blocks(
     let wide = formats().any(|v| v == 256);
     let fixed = Fixed::new(&xf, rows, k, wide, formats().any(|v| v == 32));
     // Per-group sums of each activation row (of the values the path multiplies), for
-    // groups of 16 and of 32.
+    // groups of 16 and of 32; the fixed-point path reads only Q4_K's and Q5_K's (of 32).
     let plain: [Vec<f32>; 2] = if fixed.is_some() {
         Default::default()
     } else {
         [16, 32].map(|g| xf.chunks_exact(g).map(|c| c.iter().sum()).collect())
     };
     let (sums16, sums32) = match &fixed {
-        Some(fixed) => (fixed.sums(16), fixed.sums(32)),
+        Some(fixed) => (&[][..], &fixed.sums[..]),
         None => (&plain[0][..], &plain[1][..]),
     };
     let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
@@ -451,7 +451,11 @@ pub fn gemv_blocks(
                     } else {
                         (sums32, k / 32)
                     };
-                    let ss = &sums[first * groups..(first + take) * groups];
+                    let ss = if sums.is_empty() {
+                        sums
+                    } else {
+                        &sums[first * groups..(first + take) * groups]
+                    };
                     dot_row(f, w, xs, xq, ss, take, k, path, &mut coef, &mut results[i]);
                 }
                 for (row, dots) in (chunk..end).zip(&results) {
@@ -824,9 +828,9 @@ struct Fixed {
     /// Per 4 values (a lane of `vpdpbusd`'s sums), their sum in the 15-bit point: what a
     /// lane's offset multiplies.
     spread: Vec<f32>,
-    /// Each row's sums of its values per 16 and per 32, rows back to back.
-    sums16: Vec<f32>,
-    sums32: Vec<f32>,
+    /// Each row's sums of its 14-bit values per 32, rows back to back: what the offsets of
+    /// Q4_K and Q5_K (the only formats on this path that read group sums) multiply.
+    sums: Vec<f32>,
     /// A padded row's length.
     kp: usize,
 }
@@ -875,8 +879,7 @@ impl Fixed {
             lo: vec![0; sized(narrow, rows * kp)],
             lanes: vec![0.0; sized(narrow, rows * kp / 4)],
             spread: vec![0.0; sized(narrow, rows * kp / 4)],
-            sums16: vec![0.0; rows * k / 16],
-            sums32: vec![0.0; rows * k / 32],
+            sums: vec![0.0; rows * k / 32],
             kp,
         };
         #[cfg(target_arch = "x86_64")]
@@ -888,8 +891,7 @@ impl Fixed {
                         row,
                         &mut fixed.v[r * kp..],
                         &mut fixed.scale[r * kp / 256..],
-                        &mut fixed.sums16[r * k / 16..],
-                        &mut fixed.sums32[r * k / 32..],
+                        &mut fixed.sums[r * k / 32..],
                     );
                 }
                 if narrow {
@@ -915,15 +917,6 @@ impl Fixed {
         } else {
             let q = 128 * i32::from(self.hi[at]) + i32::from(self.lo[at]);
             self.lanes[at / 4] * q as f32
-        }
-    }
-
-    /// Each row's sums of its values per group of `g` (16 or 32), rows back to back.
-    fn sums(&self, g: usize) -> &[f32] {
-        if g == 16 {
-            &self.sums16
-        } else {
-            &self.sums32
         }
     }
 
@@ -1270,18 +1263,12 @@ mod avx512 {
     }
 
     /// Row `x` (whole blocks of 32) in the 14-bit point of the K-quants (see
-    /// [`Fixed`](super::Fixed)): its values, its scales and its sums per 16 and per 32
-    /// values. The slices start at the row; 256 zero values leave them as they are (zeros).
+    /// [`Fixed`](super::Fixed)): its values, its scales and its sums per 32 values. The
+    /// slices start at the row; 256 zero values leave them as they are (zeros).
     ///
     /// SAFETY: AVX-512 F/BW/VL; each slice holds the row's part.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn fix_row(
-        x: &[f32],
-        v: &mut [i16],
-        scale: &mut [f32],
-        sums16: &mut [f32],
-        sums32: &mut [f32],
-    ) {
+    pub(super) unsafe fn fix_row(x: &[f32], v: &mut [i16], scale: &mut [f32], sums: &mut [f32]) {
         let chunks = x.len().div_ceil(256);
         for (c, scale) in scale.iter_mut().enumerate().take(chunks) {
             let at = 256 * c;
@@ -1306,12 +1293,10 @@ mod avx512 {
                 let out = v.as_mut_ptr().add(at + 16 * i);
                 _mm256_storeu_si256(out.cast(), _mm512_cvtepi32_epi16(q));
                 let sum = _mm512_reduce_add_epi32(q);
-                let g = at / 16 + i;
-                sums16[g] = s * sum as f32;
                 if i % 2 == 0 {
                     pair = sum;
                 } else {
-                    sums32[g / 2] = s * (pair + sum) as f32;
+                    sums[(at + 16 * i) / 32] = s * (pair + sum) as f32;
                 }
             }
         }
@@ -1666,16 +1651,15 @@ mod tests {
             assert_ne!(Path::detect(), Path::Avx512);
             return;
         };
-        for g in [16, 32] {
-            for (i, &sum) in fixed.sums(g).iter().enumerate() {
-                let (r, at) = (i / (k / g), i % (k / g) * g);
-                let value = |j| fixed.value(BlockFormat::Q4K, r, j);
-                let want: f32 = (at..at + g).map(value).sum();
-                // The f32 sum here rounds by up to g ulps of the sizes it adds, whatever
-                // the size of the total.
-                let size: f32 = (at..at + g).map(|j| value(j).abs()).sum();
-                assert!((sum - want).abs() <= 1e-5 * size.max(1.0), "sum {i} of {g}");
-            }
+        let g = 32;
+        for (i, &sum) in fixed.sums.iter().enumerate() {
+            let (r, at) = (i / (k / g), i % (k / g) * g);
+            let value = |j| fixed.value(BlockFormat::Q4K, r, j);
+            let want: f32 = (at..at + g).map(value).sum();
+            // The f32 sum here rounds by up to g ulps of the sizes it adds, whatever the
+            // size of the total.
+            let size: f32 = (at..at + g).map(|j| value(j).abs()).sum();
+            assert!((sum - want).abs() <= 1e-5 * size.max(1.0), "sum {i} of {g}");
         }
         for f in [BlockFormat::Q4K, BlockFormat::Q5_0] {
             let mut exact = 0;
@@ -1747,7 +1731,12 @@ mod tests {
                 for count in 1..=PASS_ROWS {
                     for &path in &paths {
                         let sums: Vec<f32> = if path == Path::Avx512 {
-                            fixed.as_ref().unwrap().sums(f.group()).to_vec()
+                            // Only Q4_K's and Q5_K's offsets (groups of 32) read them.
+                            if f.group() == 32 {
+                                fixed.as_ref().unwrap().sums.clone()
+                            } else {
+                                Vec::new()
+                            }
                         } else {
                             xs.chunks_exact(f.group()).map(|c| c.iter().sum()).collect()
                         };
