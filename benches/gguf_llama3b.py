@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -76,17 +77,14 @@ def write(out: Path, shape: dict[str, float] = SHAPE, seed: int = 0) -> None:
     w.add_layer_norm_rms_eps(float(shape["eps"]))
     w.add_vocab_size(int(shape["vocab"]))
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    tok = _tokenizer_fields()
-    tokens, types = list(tok["tokens"]), list(tok["token_type"])  # type: ignore[call-overload]
-    pad = int(shape["vocab"]) - len(tokens)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens + [f"[PAD{i}]" for i in range(pad)])
-    w.add_token_types(types + [gguf.TokenType.UNUSED] * pad)
-    w.add_token_merges(list(tok["merges"]))  # type: ignore[call-overload]
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    plan = tensors(shape)
+    add_tokenizer(w, int(shape["vocab"]))
+    write_random(w, tensors(shape), seed)
+
+
+def write_random(w: Any, plan: list[tuple[str, tuple[int, ...], bool]], seed: int) -> None:
+    """Writes the tensor infos, the header and random data of ``plan`` to the GGUF writer
+    ``w`` (its metadata already added): norms ones in f32, matrices f16 runs of one random
+    pool. Closes the file."""
     for name, dims, norm in plan:
         dtype = np.float32 if norm else np.float16
         nbytes = int(np.prod(dims)) * np.dtype(dtype).itemsize
@@ -106,6 +104,22 @@ def write(out: Path, shape: dict[str, float] = SHAPE, seed: int = 0) -> None:
             w.write_tensor_data(values.reshape(dims))
             del values
     w.close()
+
+
+def add_tokenizer(w: Any, vocab: int) -> None:
+    """SmolLM2's tokenizer, padded to ``vocab`` tokens with unused ones."""
+    import gguf
+
+    tok = _tokenizer_fields()
+    tokens, types = list(tok["tokens"]), list(tok["token_type"])  # type: ignore[call-overload]
+    pad = vocab - len(tokens)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens + [f"[PAD{i}]" for i in range(pad)])
+    w.add_token_types(types + [gguf.TokenType.UNUSED] * pad)
+    w.add_token_merges(list(tok["merges"]))  # type: ignore[call-overload]
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
 
 
 def main() -> None:
