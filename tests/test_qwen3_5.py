@@ -41,6 +41,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
                  layer_types=["full_attention", "linear_attention", "linear_attention",
                               "linear_attention", "full_attention"]),
 }
+#: Qwen3.5-MoE checkpoints (tests/test_qwen3_5_moe.py): TEXT's layers, each MLP 8 experts
+#: (top 2) and a shared expert; "moe_tied" with full attention first and last.
+MOE_VARIANTS: dict[str, dict[str, Any]] = {
+    "moe": dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=32, shared_expert_intermediate_size=64),
+}
+MOE_VARIANTS["moe_tied"] = {**MOE_VARIANTS["moe"], **VARIANTS["tied"]}
 
 
 def _randomize(model: Any, seed: int) -> Any:
@@ -60,8 +67,12 @@ def _randomize(model: Any, seed: int) -> Any:
 
 @cache
 def reference(name: str) -> Any:
-    config = transformers.Qwen3_5TextConfig(**{**TEXT, **VARIANTS[name]})
-    model = transformers.Qwen3_5ForCausalLM(config)
+    if name in MOE_VARIANTS:
+        config = transformers.Qwen3_5MoeTextConfig(**{**TEXT, **MOE_VARIANTS[name]})
+        model = transformers.Qwen3_5MoeForCausalLM(config)
+    else:
+        model = transformers.Qwen3_5ForCausalLM(
+            transformers.Qwen3_5TextConfig(**{**TEXT, **VARIANTS[name]}))
     return _randomize(model, sum(map(ord, name)))
 
 
@@ -218,23 +229,28 @@ def test_a_batch_without_state_slots_is_refused() -> None:
         be.execute(s.schedule())
 
 
-def _multimodal_checkpoint() -> tuple[Path, Any]:
-    folder = _ROOT / "multimodal"
-    text = {**TEXT, "tie_word_embeddings": False}
-    config = transformers.Qwen3_5Config(
+def _multimodal_checkpoint(moe: bool = False) -> tuple[Path, Any]:
+    folder = _ROOT / ("multimodal-moe" if moe else "multimodal")
+    text = {**TEXT, **MOE_VARIANTS["moe"]} if moe else {**TEXT, "tie_word_embeddings": False}
+    family = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config = getattr(transformers, f"{family}Config")(
         text_config=text,
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
                            out_hidden_size=64, patch_size=4, temporal_patch_size=1,
                            spatial_merge_size=1),
         tie_word_embeddings=False)
-    model = _randomize(transformers.Qwen3_5ForConditionalGeneration(config), 5)
+    model = _randomize(getattr(transformers, f"{family}ForConditionalGeneration")(config), 5)
     model.save_pretrained(folder)
     write_byte_tokenizer(folder)
     return folder, model
 
 
 def test_the_text_part_of_a_multimodal_checkpoint() -> None:
-    folder, model = _multimodal_checkpoint()
+    check_the_text_part_of_a_multimodal_checkpoint(moe=False)
+
+
+def check_the_text_part_of_a_multimodal_checkpoint(moe: bool) -> None:
+    folder, model = _multimodal_checkpoint(moe)
     be = TorchBackend.from_model(str(folder), device="cpu", dtype="float32",
                                  total_kv_blocks=64, kv_block_size=BS)
     prompts = random_prompts(19, [8, 33])
@@ -290,13 +306,14 @@ BF16_ERROR_FACTOR = 3.0
 def _hf_with_weights(name: str, be: TorchBackend) -> Any:
     """transformers' float32 model with our (dequantized) projection weights."""
     from iron_batch.layers import quant
+    from iron_batch.layers.moe import MoE
     from iron_batch.models.qwen3_5 import LinearLayer
 
     def dense(lin: Any) -> torch.Tensor:
         w = lin.weight
         return (w.dequantize() if isinstance(w, quant.QuantWeight) else w).float()
 
-    ref = transformers.Qwen3_5ForCausalLM(reference(name).config)
+    ref = type(reference(name))(reference(name).config)
     ref.load_state_dict(reference(name).state_dict())
     with torch.no_grad():
         for layer, theirs in zip(be.model.layers, ref.model.layers, strict=True):
@@ -316,18 +333,29 @@ def _hf_with_weights(name: str, be: TorchBackend) -> Any:
                                     strict=True):
                     p.weight.copy_(chunk)
                 sa.o_proj.weight.copy_(dense(layer.o))
-            mlp = theirs.mlp
-            gate, up = dense(layer.mlp.gate_up).chunk(2)
+            mlp, ours = theirs.mlp, layer.mlp
+            if isinstance(ours, MoE):  # the stacked experts into the fused tensors
+                experts = mlp.experts
+                experts.gate_up_proj.copy_(dense(ours.gate_up).view_as(experts.gate_up_proj))
+                experts.down_proj.copy_(dense(ours.down).view_as(experts.down_proj))
+                assert ours.shared is not None
+                mlp, ours = mlp.shared_expert, ours.shared
+            gate, up = dense(ours.gate_up).chunk(2)
             mlp.gate_proj.weight.copy_(gate)
             mlp.up_proj.weight.copy_(up)
-            mlp.down_proj.weight.copy_(dense(layer.mlp.down))
+            mlp.down_proj.weight.copy_(dense(ours.down))
         ref.lm_head.weight.copy_(dense(be.model.lm_head.linear))
     return ref.eval()
 
 
 @pytest.mark.parametrize("mode", [None, "int8", "int4"], ids=["bf16", "int8", "int4"])
 def test_bf16_and_quantized_logits_stay_within_tolerance(mode: str | None) -> None:
-    name = "untied"
+    check_logits_within_tolerance("untied", mode)
+
+
+def check_logits_within_tolerance(name: str, mode: str | None) -> None:
+    """Checkpoint ``name`` in bf16 (``mode``: its projections quantized) against
+    transformers' float32 model with the same (dequantized) weights."""
     be = backend(name, dtype="bfloat16", quantization=mode)
     ref = _hf_with_weights(name, be)
     for prompt in random_prompts(20, [5, 30]):

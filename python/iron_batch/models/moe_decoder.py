@@ -4,8 +4,10 @@ them: what Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE add to a dense family.
 A family says, in its config reader, how many experts there are, how many each token takes
 and whether their weights are renormalised, which layers are sparse (the Qwen MoEs can keep
 some dense), and whether a gated shared expert runs beside them; and, in its
-``moe_names``, what its checkpoint calls the router and the experts' projections (HF
-checkpoints store one tensor per expert and projection).
+``moe_names``, what its checkpoint calls the router and the experts' projections (one
+tensor per expert and projection, as transformers' ``save_pretrained`` writes them; a
+checkpoint of transformers' fused ``[experts, ...]`` tensors is read through
+:class:`FusedExperts`).
 
 Tensor parallelism splits each expert's intermediate rows (and the shared expert's) across
 the ranks as the dense MLP's are split; the router is replicated, so every rank picks the
@@ -14,18 +16,22 @@ same experts, and the layer's partial outputs join in the all-reduce a dense MLP
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
 
 from iron_batch.layers.linear import Linear
 from iron_batch.layers.mlp import GatedMLP
 from iron_batch.layers.moe import MoE, Router, stacked
-from iron_batch.layers.weights import LoadContext, Part
+from iron_batch.layers.weights import LoadContext, Part, WeightSource
 from iron_batch.models.config import ModelConfig
 from iron_batch.models.decoder import DecoderModel
 from iron_batch.models.partition import ShardPlan, TensorParallelError
 
 if TYPE_CHECKING:
+    from iron_batch.layers.quant import QuantWeight
     from iron_batch.loader.gguf import GGUFMetadata
 
 #: What a Qwen-style checkpoint calls a sparse layer's tensors (``{i}``: layer, ``{e}``:
@@ -40,6 +46,44 @@ MOE_NAMES = {
     "shared_down": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
     "shared_expert_gate": "model.layers.{i}.mlp.shared_expert_gate.weight",
 }
+
+
+#: One expert's projection, by its per-expert name: (the experts' prefix, expert, projection).
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class FusedExperts:
+    """A source whose per-expert names (``...experts.{e}.gate_proj.weight``) also read
+    transformers' fused tensors, where the checkpoint holds those instead (the released
+    Qwen3.5-MoE checkpoints): ``...experts.gate_up_proj`` ``[experts, 2I, H]`` (each
+    expert's gate rows, then its up rows) and ``...experts.down_proj`` ``[experts, H, I]``.
+    Only the asked expert's slice is read. Other names pass through."""
+
+    def __init__(self, source: WeightSource) -> None:
+        self.source = source
+
+    def tensor(self, part: Part) -> torch.Tensor | None:
+        t = self.source.tensor(part)
+        m = _PER_EXPERT.match(part.name)
+        if t is not None or m is None:
+            return t
+        prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+        fused = "down_proj" if proj == "down_proj" else "gate_up_proj"
+        whole = self.source.tensor(Part(f"{prefix}.{fused}", rows=slice(e, e + 1)))
+        if whole is None:
+            return None
+        w = whole[0]
+        if proj != "down_proj":
+            half = w.shape[0] // 2
+            w = w[:half] if proj == "gate_proj" else w[half:]
+        if part.rows is not None:
+            w = w[part.rows]
+        if part.cols is not None:
+            w = w[:, part.cols]
+        return w.contiguous()
+
+    def quantized(self, part: Part) -> QuantWeight | None:
+        return self.source.quantized(part)
 
 
 def gguf_moe_names(names: dict[str, str]) -> dict[str, str]:
@@ -136,6 +180,7 @@ class MoEDecoderModel(DecoderModel):
         assert isinstance(c, MoEConfig)
         if not c.is_sparse(i):
             return None
+        ctx = replace(ctx, source=FusedExperts(ctx.source))
         n = {k: v.replace("{i}", str(i)) for k, v in self.moe_names.items()}
         inter = c.expert_intermediate_size
         rows = self._rows(inter, plan)

@@ -25,7 +25,7 @@ its state slots only its heads' windows and matrices.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from iron_batch.layers.embedding import Embedding, LMHead, VocabParallel
 from iron_batch.layers.gated_delta import GatedDeltaNet, StepRows
 from iron_batch.layers.linear import Linear
 from iron_batch.layers.mlp import GatedMLP
+from iron_batch.layers.moe import MoE
 from iron_batch.layers.rotary import apply_rope
 from iron_batch.layers.weights import LoadContext, Part, WeightSource
 from iron_batch.models import qwen3_5_gguf
@@ -134,7 +135,8 @@ class AttentionLayer:
     k_norm: CenteredNorm
     o: Linear
     post_norm: CenteredNorm
-    mlp: GatedMLP
+    #: The dense gated MLP, or (Qwen3.5-MoE) a mixture of experts.
+    mlp: GatedMLP | MoE
     scale: float
     #: Index of the layer's K/V among the full-attention layers.
     cache: int
@@ -147,7 +149,8 @@ class LinearLayer:
     input_norm: CenteredNorm
     mixer: GatedDeltaNet
     post_norm: CenteredNorm
-    mlp: GatedMLP
+    #: The dense gated MLP, or (Qwen3.5-MoE) a mixture of experts.
+    mlp: GatedMLP | MoE
     scale: float
     #: Index of the layer's state among the linear-attention layers.
     state: int
@@ -219,11 +222,13 @@ class Qwen3_5ForCausalLM(DecoderModel):
         self.state_dtype = "float32"
         super().__init__(config, source, device=device, dtype=dtype,
                          quantization=quantization, shard=shard)
-        # Decode steps with few rows: every layer in one Rust call (see hybrid_stack).
+        # Decode steps with few rows: every layer in one Rust call (see hybrid_stack), which
+        # runs dense MLPs only.
         self.hybrid: hybrid_stack.HybridStack | None = None
         kernels = self.kernels
         if (shard is None and kernels.decoder and dtype == torch.bfloat16
-                and hybrid_stack.available()):
+                and hybrid_stack.available()
+                and all(isinstance(layer.mlp, GatedMLP) for layer in self.layers)):
             self.hybrid = hybrid_stack.HybridStack(
                 self.layers, hidden=config.hidden_size, heads=self.num_heads,
                 kv_heads=self.num_kv_heads, head_dim=config.head_dim,
@@ -290,8 +295,11 @@ class Qwen3_5ForCausalLM(DecoderModel):
         attention = linear = 0
         for i in range(c.num_layers):
             n = {k: v.format(i=i) for k, v in names.items()}
-            mlp = GatedMLP(lin(Part(n["gate"], rows=inter), Part(n["up"], rows=inter)),
-                           lin(Part(n["down"], cols=inter)), c.hidden_act, max_rows=mlp_rows)
+            mlp: GatedMLP | MoE | None = self._sparse_mlp(ctx, i, plan)
+            if mlp is None:
+                mlp = GatedMLP(lin(Part(n["gate"], rows=inter), Part(n["up"], rows=inter)),
+                               lin(Part(n["down"], cols=inter)), c.hidden_act,
+                               max_rows=mlp_rows)
             if c.linear_layers[i]:
                 conv = torch.cat([ctx.need(Part(n["lin_conv"], rows=r)) for r in channels])
                 mixer = GatedDeltaNet(
@@ -351,7 +359,7 @@ class Qwen3_5ForCausalLM(DecoderModel):
                 out += layer.mixer.linears()
             else:
                 out += [layer.qkv, layer.o]
-            out += [layer.mlp.gate_up, layer.mlp.down]
+            out += layer.mlp.linears()
         return out + [self.lm_head.linear] if head else out
 
     def _mixers(self) -> list[GatedDeltaNet]:
@@ -529,8 +537,10 @@ class Qwen3_5ForCausalLM(DecoderModel):
         return h
 
 
-_MULTIMODAL_NAMES = {k: v.replace("model.", "model.language_model.", 1)
-                     for k, v in _NAMES.items()}
+def language_model_names(names: dict[str, str]) -> dict[str, str]:
+    """``names`` (a text checkpoint's) as a multimodal checkpoint holds them, under
+    ``model.language_model.``."""
+    return {k: v.replace("model.", "model.language_model.", 1) for k, v in names.items()}
 
 
 class Qwen3_5TextOfMultimodal(Qwen3_5ForCausalLM):
@@ -540,8 +550,10 @@ class Qwen3_5TextOfMultimodal(Qwen3_5ForCausalLM):
 
     model_types = ("qwen3_5",)
     architectures = ("Qwen3_5ForConditionalGeneration",)
-    hf_names = _MULTIMODAL_NAMES
+    hf_names = language_model_names(_NAMES)
     gguf_architecture = None
+    #: The family that reads the ``text_config``.
+    text_family: ClassVar[type[Qwen3_5ForCausalLM]] = Qwen3_5ForCausalLM
 
     @classmethod
     def config_from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -550,6 +562,7 @@ class Qwen3_5TextOfMultimodal(Qwen3_5ForCausalLM):
         for key in ("bos_token_id", "eos_token_id"):
             if key in cfg:
                 text.setdefault(key, cfg[key])
-        config = Qwen3_5ForCausalLM.config_from_hf({**text, "model_type": "qwen3_5_text"})
-        config.model_type = "qwen3_5"
+        family = cls.text_family
+        config = family.config_from_hf({**text, "model_type": family.model_types[0]})
+        config.model_type = cls.model_types[0]
         return config

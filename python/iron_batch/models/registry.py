@@ -25,6 +25,7 @@ from iron_batch.models.qwen2 import Qwen2ForCausalLM
 from iron_batch.models.qwen2_moe import Qwen2MoeForCausalLM
 from iron_batch.models.qwen3 import Qwen3ForCausalLM
 from iron_batch.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextOfMultimodal
+from iron_batch.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextOfMultimodal
 from iron_batch.models.qwen3_moe import Qwen3MoeForCausalLM
 from iron_batch.models.smollm3 import SmolLM3ForCausalLM
 
@@ -48,6 +49,8 @@ FAMILIES: tuple[type[DecoderModel], ...] = (
     GptOssForCausalLM,
     Qwen3_5ForCausalLM,
     Qwen3_5TextOfMultimodal,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextOfMultimodal,
 )
 
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
