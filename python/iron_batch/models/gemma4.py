@@ -409,9 +409,10 @@ class Gemma4ForCausalLM(DecoderModel):
             gu = torch.cat([gu[:, rows], gu[:, inter:][:, rows]], dim=1).flatten(0, 1)
             dn = ctx.need_float(Part(n["experts_down"]))[:, :, rows].flatten(0, 1)
             kernels = ctx.kernels
-            router = Router(ctx.need(Part(n["router"])), c.top_k, renormalize=True,
-                            weights_in_float=True, expert_scales=ctx.need(
-                                Part(n["expert_scales"])))
+            router = Router(ctx.need(Part(n["router"])), c.top_k,
+                            renormalize=c.norm_topk_prob,
+                            weights_in_float=c.routing_weights_in_float,
+                            expert_scales=ctx.need(Part(n["expert_scales"])))
             moe = MoE(router,
                       stacked(Linear(float_weight(ctx, gu), kernels=kernels), num, kernels),
                       stacked(Linear(float_weight(ctx, dn), kernels=kernels), num, kernels),
