@@ -4,7 +4,8 @@ on and off (and values from a v projection) are each exact against transformers,
 proportional rope equals transformers', every position's logits agree in float32, the
 sliding layers release their blocks, two tensor-parallel ranks give transformers' tokens
 where the global layers have fewer or more K/V heads than the sliding ones, and the
-features not implemented are refused by name."""
+features not implemented are refused by name. The mixture-of-experts layers have tests of
+their own (``test_gemma4_moe.py``)."""
 
 from __future__ import annotations
 
@@ -221,7 +222,10 @@ def _config(**over: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("over", "named"), [
-    ({"enable_moe_block": True}, "enable_moe_block"),
+    # Experts are served (tests/test_gemma4_moe.py); a config that does not size them is
+    # refused naming what it lacks.
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+      "moe_intermediate_size": None}, "enable_moe_block without moe_intermediate_size"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
     ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0,
                                              "rope_theta": 1e6},

@@ -203,6 +203,12 @@ def _random_model(name: str, cls_name: str, fields: dict[str, Any]) -> Any:
         for pname, p in model.named_parameters():
             if soft_qk and pname.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.2, 0.6)
+            elif pname.endswith(("router.scale", "router.per_expert_scale")):
+                p.uniform_(0.5, 1.5)  # Gemma 4's router: scales, like a norm's weight
+            elif pname.endswith("router.proj.weight"):
+                # Its input is scaled by 1/sqrt(hidden): wider weights keep the experts'
+                # scores apart (routing decided by the weights, not by rounding).
+                p.normal_(0.0, 1.0)
             elif pname.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
             elif pname.endswith("bias"):

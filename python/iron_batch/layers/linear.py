@@ -108,8 +108,19 @@ def _load_weight(ctx: LoadContext, parts: Sequence[Part], head: bool) -> Weight:
                 return joined
         ctx.dequantized.extend(p.name for p, b in zip(parts, blocks, strict=True) if b is None)
     if mode in ("int8", "int4"):
-        dense = torch.cat([ctx.need_float(p) for p in parts])
+        return float_weight(ctx, torch.cat([ctx.need_float(p) for p in parts]), head=head)
+    return torch.cat([ctx.need(p) for p in parts]) if len(parts) > 1 else ctx.need(parts[0])
+
+
+def float_weight(ctx: LoadContext, dense: torch.Tensor, *, head: bool = False) -> Weight:
+    """A matrix of the checkpoint's floats that its family cut or reshaped itself (not one
+    tensor's rows), stored as ``ctx.quantization`` says: int8 or int4 blocks, else in the
+    compute dtype (``gguf``: the floats, as for a tensor with no blocks); contiguous."""
+    mode = ctx.quantization
+    dense = dense.contiguous()
+    if mode in ("int8", "int4"):
+        dense = dense.float()
         if mode == "int4" and not head and dense.shape[1] % 64 == 0:
             return quant.quantize_int4(dense)
         return quant.quantize_int8(dense)
-    return torch.cat([ctx.need(p) for p in parts]) if len(parts) > 1 else ctx.need(parts[0])
+    return dense.to(device=ctx.device, dtype=ctx.dtype)

@@ -13,8 +13,9 @@ scattered back weighted.
 
 Routing follows transformers' modeling files: softmax over the router logits in float32,
 ``torch.topk`` over the probabilities (its order and its tie-breaking), renormalised over
-the chosen ``k`` where the family says so; or (gpt-oss) ``torch.topk`` over the logits
-(with the router's bias) and a softmax over the ``k`` chosen ones.
+the chosen ``k`` where the family says so, and multiplied by a learned scale of each chosen
+expert where it has them (Gemma 4); or (gpt-oss) ``torch.topk`` over the logits (with the
+router's bias) and a softmax over the ``k`` chosen ones.
 
 gpt-oss's experts also have biases (each expert's slice of a stacked bias), their own
 activation (:func:`clamped_swiglu`) and MXFP4 weights (``layers/mxfp4.py``), all of which
@@ -104,19 +105,25 @@ class Router:
         bias: torch.Tensor | None = None,
         weights_in_float: bool = False,
         softmax_after_topk: bool = False,
+        expert_scales: torch.Tensor | None = None,
     ) -> None:
         """``weights_in_float``: the routing weights stay float32 (Mixtral's); else they
         are rounded to the compute dtype (the Qwen MoEs' and OLMoE's).
         ``softmax_after_topk`` (gpt-oss): the top ``k`` of the logits, then a softmax over
-        those ``k`` in the logits' dtype."""
+        those ``k`` in the logits' dtype. ``expert_scales`` ``[experts]`` (Gemma 4): each
+        chosen expert's weight, after the renormalisation, times its scale."""
         if not 0 < top_k <= weight.shape[0]:
             raise ValueError(f"top_k {top_k} of {weight.shape[0]} experts")
+        if expert_scales is not None and expert_scales.shape != (weight.shape[0],):
+            raise ValueError(f"{tuple(expert_scales.shape)} expert scales for "
+                             f"{weight.shape[0]} experts")
         self.weight = weight
         self.bias = bias
         self.top_k = top_k
         self.renormalize = renormalize
         self.weights_in_float = weights_in_float
         self.softmax_after_topk = softmax_after_topk
+        self.expert_scales = expert_scales
 
     @property
     def num_experts(self) -> int:
@@ -132,6 +139,8 @@ class Router:
         top, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             top = top / top.sum(dim=-1, keepdim=True)
+        if self.expert_scales is not None:
+            top = top * self.expert_scales[ids]
         if not self.weights_in_float:
             top = top.to(logits.dtype)
         return top, ids

@@ -171,8 +171,10 @@ class DecoderModel:
     hf_names: ClassVar[dict[str, str]] = HF_NAMES
     gguf_names: ClassVar[dict[str, str]] = GGUF_NAMES
     #: Whether ``layers/decoder_stack.py`` can describe the family's layers (False: its
-    #: decode steps take the layer-by-layer Python path whatever the switches say).
-    one_call_decode: ClassVar[bool] = True
+    #: decode steps take the layer-by-layer Python path whatever the switches say). A
+    #: family may set it per model in ``_load``, where some checkpoints have layers the
+    #: stack does not describe.
+    one_call_decode: bool = True
 
     @classmethod
     def config_from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:

@@ -17,14 +17,22 @@
   every layer a small vector of its own, mixed with a projection of the scaled token
   embedding; after its MLP each layer adds ``norm(proj(act(gate(h)) * vector))``.
 - Every layer's output is multiplied by its ``layer_scalar``; final logits soft-capped.
+- ``enable_moe_block``: every layer runs a mixture of experts beside its dense MLP, both
+  on the residual after attention. The router reads it normed without a weight, times a
+  learned vector and ``1/sqrt(hidden)``; softmax, top ``k``, renormalised, each weight times
+  its expert's learned scale (``layers/moe.py``'s ``Router``). The experts read it through
+  a norm of their own; the dense MLP's output and the experts' are each normed, added, and
+  the sum normed as a dense layer's MLP output is. The checkpoint stores each layer's
+  experts as two 3-D tensors, ``gate_up_proj`` ``[E, 2I, H]`` (each expert's gate rows,
+  then its up rows: the stacked layout as it is) and ``down_proj`` ``[E, H, I]``.
 
 Decode steps with few rows run every layer in one Rust call (``layers/decoder_stack.py``,
-which describes all of the above): the per-layer inputs are computed here first and
-passed in. Its norms round as ``Gemma4Norm`` does (once), so the two paths agree.
-The per-layer-embedding projections stay dense under ``--quantization`` (the attention
-and MLP projections and the head are quantized as usual). Refused by name at load:
-mixture-of-experts layers (``enable_moe_block``), bidirectional attention, and rope types
-other than "default" and "proportional".
+which describes all of the above but the experts): the per-layer inputs are computed here
+first and passed in. Its norms round as ``Gemma4Norm`` does (once), so the two paths
+agree. A model with experts runs its decode steps layer by layer. The per-layer-embedding
+projections stay dense under ``--quantization`` (the attention and MLP projections, the
+experts and the head are quantized as usual). Refused by name at load: bidirectional
+attention, and rope types other than "default" and "proportional".
 
 Tensor parallelism splits the query heads as ``models/partition.py`` does (the same heads
 in every layer, each layer's rows as wide as its heads); each layer's K/V heads are those
@@ -33,7 +41,9 @@ by every rank of it), so a layer that shares K/V finds the heads it needs in its
 layer's cache on the same rank. A world size where some layer's query heads would not
 divide evenly among their K/V heads is refused naming the layer. Each layer's MLP rows are
 cut at its own width; the token table, the per-layer-embedding table and the head by
-vocabulary rows; the rest of the per-layer-embedding parts are whole on every rank.
+vocabulary rows; the rest of the per-layer-embedding parts are whole on every rank. Each
+expert's intermediate rows are cut as the dense MLP's are; the router is whole on every
+rank, and the experts' partial outputs join before their norm.
 """
 
 from __future__ import annotations
@@ -49,13 +59,15 @@ import torch.nn.functional as F
 from iron_batch.attention import kv_int8, paged
 from iron_batch.layers import cpu_kernels
 from iron_batch.layers.embedding import Embedding, LMHead, VocabParallel
-from iron_batch.layers.linear import Linear
+from iron_batch.layers.linear import Linear, float_weight
 from iron_batch.layers.mlp import GatedMLP
+from iron_batch.layers.moe import MoE, Router, stacked
 from iron_batch.layers.norm import RMSNorm
 from iron_batch.layers.rotary import RotaryEmbedding, apply_rope
 from iron_batch.layers.weights import LoadContext, Part, WeightSource
 from iron_batch.models.config import GATED_ACTIVATION_NAMES, ModelConfig
 from iron_batch.models.decoder import HF_NAMES, NORM_LAYOUTS, DecoderLayer, DecoderModel, Shard
+from iron_batch.models.moe_decoder import MoEConfig
 from iron_batch.models.partition import (
     ShardPlan,
     TensorParallelError,
@@ -91,12 +103,22 @@ _NAMES = {
     "ple_embed": "model.embed_tokens_per_layer.weight",
     "ple_model_proj": "model.per_layer_model_projection.weight",
     "ple_proj_norm": "model.per_layer_projection_norm.weight",
+    # A layer's mixture of experts (``enable_moe_block``).
+    "router": "model.layers.{i}.router.proj.weight",
+    "router_scale": "model.layers.{i}.router.scale",
+    "expert_scales": "model.layers.{i}.router.per_expert_scale",
+    "experts_gate_up": "model.layers.{i}.experts.gate_up_proj",
+    "experts_down": "model.layers.{i}.experts.down_proj",
+    "pre_experts_norm": "model.layers.{i}.pre_feedforward_layernorm_2.weight",
+    "post_mlp_norm_1": "model.layers.{i}.post_feedforward_layernorm_1.weight",
+    "post_experts_norm": "model.layers.{i}.post_feedforward_layernorm_2.weight",
 }
 
 @dataclass
-class Gemma4Config(ModelConfig):
-    """``ModelConfig`` plus what Gemma 4 sets per layer. ``head_dim``/``num_kv_heads``
-    are the sliding layers' (the config's top-level values)."""
+class Gemma4Config(MoEConfig):
+    """``MoEConfig`` (its experts in every layer or in none) plus what Gemma 4 sets per
+    layer. ``head_dim``/``num_kv_heads`` are the sliding layers' (the config's top-level
+    values)."""
 
     #: Each layer's head width and K/V heads.
     layer_head_dims: list[int] = field(default_factory=list)
@@ -189,6 +211,21 @@ def _shapes(cfg: dict[str, Any], kinds: list[str]) -> tuple[list[int], list[int]
     return dims, heads
 
 
+def _experts(cfg: dict[str, Any]) -> tuple[int, int, int]:
+    """(experts, experts per token, an expert's intermediate rows) of a config with
+    ``enable_moe_block``; zeros without it."""
+    if not cfg.get("enable_moe_block"):
+        return 0, 0, 0
+    keys = ("num_experts", "top_k_experts", "moe_intermediate_size")
+    missing = [k for k in keys if not cfg.get(k)]
+    if missing:
+        raise ValueError(f"enable_moe_block without {', '.join(missing)}")
+    experts, top_k, inter = (int(cfg[k]) for k in keys)
+    if top_k > experts:
+        raise ValueError(f"top_k_experts {top_k} of {experts} experts")
+    return experts, top_k, inter
+
+
 def _kv_sources(cfg: dict[str, Any], kinds: list[str]) -> list[int | None]:
     """transformers' ``kv_sharing_modes``: the last ``num_kv_shared_layers`` layers read
     the K/V of the last earlier layer of their kind."""
@@ -218,9 +255,6 @@ class Gemma4ForCausalLM(DecoderModel):
 
     @classmethod
     def config_from_hf(cls, cfg: dict[str, Any]) -> Gemma4Config:
-        if cfg.get("enable_moe_block"):
-            raise ValueError("unsupported enable_moe_block (Gemma 4's mixture-of-experts "
-                             "layers)")
         # "vision" changes only image tokens' attention; a text model has none.
         if cfg.get("use_bidirectional_attention") not in (None, "vision"):
             raise ValueError("unsupported use_bidirectional_attention "
@@ -248,6 +282,7 @@ class Gemma4ForCausalLM(DecoderModel):
         eos_ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else [
             int(e) for e in eos]
         ple = int(cfg.get("hidden_size_per_layer_input") or 0)
+        experts = _experts(cfg)
         sliding_theta, sliding_scaling = ropes[0]
         return Gemma4Config(
             model_type=cfg.get("model_type", "gemma4_text"),
@@ -284,6 +319,12 @@ class Gemma4ForCausalLM(DecoderModel):
             ropes=ropes,
             ple_dim=ple,
             ple_vocab=int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]),
+            num_experts=experts[0],
+            top_k=experts[1] or 1,
+            expert_intermediate_size=experts[2],
+            norm_topk_prob=True,
+            moe_layers=[experts[0] > 0] * n,
+            routing_weights_in_float=True,
         )
 
     def __init__(
@@ -358,6 +399,36 @@ class Gemma4ForCausalLM(DecoderModel):
                 bias = torch.zeros_like(bias)
             return bias
 
+        def experts(n: dict[str, str]) -> Gemma4Experts:
+            """A layer's mixture of experts: its router whole, each expert's intermediate
+            rows this rank's share of them."""
+            num, inter = c.num_experts, c.expert_intermediate_size
+            run = range(inter) if plan is None else even_ranges(inter, plan.world)[plan.rank]
+            rows = slice(run.start, run.stop)
+            gu = ctx.need_float(Part(n["experts_gate_up"]))  # [E, 2I, H]: gate rows, up rows
+            gu = torch.cat([gu[:, rows], gu[:, inter:][:, rows]], dim=1).flatten(0, 1)
+            dn = ctx.need_float(Part(n["experts_down"]))[:, :, rows].flatten(0, 1)
+            kernels = ctx.kernels
+            router = Router(ctx.need(Part(n["router"])), c.top_k,
+                            renormalize=c.norm_topk_prob,
+                            weights_in_float=c.routing_weights_in_float,
+                            expert_scales=ctx.need(Part(n["expert_scales"])))
+            moe = MoE(router,
+                      stacked(Linear(float_weight(ctx, gu), kernels=kernels), num, kernels),
+                      stacked(Linear(float_weight(ctx, dn), kernels=kernels), num, kernels),
+                      c.hidden_act)
+            hidden = c.hidden_size
+            return Gemma4Experts(
+                moe=moe,
+                # The router's norm has no weight: a norm by ones.
+                router_norm=Gemma4Norm(torch.ones(hidden, device=ctx.device, dtype=ctx.dtype),
+                                       c.rms_norm_eps, fused=fused),
+                router_scale=ctx.need(Part(n["router_scale"])),
+                router_root=hidden**-0.5,
+                pre_norm=norm(n["pre_experts_norm"]),
+                dense_norm=norm(n["post_mlp_norm_1"]),
+                out_norm=norm(n["post_experts_norm"]))
+
         def scalar(name: str) -> torch.Tensor | None:
             t = ctx.source.tensor(Part(name))
             if t is None or bool((t == 1).all()):
@@ -365,6 +436,8 @@ class Gemma4ForCausalLM(DecoderModel):
             return t.reshape(()).to(device=ctx.device, dtype=ctx.dtype)
 
         layout = NORM_LAYOUTS[c.norm_layout]
+        # The one-call decode stack has no experts: such a model decodes layer by layer.
+        self.one_call_decode = c.num_experts == 0
         self.layers: list[DecoderLayer] = []
         for i in range(c.num_layers):
             n = {k: v.format(i=i) for k, v in names.items()}
@@ -427,6 +500,7 @@ class Gemma4ForCausalLM(DecoderModel):
                 ple_proj=dense(n["ple_proj"]) if ple else None,
                 ple_norm=norm(n["ple_norm"]) if ple else None,
                 layer_scalar=scalar(n["layer_scalar"]),
+                experts=experts(n) if c.is_sparse(i) else None,
             ))
         self.norm = norm(names["norm"])
         # The token table and the head by vocabulary rows, as the dense families split them.
@@ -468,8 +542,12 @@ class Gemma4ForCausalLM(DecoderModel):
     def _linears(self, head: bool = False) -> list[Linear]:
         out: list[Linear] = []
         for layer in self.layers:
-            out += [layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down]
-            if isinstance(layer, Gemma4Layer) and layer.ple_gate is not None:
+            out += [layer.qkv, layer.o, *layer.mlp.linears()]
+            if not isinstance(layer, Gemma4Layer):
+                continue
+            if layer.experts is not None:
+                out += layer.experts.moe.linears()
+            if layer.ple_gate is not None:
                 assert layer.ple_proj is not None
                 out += [layer.ple_gate, layer.ple_proj]
         if self.ple_model_proj is not None:
@@ -597,6 +675,11 @@ class Gemma4ForCausalLM(DecoderModel):
             mlp = layer.mlp(x)
             if shard is not None:
                 shard.all_reduce(mlp)
+            if layer.experts is not None:
+                routed = layer.experts(h)
+                if shard is not None:
+                    shard.all_reduce(routed)
+                mlp = layer.experts.join(mlp, routed)
             h, _ = self._join(h, mlp, layer.mlp_out_norm, 1.0, None)
             if per_layer is not None:
                 assert layer.ple_gate and layer.ple_proj and layer.ple_norm
@@ -657,6 +740,33 @@ class Gemma4Norm(RMSNorm):
 
 
 @dataclass
+class Gemma4Experts:
+    """A layer's mixture of experts beside its dense MLP (``enable_moe_block``), both on
+    the residual after attention."""
+
+    moe: MoE
+    #: The router's input: the residual normed without a weight, times ``router_scale``,
+    #: times ``router_root`` (``1/sqrt(hidden)``), in this order (each product rounded).
+    router_norm: Gemma4Norm
+    router_scale: torch.Tensor
+    router_root: float
+    #: The experts' input norm; the dense MLP's output norm and the experts'.
+    pre_norm: Gemma4Norm
+    dense_norm: Gemma4Norm
+    out_norm: Gemma4Norm
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """The experts' output for the residual ``h`` (before :meth:`join`'s norm)."""
+        weights, ids = self.moe.router(self.router_norm(h) * self.router_scale
+                                       * self.router_root)
+        return self.moe.experts(self.pre_norm(h), weights, ids)
+
+    def join(self, dense: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The dense MLP's output and the experts', each normed, added."""
+        return self.dense_norm(dense) + self.out_norm(routed)
+
+
+@dataclass
 class Gemma4Layer(DecoderLayer):
     """A decoder layer with Gemma 4's per-layer head shape, its weightless v norm, K/V
     shared from an earlier layer, its per-layer-embedding block and its output scalar."""
@@ -673,3 +783,5 @@ class Gemma4Layer(DecoderLayer):
     ple_norm: Gemma4Norm | None = None
     #: The layer's output is multiplied by this (None: by one).
     layer_scalar: torch.Tensor | None = None
+    #: The mixture of experts beside the MLP (None: the MLP alone).
+    experts: Gemma4Experts | None = None
