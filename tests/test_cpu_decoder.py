@@ -1,6 +1,7 @@
 """Decode steps with every decoder layer in one Rust call (``layers/decoder_stack.py``):
 the same tokens and log-probabilities as the layer-by-layer Python path, on every tiny
-family (GQA, qkv bias, Qwen3's q/k norms, a sliding window) in bf16 and quantized, one
+family (GQA, qkv bias, Qwen3's q/k norms, a sliding window) and the mixture-of-experts
+ones (sparse layers beside dense ones, a gated shared expert) in bf16 and quantized, one
 sequence and several; bad calls are refused and change nothing."""
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import torch
 from iron_batch.backends.torch_backend import TorchBackend
 from iron_batch.platform import cpu, switches
 from tiny_models import FAMILIES, checkpoint, random_prompts, run_scheduler
+
+#: The sparse families the stack runs (gpt-oss's sinks keep it on the layer path).
+MOE_FAMILIES = ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
 
 
 def _backend(name: str, quantization: str | None, fused: bool,
@@ -25,7 +29,7 @@ def _backend(name: str, quantization: str | None, fused: bool,
 
 
 @pytest.mark.parametrize("quantization", [None, "int4", "int8"])
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", [*sorted(FAMILIES), *MOE_FAMILIES])
 def test_one_call_decode_gives_the_python_paths_tokens_and_logits(
     name: str, quantization: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from iron_batch.backends.torch_backend import TorchBackend
-from iron_batch.layers.moe import DECODE_MAX_ROWS, MoE
+from iron_batch.layers.moe import DECODE_MAX_ROWS, MoE, Router
+from iron_batch.platform import cpu, switches
 from iron_batch.models.registry import SUPPORTED_MODEL_TYPES
 from tiny_models import (
     backend,
@@ -142,6 +143,51 @@ def test_tied_router_scores_pick_the_experts_transformers_picks(
     weights, ids = _sparse(be)[1].router(torch.randn(4, model.config.hidden_size))
     assert torch.all(weights == weights[0, 0])
     assert any(sorted(row) != list(range(ids.shape[1])) for row in ids.tolist())
+
+
+@pytest.mark.parametrize(("experts", "top_k"), [(8, 2), (8, 3), (60, 4), (64, 8),
+                                              (128, 8), (256, 8)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_bf16_routers_pick_what_torch_topk_picks_ties_included(
+    experts: int, top_k: int, renormalize: bool
+) -> None:
+    """bf16 routers on the CPU route in Rust (as the one-call decode step does). Experts
+    that share a router row get the same logits, so rows tie at the k-th place; the chosen
+    experts and their weights are transformers' recipe on the same logits: softmax in
+    float32, torch.topk, renormalised where asked, rounded to bf16."""
+    torch.manual_seed(experts * 100 + top_k)
+    hidden = 64
+    distinct = torch.randn(max(2, experts // 8), hidden)
+    weight = distinct[torch.randint(0, distinct.shape[0], (experts,))].bfloat16()
+    kernels = cpu.select(torch.device("cpu"), torch.bfloat16, switches.read())
+    router = Router(weight, top_k, renormalize=renormalize, kernels=kernels)
+    assert router.routes_in_rust
+    x = torch.randn(300, hidden).bfloat16()
+    boundary_ties = lowest_index_differs = 0
+    for rows in (1, DECODE_MAX_ROWS, 300):  # the Rust GEMV's logits, and oneDNN's
+        logits = router.project(x[:rows]) if router.project is not None else None
+        assert logits is not None
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, want_ids = torch.topk(probs, top_k, dim=-1)
+        if renormalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        got, got_ids = router(x[:rows])
+        assert got.dtype == torch.bfloat16 and got_ids.shape == (rows, top_k)
+        assert torch.equal(got_ids.sort(dim=-1).values, want_ids.sort(dim=-1).values)
+        order, want_order = got_ids.argsort(dim=-1), want_ids.argsort(dim=-1)
+        torch.testing.assert_close(got.float().gather(1, order),
+                                   top.bfloat16().float().gather(1, want_order),
+                                   rtol=2**-8, atol=0)
+        ranked = probs.sort(dim=-1, descending=True, stable=True)
+        boundary_ties += int((ranked.values[:, top_k - 1] == ranked.values[:, top_k]).sum())
+        lowest = ranked.indices[:, :top_k].sort(dim=-1).values
+        lowest_index_differs += int((lowest != want_ids.sort(dim=-1).values).any(-1).sum())
+    assert boundary_ties > 0  # the ties this test is about
+    if experts >= 60:
+        assert lowest_index_differs > 0  # torch's order is not a lowest-index rule
+    # torch's other branch (a partial sort, k * 64 <= experts) stays with torch.topk.
+    wide = torch.zeros(64, hidden, dtype=torch.bfloat16)
+    assert not Router(wide, 1, renormalize=False, kernels=kernels).routes_in_rust
 
 
 @pytest.mark.parametrize(("name", "quantization", "tolerance"), [

@@ -482,6 +482,21 @@ def _gemv_quant(
     """``out = x @ W.T (+ bias)`` for bf16 rows against a quantized matrix (``kind`` "q4" or
     "q8") over raw CPU tensor addresses; call it through ``iron_batch.models.quant``."""
 
+def _moe_route(
+    ids: int,
+    weights: int,
+    logits: int,
+    *,
+    rows: int,
+    experts: int,
+    top_k: int,
+    renormalize: bool,
+    weights_in_float: bool,
+) -> None:
+    """A router's expert ids (i32) and weights (f32) ``[rows, top_k]`` from bf16 logits
+    ``[rows, experts]``: softmax, torch.topk's choice, renormalised where asked; call it
+    through ``iron_batch.layers.moe.Router``."""
+
 def _moe_experts(
     out: int,
     x: int,
@@ -535,9 +550,17 @@ _AttentionSpec = tuple[int, int, int, float | None, float, int]
 #: Gemma 4's: (head_dim, kv_heads (0: the stack's), norms round once, v norm, v from k,
 #: kv_source or None, (gate, proj, norm address) of a per-layer-embedding block or None,
 #: layer scalar or None)
+#: A stacked expert projection: (kind, weight or quants, scale, min).
+_ExpertsSpec = tuple[str, int, int, int]
+#: A sparse MLP: (router, top_k, renormalize, weights in float, gate_up experts, down
+#: experts, experts, inter, shared expert (gate_up, down, sigmoid gate or None) or None).
+_MoeSpec = tuple[
+    _ProjectionSpec, int, bool, bool, _ExpertsSpec, _ExpertsSpec, int, int,
+    tuple[_ProjectionSpec, _ProjectionSpec, _ProjectionSpec | None] | None,
+]
 _ExtrasSpec = tuple[
     int, int, bool, bool, bool, int | None,
-    tuple[_ProjectionSpec, _ProjectionSpec, int] | None, float | None,
+    tuple[_ProjectionSpec, _ProjectionSpec, int] | None, float | None, _MoeSpec | None,
 ]
 _LayerSpec = tuple[
     tuple[int, int, int, int],
@@ -554,9 +577,10 @@ class _DecoderStack:
     """A model's decoder layers by address, for one-call decode steps (see
     ``iron_batch.layers.decoder_stack``, which checks and keeps the tensors). Each layer:
     ((input, attention-output, pre-MLP, MLP-output norm; 0 absent), (q norm, its length),
-    (k norm, its length), [qkv, o, gate_up, down], activation name, (sliding window or 0,
-    rotary_dim, rope_table, scale or None, softcap or 0, cache_group), residual_scale,
-    Gemma 4's extras); an activation the stack does not have is a ValueError."""
+    (k norm, its length), [qkv, o, gate_up, down] ([qkv, o] for a sparse layer),
+    activation name, (sliding window or 0, rotary_dim, rope_table, scale or None, softcap
+    or 0, cache_group), residual_scale, Gemma 4's extras and the sparse MLP); an activation
+    the stack does not have is a ValueError."""
 
     def __init__(
         self,

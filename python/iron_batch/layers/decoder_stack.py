@@ -13,7 +13,10 @@ norms that round once): see :class:`StackLayer` for what it reads and
 :meth:`DecoderStack.decode` for several rotary tables and cache groups. It serves steps
 where every row decodes and there are few enough rows for the GEMV kernels (2 for bf16
 weights, ``IRON_BATCH_QUANT_GEMV_ROWS`` for quantized ones); other steps take the Python
-path. bf16 only; off with ``IRON_BATCH_CPU_DECODER=0`` (and with
+path. A layer's MLP may be sparse (``layers/moe.py``'s :class:`MoE`, when
+:func:`stacks_moe` says the stack runs it): the router, its Rust routing, the chosen
+experts and a shared expert run in the same call. bf16 only; off with
+``IRON_BATCH_CPU_DECODER=0`` (and with
 ``IRON_BATCH_CPU_ATTENTION=torch``; see ``platform/switches.py``).
 """
 
@@ -28,6 +31,7 @@ import torch
 from iron_batch import _core
 from iron_batch.layers.cpu_kernels import BF16_GEMV_MAX_ROWS
 from iron_batch.layers.linear import Linear
+from iron_batch.layers.moe import MoE, expert_addresses, expert_kind
 from iron_batch.layers.norm import HeadNorm, RMSNorm
 from iron_batch.layers.quant import GEMV_MAX_ROWS, QuantWeight
 from iron_batch.platform.openmp import entry_points
@@ -86,6 +90,17 @@ class StackLayer(Protocol):
 
     @property
     def mlp(self) -> _MLP: ...
+
+
+def stacks_moe(moe: MoE) -> bool:
+    """Whether the one-call stack runs this sparse MLP: a bf16 router without bias or
+    expert scales whose softmax comes first and that routes in Rust, experts without
+    biases or gpt-oss's activation, and a shared expert (if any) with the experts'
+    activation."""
+    r = moe.router
+    shared_fits = moe.shared is None or moe.shared.activation_name == moe.activation_name
+    return (r.routes_in_rust and r.bias is None and moe.swiglu_limits is None
+            and moe.gate_up.bias is None and moe.down.bias is None and shared_fits)
 
 
 class TensorAddresses:
@@ -170,8 +185,9 @@ class DecoderStack(TensorAddresses):
             hd = int(getattr(layer, "head_dim", None) or head_dim)
             kvh = int(getattr(layer, "kv_heads", None) or kv_heads)
             self.layer_shapes.append((hd, kvh))
-            projections = [self._linear(linear) for linear in (
-                layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
+            moe = self._moe(layer.mlp) if isinstance(layer.mlp, MoE) else None
+            dense = [] if moe is not None else [layer.mlp.gate_up, layer.mlp.down]
+            projections = [self._linear(linear) for linear in [layer.qkv, layer.o, *dense]]
             once = self._rounding(layer)
             norms = tuple(
                 self._norm(getattr(layer, name, None), name)
@@ -200,7 +216,7 @@ class DecoderStack(TensorAddresses):
                 layer.mlp.activation_name,
                 attention,
                 float(getattr(layer, "residual_scale", 1.0)),
-                self._extras(layer, hd, kvh, once),
+                (*self._extras(layer, hd, kvh, once), moe),
             ))
         assert _STACK is not None
         self._stack = _STACK(specs, hidden=hidden, heads=heads, kv_heads=kv_heads,
@@ -214,6 +230,29 @@ class DecoderStack(TensorAddresses):
         else:
             self.max_rows = min(self.max_rows, BF16_GEMV_MAX_ROWS)
         return self._projection(linear.weight, linear.bias)
+
+    def _moe(self, moe: MoE) -> tuple:
+        """A sparse MLP's spec (see ``_core.pyi``'s ``_MoeSpec``)."""
+        if not stacks_moe(moe):
+            raise ValueError("decoder stack: a sparse MLP it does not run (see stacks_moe)")
+        r = moe.router
+        self.max_rows = min(self.max_rows, BF16_GEMV_MAX_ROWS)
+        experts = []
+        for stack in (moe.gate_up, moe.down):
+            w = stack.weight
+            if isinstance(w, QuantWeight):
+                self._keep.extend(t for t in (w.quants, w.scale, w.min) if t is not None)
+            else:
+                self._address(w, tuple(w.shape))
+            experts.append((expert_kind(w), *expert_addresses(w)))
+        shared = None
+        if moe.shared is not None:
+            gate = None
+            if moe.shared_gate is not None:
+                gate = self._projection(moe.shared_gate, None)
+            shared = (self._linear(moe.shared.gate_up), self._linear(moe.shared.down), gate)
+        return (self._projection(r.weight, None), r.top_k, r.renormalize, r.weights_in_float,
+                experts[0], experts[1], moe.num_experts, moe.down.shape[1], shared)
 
     @staticmethod
     def _rounding(layer: StackLayer) -> bool:

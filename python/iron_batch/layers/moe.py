@@ -41,6 +41,7 @@ from iron_batch.platform.cpu import CpuKernels
 from iron_batch.platform.openmp import entry_points
 
 _EXPERTS = getattr(_core, "_moe_experts", None)
+_ROUTE = getattr(_core, "_moe_route", None)
 
 #: Rows up to which the selected-experts kernel always serves a step (a decode step's).
 #: A larger step takes it too when no expert gets more rows than its projections give the
@@ -106,12 +107,15 @@ class Router:
         weights_in_float: bool = False,
         softmax_after_topk: bool = False,
         expert_scales: torch.Tensor | None = None,
+        kernels: CpuKernels | None = None,
     ) -> None:
         """``weights_in_float``: the routing weights stay float32 (Mixtral's); else they
         are rounded to the compute dtype (the Qwen MoEs' and OLMoE's).
         ``softmax_after_topk`` (gpt-oss): the top ``k`` of the logits, then a softmax over
         those ``k`` in the logits' dtype. ``expert_scales`` ``[experts]`` (Gemma 4): each
-        chosen expert's weight, after the renormalisation, times its scale."""
+        chosen expert's weight, after the renormalisation, times its scale. ``kernels``:
+        bf16 logits come from the model's projection kernels and route in Rust where the
+        router is plain (no scales, softmax first, ``k * 64 > experts``)."""
         if not 0 < top_k <= weight.shape[0]:
             raise ValueError(f"top_k {top_k} of {weight.shape[0]} experts")
         if expert_scales is not None and expert_scales.shape != (weight.shape[0],):
@@ -124,6 +128,11 @@ class Router:
         self.weights_in_float = weights_in_float
         self.softmax_after_topk = softmax_after_topk
         self.expert_scales = expert_scales
+        bf16 = kernels is not None and weight.dtype == torch.bfloat16
+        self.project = Linear(weight, bias, kernels=kernels) if bf16 else None
+        #: Whether bf16 CPU logits route in Rust (:meth:`_route`).
+        self.routes_in_rust = (bf16 and _ROUTE is not None and not softmax_after_topk
+                               and expert_scales is None and top_k * 64 > weight.shape[0])
 
     @property
     def num_experts(self) -> int:
@@ -131,7 +140,12 @@ class Router:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[rows, k]``, expert ids ``[rows, k]`` int64), best first."""
-        logits = F.linear(x, self.weight, self.bias)
+        if self.project is not None:
+            logits = self.project(x)
+        else:
+            logits = F.linear(x, self.weight, self.bias)
+        if self.routes_in_rust and logits.device.type == "cpu" and logits.shape[0] > 0:
+            return self._route(logits.contiguous())
         if self.softmax_after_topk:
             top, ids = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1), ids
@@ -144,6 +158,19 @@ class Router:
         if not self.weights_in_float:
             top = top.to(logits.dtype)
         return top, ids
+
+    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`__call__`'s routing of bf16 ``logits`` in Rust."""
+        rows, k = logits.shape[0], self.top_k
+        ids = torch.empty(rows, k, dtype=torch.int32)
+        weights = torch.empty(rows, k, dtype=torch.float32)
+        assert _ROUTE is not None
+        _ROUTE(ids.data_ptr(), weights.data_ptr(), logits.data_ptr(), rows=rows,
+               experts=self.num_experts, top_k=k, renormalize=self.renormalize,
+               weights_in_float=self.weights_in_float)
+        if not self.weights_in_float:
+            weights = weights.to(logits.dtype)  # bf16 values already: exact
+        return weights, ids.long()
 
 
 class MoE:
@@ -159,12 +186,14 @@ class MoE:
         shared: GatedMLP | None = None,
         shared_gate: torch.Tensor | None = None,
         swiglu_limits: tuple[float, float] | None = None,
+        kernels: CpuKernels | None = None,
     ) -> None:
         """``gate_up``: each expert's gate rows then its up rows ``[E * 2I, H]``;
         ``down``: ``[E * H, I]``; ``shared_gate`` ``[1, H]``: the shared expert's output
         is scaled by ``sigmoid(x @ shared_gate.T)`` (None: added as it is).
         ``swiglu_limits`` (alpha, limit): the experts' activation is
-        :func:`clamped_swiglu` (gpt-oss) instead of ``activation``."""
+        :func:`clamped_swiglu` (gpt-oss) instead of ``activation``. ``kernels``: a bf16
+        shared gate runs on the model's projection kernels (as the decode step runs it)."""
         if activation not in GATED_ACTIVATIONS:
             raise ValueError(f"unsupported MLP activation {activation!r} (supported: "
                              f"{', '.join(GATED_ACTIVATIONS)})")
@@ -183,6 +212,10 @@ class MoE:
             self.activation = functools.partial(clamped_swiglu, alpha=alpha, limit=limit)
         self.shared = shared
         self.shared_gate = shared_gate
+        self.shared_gate_linear = (
+            Linear(shared_gate, None, kernels=kernels)
+            if kernels is not None and shared_gate is not None
+            and shared_gate.dtype == torch.bfloat16 else None)
         #: Whether steps may run the Rust kernel over the selected experts' rows, and the
         #: most rows of one expert it takes in a step of more than DECODE_MAX_ROWS rows.
         self.decode_kernel = _EXPERTS is not None and _decodable(gate_up, down)
@@ -203,7 +236,9 @@ class MoE:
         out = self.experts(x, weights, ids)
         if self.shared is not None:
             shared = self.shared(x)
-            if self.shared_gate is not None:
+            if self.shared_gate_linear is not None:
+                shared = torch.sigmoid(self.shared_gate_linear(x)) * shared
+            elif self.shared_gate is not None:
                 shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
             out = out + shared
         return out
@@ -258,8 +293,8 @@ class MoE:
                   for b in (gate_up.bias, down.bias)]
         _EXPERTS(
             out.data_ptr(), x.data_ptr(), ids32.data_ptr(), w32.data_ptr(),
-            _kind(gate_up.weight), *_addresses(gate_up.weight),
-            _kind(down.weight), *_addresses(down.weight),
+            expert_kind(gate_up.weight), *expert_addresses(gate_up.weight),
+            expert_kind(down.weight), *expert_addresses(down.weight),
             rows=rows, top_k=k, experts=self.num_experts, hidden=x.shape[1],
             inter=down.shape[1], activation=self.activation_name,
             bf16=x.dtype == torch.bfloat16, threads=torch.get_num_threads(),
@@ -281,11 +316,11 @@ def clamped_swiglu(gate_up: torch.Tensor, *, alpha: float, limit: float) -> torc
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def _kind(w: torch.Tensor | QuantWeight) -> str:
+def expert_kind(w: torch.Tensor | QuantWeight) -> str:
     return w.kind if isinstance(w, QuantWeight) else "bf16"
 
 
-def _addresses(w: torch.Tensor | QuantWeight) -> tuple[int, int, int]:
+def expert_addresses(w: torch.Tensor | QuantWeight) -> tuple[int, int, int]:
     if isinstance(w, QuantWeight):
         return w.addresses
     return (w.data_ptr(), 0, 0)

@@ -47,6 +47,8 @@ class GptOssConfig(MoEConfig):
 class GptOssForCausalLM(MoEDecoderModel):
     model_types = ("gpt_oss",)
     architectures = ("GptOssForCausalLM",)
+    # The one-call decode stack has no attention sinks: decode steps run layer by layer.
+    one_call_decode = False
 
     @classmethod
     def config_from_hf(cls, cfg: dict[str, Any]) -> GptOssConfig:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from iron_batch.layers.decoder_stack import stacks_moe
 from iron_batch.layers.linear import Linear
 from iron_batch.layers.mlp import GatedMLP
 from iron_batch.layers.moe import MoE, Router, stacked
@@ -172,8 +173,6 @@ class MoEDecoderModel(DecoderModel):
     #: The family's GGUF files carry another family's ``general.architecture`` and are
     #: told apart by their ``expert_count`` (``models/registry.py``).
     gguf_shares_architecture: ClassVar[bool] = False
-    # The one-call decode stack has no sparse layer yet: decode steps run layer by layer.
-    one_call_decode = False
 
     def _sparse_mlp(self, ctx: LoadContext, i: int, plan: ShardPlan | None) -> MoE | None:
         c = self.config
@@ -192,7 +191,7 @@ class MoEDecoderModel(DecoderModel):
         gate_up = stacked(Linear.load(ctx, gate_up_parts), c.num_experts, ctx.kernels)
         down = stacked(Linear.load(ctx, down_parts), c.num_experts, ctx.kernels)
         router = Router(ctx.need(Part(n["router"])), c.top_k, renormalize=c.norm_topk_prob,
-                        weights_in_float=c.routing_weights_in_float)
+                        weights_in_float=c.routing_weights_in_float, kernels=ctx.kernels)
         shared = shared_gate = None
         if c.shared_intermediate_size:
             srows = self._rows(c.shared_intermediate_size, plan)
@@ -203,9 +202,13 @@ class MoEDecoderModel(DecoderModel):
                 c.hidden_act)
             if c.shared_expert_gated:
                 # [1, hidden] (GGUF files hold it as a vector).
-                shared_gate = ctx.need(Part(n["shared_expert_gate"])).reshape(1, -1)
-        return MoE(router, gate_up, down, c.hidden_act, shared=shared,
-                   shared_gate=shared_gate)
+                shared_gate = ctx.need(Part(n["shared_expert_gate"])).reshape(1, -1).contiguous()
+        moe = MoE(router, gate_up, down, c.hidden_act, shared=shared,
+                  shared_gate=shared_gate, kernels=ctx.kernels)
+        if not stacks_moe(moe):
+            # Decode steps take the layer path (the one-call stack cannot describe it).
+            self.one_call_decode = False
+        return moe
 
     @staticmethod
     def _rows(total: int, plan: ShardPlan | None) -> slice | None:

@@ -6,20 +6,20 @@
 use iron_batch_kernels::{
     decode_layers, int8_row_len, parse_layout, run_in_team, Activation, CacheGroup, DecodeInputs,
     DecodeShape, DecoderLayer, Int8LayerCache, KernelError, LayerCache, LayerExtras, Matrix,
-    PerLayerInput, Projection, RopeTable,
+    PerLayerInput, Projection, RopeTable, Routing, SharedExpert, SparseMlp,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::kernels::{qmatrix, run_kernel, slice, slice_mut};
+use crate::kernels::{experts_at, qmatrix, run_kernel, slice, slice_mut};
 
 /// A projection as Python describes it: (kind "bf16" | "q4" | "q8" | a GGUF block format
 /// such as "q4_k" (the bindings' `qmatrix`), weight or quants,
 /// scale, min, bias, n, k); unused addresses and "no bias" are 0.
 pub(crate) type ProjectionSpec = (String, usize, usize, usize, usize, usize, usize);
-/// A layer: (norms, q_norm, k_norm, [qkv, o, gate_up, down], activation, attention,
-/// residual_scale, extras).
+/// A layer: (norms, q_norm, k_norm, [qkv, o, gate_up, down] (a sparse layer: [qkv, o]),
+/// activation, attention, residual_scale, extras).
 ///
 /// `norms` are the addresses of the four `hidden`-wide RMSNorm weights (input, attention
 /// output, pre-MLP, MLP output; 0: absent); `q_norm`/`k_norm` are (address, length) with
@@ -27,7 +27,8 @@ pub(crate) type ProjectionSpec = (String, usize, usize, usize, usize, usize, usi
 /// attention is (sliding window (0: every position), rotary_dim, rope_table, scale (None:
 /// the step's), softcap (0: off), cache_group); the extras are Gemma 4's (the kernels'
 /// `LayerExtras`): (head_dim, kv_heads (0: the stack's), norms round once, v norm, v from
-/// k, kv_source, per-layer-embedding block (gate, proj, norm address), layer scalar).
+/// k, kv_source, per-layer-embedding block (gate, proj, norm address), layer scalar) and
+/// the sparse MLP ([`MoeSpec`]; None: the dense `gate_up` and `down`).
 type LayerSpec = (
     [usize; 4],
     (usize, usize),
@@ -47,6 +48,24 @@ type ExtrasSpec = (
     Option<usize>,
     Option<(ProjectionSpec, ProjectionSpec, usize)>,
     Option<f32>,
+    Option<MoeSpec>,
+);
+/// A stacked expert projection: (kind "bf16" | "mxfp4" | a quantized layout, weight or
+/// quants, scale, min).
+type ExpertsSpec = (String, usize, usize, usize);
+/// A sparse MLP: (router `[experts, hidden]`, top_k, renormalize, weights in float,
+/// gate_up experts `[experts * 2 * inter, hidden]`, down experts `[experts * hidden,
+/// inter]`, experts, inter, shared expert (gate_up, down, sigmoid gate `[1, hidden]`)).
+type MoeSpec = (
+    ProjectionSpec,
+    usize,
+    bool,
+    bool,
+    ExpertsSpec,
+    ExpertsSpec,
+    usize,
+    usize,
+    Option<(ProjectionSpec, ProjectionSpec, Option<ProjectionSpec>)>,
 );
 type AttentionSpec = (usize, usize, usize, Option<f32>, f32, usize);
 /// A rotary table: (cos, sin, dim), each `[rows, dim]` bf16.
@@ -126,8 +145,8 @@ struct LayerAddrs {
     /// (address, length); address 0: absent.
     q_norm: (usize, usize),
     k_norm: (usize, usize),
-    /// qkv, o, gate_up, down.
-    projections: [ProjectionAddrs; 4],
+    /// qkv, o, and gate_up, down (absent in a sparse layer).
+    projections: Vec<ProjectionAddrs>,
     activation: Activation,
     sliding_window: usize,
     rotary_dim: usize,
@@ -145,6 +164,77 @@ struct LayerAddrs {
     /// gate, proj, and the norm's address (`hidden` weights).
     ple: Option<(ProjectionAddrs, ProjectionAddrs, usize)>,
     layer_scalar: Option<f32>,
+    moe: Option<MoeAddrs>,
+}
+
+struct MoeAddrs {
+    router: ProjectionAddrs,
+    routing: Routing,
+    gate_up: ExpertsSpec,
+    down: ExpertsSpec,
+    experts: usize,
+    inter: usize,
+    shared: Option<(ProjectionAddrs, ProjectionAddrs, Option<ProjectionAddrs>)>,
+}
+
+impl MoeAddrs {
+    fn parse(spec: MoeSpec) -> PyResult<Self> {
+        let (router, top_k, renormalize, weights_in_float, gate_up, down, experts, inter, shared) =
+            spec;
+        let routing = Routing {
+            top_k,
+            renormalize,
+            weights_in_float,
+        };
+        if !routing.supports(experts) {
+            return Err(PyValueError::new_err(format!(
+                "the decode stack's router takes top k of experts with k * 64 > experts, \
+                 not top {top_k} of {experts}"
+            )));
+        }
+        let shared = match shared {
+            Some((gu, dn, gate)) => Some((
+                ProjectionAddrs::parse(gu)?,
+                ProjectionAddrs::parse(dn)?,
+                gate.map(ProjectionAddrs::parse).transpose()?,
+            )),
+            None => None,
+        };
+        Ok(Self {
+            router: ProjectionAddrs::parse(router)?,
+            routing,
+            gate_up,
+            down,
+            experts,
+            inter,
+            shared,
+        })
+    }
+
+    /// SAFETY: as [`ProjectionAddrs::view`], and the experts' addresses hold the sizes
+    /// `experts`, `inter` and the router's `k` (hidden) imply.
+    unsafe fn view<'a>(&self) -> Result<SparseMlp<'a>, KernelError> {
+        let (e, i, h) = (self.experts, self.inter, self.router.k);
+        let (gk, gq, gs, gm) = &self.gate_up;
+        let (dk, dq, ds, dm) = &self.down;
+        let shared = match &self.shared {
+            Some((gu, dn, gate)) => Some(SharedExpert {
+                gate_up: gu.view()?,
+                down: dn.view()?,
+                gate: gate.as_ref().map(|g| g.view()).transpose()?,
+            }),
+            None => None,
+        };
+        Ok(SparseMlp {
+            router: self.router.view()?,
+            routing: self.routing,
+            gate_up: experts_at(gk, (*gq, *gs, *gm), e * 2 * i, h)?,
+            down: experts_at(dk, (*dq, *ds, *dm), e * h, i)?,
+            experts: e,
+            inter: i,
+            shared,
+        })
+    }
 }
 
 /// The decoder layers of one model, by address, and their KV caches.
@@ -182,8 +272,18 @@ impl DecoderStack {
             layers
         {
             let (sliding_window, rotary_dim, rope_table, scale, softcap, cache_group) = attention;
-            let (head_dim, kv_heads, norms_round_once, v_norm, v_from_k, kv_source, ple, scalar) =
-                extras;
+            let (
+                head_dim,
+                kv_heads,
+                norms_round_once,
+                v_norm,
+                v_from_k,
+                kv_source,
+                ple,
+                scalar,
+                moe,
+            ) = extras;
+            let moe = moe.map(MoeAddrs::parse).transpose()?;
             let ple = match ple {
                 Some((gate, proj, norm)) => Some((
                     ProjectionAddrs::parse(gate)?,
@@ -197,9 +297,13 @@ impl DecoderStack {
                 .into_iter()
                 .map(ProjectionAddrs::parse)
                 .collect::<PyResult<_>>()?;
-            let projections: [ProjectionAddrs; 4] = projections
-                .try_into()
-                .map_err(|_| PyValueError::new_err("a layer has four projections"))?;
+            let want = if moe.is_some() { 2 } else { 4 };
+            if projections.len() != want {
+                return Err(PyValueError::new_err(format!(
+                    "a {} layer has {want} projections",
+                    if moe.is_some() { "sparse" } else { "dense" }
+                )));
+            }
             parsed.push(LayerAddrs {
                 norms,
                 q_norm,
@@ -221,6 +325,7 @@ impl DecoderStack {
                 kv_source,
                 ple,
                 layer_scalar: scalar,
+                moe,
             });
         }
         Ok(Self {
@@ -360,7 +465,19 @@ impl DecoderStack {
                     .layers
                     .iter()
                     .map(|l| {
-                        let [qkv, o, gate_up, down] = &l.projections;
+                        let (qkv, o) = (&l.projections[0], &l.projections[1]);
+                        // A sparse layer's dense MLP is neither read nor checked.
+                        let none = Projection {
+                            weight: Matrix::Bf16(&[]),
+                            bias: None,
+                            n: 0,
+                            k: 0,
+                        };
+                        let (gate_up, down) = match &l.projections[..] {
+                            [_, _, gu, dn] => (gu.view()?, dn.view()?),
+                            _ => (none, none),
+                        };
+                        let moe = l.moe.as_ref().map(|m| m.view()).transpose()?;
                         let [input_norm, attn_out_norm, post_norm, mlp_out_norm] = l.norms;
                         let ple = match &l.ple {
                             Some((gate, proj, norm_at)) => Some(PerLayerInput {
@@ -378,8 +495,8 @@ impl DecoderStack {
                             o: o.view()?,
                             attn_out_norm: norm(attn_out_norm),
                             post_norm: norm(post_norm),
-                            gate_up: gate_up.view()?,
-                            down: down.view()?,
+                            gate_up,
+                            down,
                             mlp_out_norm: norm(mlp_out_norm),
                             activation: l.activation,
                             sliding_window: l.sliding_window,
@@ -398,6 +515,7 @@ impl DecoderStack {
                                 kv_source: l.kv_source,
                                 ple,
                                 layer_scalar: l.layer_scalar,
+                                moe,
                             },
                         })
                     })

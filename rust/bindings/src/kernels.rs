@@ -9,9 +9,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use iron_batch_kernels::{
     add_rms_norm_with, dequantize_bf16, dequantize_mxfp4, gemv_bf16, gemv_mxfp4, gemv_quant,
     moe_experts_with, paged_decode_attention_sinks_on, parse_layout, q4_nibble, rope_store_kv,
-    Activation, AttentionPath, Bf16, Blocks, DecodeShape, Element, ExpertActivation, ExpertExtras,
-    Experts, KernelError, MoeShape, Mxfp4, Parallel, QMatrix, ScopedThreads, Segment, F16,
-    MXFP4_BLOCK, Q4, Q8, QBLOCK,
+    route, Activation, AttentionPath, Bf16, Blocks, DecodeShape, Element, ExpertActivation,
+    ExpertExtras, Experts, KernelError, MoeShape, Mxfp4, Parallel, QMatrix, Routing, ScopedThreads,
+    Segment, F16, MXFP4_BLOCK, Q4, Q8, QBLOCK,
 };
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -534,7 +534,7 @@ unsafe fn mxfp4_at<'a>(
 /// weight), "mxfp4" (see `mxfp4_at`) or a quantized layout (see `qmatrix`).
 ///
 /// SAFETY: as for `qmatrix`.
-unsafe fn experts_at<'a>(
+pub(crate) unsafe fn experts_at<'a>(
     kind: &str,
     (quants, scale, min): (usize, usize, usize),
     n: usize,
@@ -641,6 +641,37 @@ pub fn _moe_experts(
             out, x, ids, weights, gate_up, down, extras, shape, threads, parallel,
         )
     })
+}
+
+/// A router's choice for `rows` rows of bf16 `logits` `[rows, experts]` (see the kernels'
+/// `route`): expert ids (i32) and weights (f32) `[rows, top_k]`.
+#[pyfunction]
+#[pyo3(signature = (ids, weights, logits, *, rows, experts, top_k, renormalize, weights_in_float))]
+#[allow(clippy::too_many_arguments)]
+pub fn _moe_route(
+    ids: usize,
+    weights: usize,
+    logits: usize,
+    rows: usize,
+    experts: usize,
+    top_k: usize,
+    renormalize: bool,
+    weights_in_float: bool,
+) -> PyResult<()> {
+    let routing = Routing {
+        top_k,
+        renormalize,
+        weights_in_float,
+    };
+    // SAFETY: the caller sized every buffer by `rows`, `experts` and `top_k`.
+    let (ids, weights, logits) = unsafe {
+        (
+            slice_mut::<i32>(ids, rows * top_k),
+            slice_mut::<f32>(weights, rows * top_k),
+            slice::<Bf16>(logits, rows * experts),
+        )
+    };
+    route(ids, weights, logits, rows, experts, routing).map_err(|e| PyValueError::new_err(e.0))
 }
 
 /// The quantized `n` x `k` matrix as bf16 into `out`.

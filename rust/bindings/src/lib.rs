@@ -55,6 +55,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::_gemv_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_gemv_quant, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_moe_experts, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::_moe_route, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_dequantize_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::_q4_layout, m)?)?;
     Ok(())

@@ -17,6 +17,7 @@ use crate::element::{Bf16, Element};
 use crate::elementwise::{add_rms_norm_with, rope_q, rope_store_kv};
 use crate::gemv::{gemv_bf16, GEMV_MAX_ROWS};
 use crate::kv_int8::{int8_row_len, paged_decode_attention_int8, rope_store_kv_int8};
+use crate::moe::SparseMlp;
 use crate::quant::{gemv_quant, QMatrix};
 
 /// A projection matrix `[n, k]`: plain bf16 or quantized blocks.
@@ -157,7 +158,8 @@ pub struct DecoderLayer<'a> {
     pub extras: LayerExtras<'a>,
 }
 
-/// Gemma 4's additions to a layer; the default has none of them.
+/// Gemma 4's additions to a layer, and a sparse MLP in place of the dense one; the default
+/// has none of them.
 #[derive(Clone, Copy, Default)]
 pub struct LayerExtras<'a> {
     /// The layer's head width and K/V heads (0: the step's [`DecodeShape`]'s): a model's
@@ -180,6 +182,9 @@ pub struct LayerExtras<'a> {
     pub ple: Option<PerLayerInput<'a>>,
     /// The layer's output residual is multiplied by this (None: by one), rounded to bf16.
     pub layer_scalar: Option<f32>,
+    /// The MLP is sparse: a router and experts (with the layer's activation) instead of
+    /// `gate_up` and `down`, which are then neither read nor checked.
+    pub moe: Option<SparseMlp<'a>>,
 }
 
 /// A layer's per-layer-embedding block: `h += norm(proj(act(gate(h)) * v))`, `v` the row's
@@ -570,14 +575,21 @@ fn check(
                 && rows <= p.gate.max_rows()
                 && rows <= p.proj.max_rows()
         });
+        let mlp_fits = match e.moe {
+            Some(m) => m.fits(hidden, rows),
+            None => {
+                (l.gate_up.k, l.gate_up.n) == (hidden, 2 * inter)
+                    && (l.down.k, l.down.n) == (inter, hidden)
+                    && [l.gate_up, l.down].iter().all(|p| rows <= p.max_rows())
+            }
+        };
         let fits = norm_fits(l.input_norm, hidden)
             && norm_fits(l.attn_out_norm, hidden)
             && norm_fits(l.post_norm, hidden)
             && norm_fits(l.mlp_out_norm, hidden)
             && (l.qkv.k, l.qkv.n) == (hidden, q_size + l.kv_parts() * kv_row)
             && (l.o.k, l.o.n) == (q_size, hidden)
-            && (l.gate_up.k, l.gate_up.n) == (hidden, 2 * inter)
-            && (l.down.k, l.down.n) == (inter, hidden)
+            && mlp_fits
             && head_norm_fits(l.q_norm, s.num_heads)
             && head_norm_fits(l.k_norm, kv_heads)
             && l.scale.is_finite()
@@ -586,9 +598,7 @@ fn check(
             && l.residual_scale.is_finite()
             && e.layer_scalar.is_none_or(f32::is_finite)
             && ple_fits
-            && [l.qkv, l.o, l.gate_up, l.down]
-                .iter()
-                .all(|p| rows <= p.max_rows());
+            && [l.qkv, l.o].iter().all(|p| rows <= p.max_rows());
         if !fits {
             return Err(invalid(format!("layer {i}'s sizes do not fit the step")));
         }
@@ -819,16 +829,28 @@ pub fn decode_layers(
                 h
             }
         };
-        let inter = layer.gate_up.n / 2;
-        let gate_up = &mut gate_up[..rows * 2 * inter];
-        layer
-            .gate_up
-            .apply(gate_up, mlp_in, rows, threads, parallel)?;
-        let act_rows = &mut act[..rows * inter];
-        layer.activation.apply(act_rows, gate_up, inter);
-        layer
-            .down
-            .apply(&mut delta, act_rows, rows, threads, parallel)?;
+        if let Some(m) = &e.moe {
+            m.apply(
+                &mut delta,
+                mlp_in,
+                rows,
+                hidden,
+                layer.activation,
+                threads,
+                parallel,
+            )?;
+        } else {
+            let inter = layer.gate_up.n / 2;
+            let gate_up = &mut gate_up[..rows * 2 * inter];
+            layer
+                .gate_up
+                .apply(gate_up, mlp_in, rows, threads, parallel)?;
+            let act_rows = &mut act[..rows * inter];
+            layer.activation.apply(act_rows, gate_up, inter);
+            layer
+                .down
+                .apply(&mut delta, act_rows, rows, threads, parallel)?;
+        }
         finish_delta(
             &mut delta,
             &mut spare,

@@ -14,6 +14,7 @@ mod moe;
 mod mxfp4;
 mod prefetch;
 mod quant;
+mod router;
 mod team;
 
 pub use attention::{
@@ -41,9 +42,13 @@ pub use kv_int8::{
     dequantize_int8_row, int8_row_len, int8_row_scale, paged_decode_attention_int8,
     quantize_int8_row, rope_store_kv_int8, store_kv_int8, INT8_SCALE_BYTES,
 };
-pub use moe::{moe_experts, moe_experts_with, ExpertActivation, ExpertExtras, Experts, MoeShape};
+pub use moe::{
+    moe_experts, moe_experts_with, ExpertActivation, ExpertExtras, Experts, MoeShape, SharedExpert,
+    SparseMlp,
+};
 pub use mxfp4::{
     dequantize_mxfp4, gemv_mxfp4, gemv_mxfp4_on, Mxfp4, Mxfp4Path, MXFP4_BLOCK, MXFP4_MAX_ROWS,
 };
 pub use quant::{dequantize_bf16, gemv_quant, q4_nibble, QMatrix, MAX_ROWS, Q4, Q8, QBLOCK};
+pub use router::{route, select_top_k, Routing};
 pub use team::run_in_team;

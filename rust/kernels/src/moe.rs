@@ -16,11 +16,12 @@
 //! ([`ExpertActivation::ClampedSwiglu`]).
 
 use crate::attention::{KernelError, Parallel};
-use crate::decoder::Activation;
+use crate::decoder::{exp, Activation, Projection};
 use crate::element::{Bf16, Element};
 use crate::gemv::gemv_bf16;
 use crate::mxfp4::{gemv_mxfp4, Mxfp4, MXFP4_BLOCK};
 use crate::quant::{gemv_quant, QMatrix, Q4, Q8, QBLOCK};
+use crate::router::{route, Routing};
 
 /// One stacked projection of every expert.
 #[derive(Clone, Copy)]
@@ -283,6 +284,124 @@ pub fn moe_experts_with(
         *o = Bf16::from_f32(*s);
     }
     Ok(())
+}
+
+/// A sparse MLP as a decoder layer runs it: the router, the chosen experts, and a shared
+/// expert every row runs (Qwen2-MoE's), scaled by `sigmoid(shared_gate x)` where there is
+/// a gate. Each step rounds to bf16 where torch's bf16 ops round:
+///
+/// ```text
+/// ids, w = route(router(x))                   // see crate::router
+/// out = sum_j w_j * expert_{ids_j}(x)          // f32 sums, rounded once (moe_experts)
+/// s = shared.down(act(shared.gate_up(x)))
+/// s = sigmoid(shared_gate(x)) * s             // the sigmoid rounded, then the product
+/// out = out + s
+/// ```
+#[derive(Clone, Copy)]
+pub struct SparseMlp<'a> {
+    /// `[experts, hidden]`, no bias.
+    pub router: Projection<'a>,
+    pub routing: Routing,
+    pub gate_up: Experts<'a>,
+    pub down: Experts<'a>,
+    pub experts: usize,
+    /// Rows of each expert's gate (and of its up) projection.
+    pub inter: usize,
+    pub shared: Option<SharedExpert<'a>>,
+}
+
+/// A dense expert every row runs beside the routed ones.
+#[derive(Clone, Copy)]
+pub struct SharedExpert<'a> {
+    pub gate_up: Projection<'a>,
+    pub down: Projection<'a>,
+    /// `[1, hidden]`: the output is scaled by the sigmoid of this projection (None: not).
+    pub gate: Option<Projection<'a>>,
+}
+
+impl SparseMlp<'_> {
+    /// Whether the sizes fit `hidden`-wide rows, `rows` of them a step.
+    pub fn fits(&self, hidden: usize, rows: usize) -> bool {
+        let (e, i) = (self.experts, self.inter);
+        let proj_fits =
+            |p: &Projection<'_>, n: usize, k: usize| (p.n, p.k) == (n, k) && rows <= p.max_rows();
+        let shared_fits = self.shared.is_none_or(|s| {
+            let si = s.gate_up.n / 2;
+            si > 0
+                && proj_fits(&s.gate_up, 2 * si, hidden)
+                && proj_fits(&s.down, hidden, si)
+                && s.gate.is_none_or(|g| proj_fits(&g, 1, hidden))
+        });
+        e > 0
+            && i > 0
+            && self.routing.supports(e)
+            && proj_fits(&self.router, e, hidden)
+            && self.gate_up.holds(e * 2 * i, hidden)
+            && self.down.holds(e * hidden, i)
+            && shared_fits
+    }
+
+    /// `out = mlp(x)` for `rows` rows of `x` (`[rows, hidden]` bf16) with `activation`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn apply(
+        &self,
+        out: &mut [Bf16],
+        x: &[Bf16],
+        rows: usize,
+        hidden: usize,
+        activation: Activation,
+        threads: usize,
+        parallel: &dyn Parallel,
+    ) -> Result<(), KernelError> {
+        let (e, k) = (self.experts, self.routing.top_k);
+        let mut logits = vec![Bf16(0); rows * e];
+        self.router.apply(&mut logits, x, rows, threads, parallel)?;
+        let (mut ids, mut weights) = (vec![0i32; rows * k], vec![0f32; rows * k]);
+        route(&mut ids, &mut weights, &logits, rows, e, self.routing)?;
+        let shape = MoeShape {
+            rows,
+            top_k: k,
+            experts: e,
+            hidden,
+            inter: self.inter,
+        };
+        moe_experts(
+            out,
+            x,
+            &ids,
+            &weights,
+            self.gate_up,
+            self.down,
+            activation,
+            shape,
+            threads,
+            parallel,
+        )?;
+        let Some(s) = self.shared else {
+            return Ok(());
+        };
+        let si = s.gate_up.n / 2;
+        let mut gu = vec![Bf16(0); rows * 2 * si];
+        s.gate_up.apply(&mut gu, x, rows, threads, parallel)?;
+        let mut act = vec![Bf16(0); rows * si];
+        activation.apply(&mut act, &gu, si);
+        let mut shared = vec![Bf16(0); rows * hidden];
+        s.down.apply(&mut shared, &act, rows, threads, parallel)?;
+        if let Some(g) = s.gate {
+            let mut gate = vec![Bf16(0); rows];
+            g.apply(&mut gate, x, rows, threads, parallel)?;
+            for (row, g) in shared.chunks_exact_mut(hidden).zip(&gate) {
+                let sig = Bf16::from_f32(1.0 / (1.0 + exp(-g.to_f32()))).to_f32();
+                for v in row.iter_mut() {
+                    *v = Bf16::from_f32(sig * v.to_f32());
+                }
+            }
+        }
+        for (o, s) in out.iter_mut().zip(&shared) {
+            *o = Bf16::from_f32(o.to_f32() + s.to_f32());
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
