@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from iron_batch.backends.torch_backend import TorchBackend
-from iron_batch.layers.moe import DECODE_MAX_ROWS, MoE, Router
+from iron_batch.layers.moe import DECODE_MAX_ROWS, SMALL_EXPERTS_MAX_ROWS, MoE, Router
 from iron_batch.platform import cpu, switches
 from iron_batch.models.registry import SUPPORTED_MODEL_TYPES
 from tiny_models import (
@@ -225,6 +225,13 @@ def test_bf16_and_quantized_experts_stay_close_to_float32(
         torch.testing.assert_close(moe.experts(x[:rows].contiguous(), weights[:rows],
                                                ids[:rows]).float(), grouped[:rows],
                                    rtol=0.02, atol=0.02)
+    # A step of up to SMALL_EXPERTS_MAX_ROWS rows over small experts takes the kernel even
+    # where an expert has more rows than one GEMV pass (a 24-row decode step here): each
+    # row is then what it gets alone (bf16 experts: one pass is 8 rows; quantized: 16).
+    assert moe.small_experts and x.shape[0] <= SMALL_EXPERTS_MAX_ROWS
+    if quantization is None:
+        assert int(torch.bincount(ids.reshape(-1)).max()) > moe.kernel_rows
+    assert torch.equal(moe.experts(x, weights, ids), alone)
     if moe.shared is not None:
         grouped = moe(x).float()
     err = (grouped - want).norm() / want.norm()
