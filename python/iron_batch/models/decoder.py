@@ -225,8 +225,9 @@ class DecoderModel:
         if kernels.huge_pages:
             self._weights_to_huge_pages()
         if kernels.prepack and quantization is None:
-            for linear in self._linears(head=True):
+            for linear in self._linears():
                 linear.prepack()
+            self.lm_head.prepack()
         # Decode steps with few rows: every layer in one Rust call (see decoder_stack).
         self.decoder: decoder_stack.DecoderStack | None = None
         if shard is None and kernels.decoder and self.one_call_decode:
