@@ -8,12 +8,15 @@ its 49152 x 576 Q8 LM head, each set called matrix by matrix through
 ``iron_batch._core._gemv_quant`` as a decode step calls them; plus the same projections in
 Q8 (``--quantization int8``) and in Q5_0 (what llama.cpp's Q4_K_M makes of most of
 SmolLM2's matrices); and three layers of a Llama-3.2-3B shape's projections in Q4_K and two
-in Q6_K (``--sets`` picks). Both builds' extension modules are loaded side by side and
+in Q6_K; and 32 experts of a Qwen3-30B-A3B shape, each a 1536 x 2048 gate/up in Q4_K and
+a 2048 x 768 down in Q6_K (what Q4_K_M makes of them), rows of three super-blocks
+(``--sets`` picks). Both builds' extension modules are loaded side by side and
 called in turns, the order flipping every repetition, so that both meet the same minutes of
 this machine's memory bandwidth; each figure is the median of ``--reps`` calls.
 
     python benches/quant_rows.py --other /path/to/other/checkout/python
     python benches/quant_rows.py --other OTHER/python --sets q4_k q6_k q5_0 --rows 1 4 8
+    python benches/quant_rows.py --other OTHER/python --sets moe_k q4_k q6_k --rows 1 2 4
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)
 # A Llama-3.2-3B layer's projections: fused q/k/v, o, fused gate/up, down.
 LLAMA3B = [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]
+# A Qwen3-30B-A3B expert's projections: fused gate/up (Q4_K), down (Q6_K).
+EXPERT = [(1536, 2048, "q4_k"), (2048, 768, "q6_k")]
 # GGUF block formats: values a block, bytes a block, offsets of the block's f16 fields.
 BLOCK_FORMATS = {"q4_k": (256, 144, (0, 2)), "q6_k": (256, 210, (208,)), "q5_0": (32, 22, (0,))}
 
@@ -80,7 +85,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--warmup-s", type=float, default=5.0)
     ap.add_argument("--sets", nargs="+", default=["q4", "q8"],
-                    choices=["q4", "q8", "q5_0", "q4_k", "q6_k"])
+                    choices=["q4", "q8", "q5_0", "q4_k", "q6_k", "moe_k"])
     args = ap.parse_args()
     this = load_core(str(Path(__file__).resolve().parents[1] / "python"), "this")
     other = load_core(args.other, "other")
@@ -99,10 +104,13 @@ def main() -> None:
         if kind in args.sets:
             sets[f"{kind} 3B layers"] = [blocks(rng, n, k, kind) for _ in range(layers)
                                          for n, k in LLAMA3B]
+    if "moe_k" in args.sets:
+        sets["moe_k 32 experts"] = [blocks(rng, n, k, kind) for _ in range(32)
+                                    for n, k, kind in EXPERT]
     threads = torch.get_num_threads()
     openmp = entry_points()
     xs = {(r, k): torch.randn(r, k).bfloat16() for r in args.rows
-          for k in (576, 1536, 3072, 8192)}
+          for k in (576, 768, 1536, 2048, 3072, 8192)}
     ys: dict[tuple[int, int], torch.Tensor] = {}
 
     def call(core: ModuleType, mats: list[Matrix], rows: int) -> None:
