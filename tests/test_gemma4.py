@@ -164,7 +164,7 @@ def test_per_layer_embeddings_are_loaded_only_where_configured() -> None:
     assert all(layer.ple_gate is None for layer in _layers("gemma4_no_ple"))
 
 
-@pytest.mark.parametrize("name", ["gemma4", "gemma4_no_ple"])
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_no_ple", "gemma4_moe"])
 def test_every_positions_logits_match_transformers_in_float32(name: str) -> None:
     model = backend(name, total_kv_blocks=64).model
     tokens = random_prompts(12, [41])[0]
@@ -198,8 +198,8 @@ def test_proportional_rope_equals_transformers() -> None:
     assert int((got != 0).sum()) == 8  # a quarter of the 32 frequency pairs turn
 
 
-def test_sliding_layers_release_blocks_and_stay_exact() -> None:
-    name = "gemma4"
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_moe"])
+def test_sliding_layers_release_blocks_and_stay_exact(name: str) -> None:
     be = backend(name, total_kv_blocks=256, kv_block_size=4)
     cfg = scheduler_config(be, max_batch_tokens=16)
     assert [(g.kind, g.window) for g in cfg.cache_groups] == [("full", None),

@@ -8,11 +8,8 @@ steps run layer by layer (the one-call decode stack has no experts)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from iron_batch import Scheduler
-from iron_batch.backends.build import scheduler_config
 from iron_batch.backends.torch_backend import TorchBackend
 from iron_batch.layers.moe import DECODE_MAX_ROWS, Router
 from iron_batch.layers.quant import QuantWeight
@@ -25,10 +22,11 @@ from tiny_models import (
     backend,
     checkpoint,
     hf_greedy,
+    prefix_hit_run,
     random_prompts,
     reference_model,
     run_scheduler,
-    run_with_config,
+    sixteen_requests_run,
 )
 
 NAME = "gemma4_moe"
@@ -105,64 +103,15 @@ def test_chunked_prefill_and_preemption_are_exact_against_transformers(
 
 
 def test_prefix_hits_match_transformers(chosen: dict[int, set[int]]) -> None:
-    prefix = random_prompts(30, [37])[0]
-    prompts = [prefix + s for s in random_prompts(31, [3, 5, 1, 9])] + random_prompts(
-        32, [45, 7])
     be = backend(NAME)
-    first, _ = run_scheduler(be, prompts[:1], 10)
-    chunks: list[int] = []
-    outs, stats = run_scheduler(be, prompts, 10, max_batch_tokens=7, max_running_seqs=3,
-                                on_step=lambda b: chunks.append(b.num_tokens))
-    assert stats["prefix_cache_hit_tokens"] > 0
-    assert max(chunks) <= 7
-    assert outs[0] == first[0]
+    prompts, outs = prefix_hit_run(be)
     assert outs == _expected(NAME, prompts, [10] * len(prompts))
     _every_expert_chosen(be, chosen)
 
 
 def test_sixteen_concurrent_requests() -> None:
-    lengths = [1, 2, 3, 5, 8, 11, 16, 17, 23, 31, 4, 9, 40, 6, 27, 12]
-    max_new = [12, 3, 20, 7, 16, 1, 9, 14, 5, 18, 11, 2, 8, 13, 6, 10]
-    prompts = random_prompts(20, lengths)
-    widths: list[int] = []
-    outs, _ = run_scheduler(backend(NAME), prompts, max_new,
-                            on_step=lambda b: widths.append(len(b.sample_indices)))
+    prompts, max_new, outs = sixteen_requests_run(backend(NAME))
     assert outs == _expected(NAME, prompts, max_new)
-    assert max(widths) > DECODE_MAX_ROWS
-
-
-def test_sliding_layers_release_blocks_and_stay_exact() -> None:
-    be = backend(NAME, total_kv_blocks=256, kv_block_size=4)
-    cfg = scheduler_config(be, max_batch_tokens=16)
-    assert [(g.kind, g.window) for g in cfg.cache_groups] == [("full", None),
-                                                              ("sliding", 20)]
-    prompts = random_prompts(70, [45, 30, 52])
-    peaks: list[int] = []
-
-    def on_step(s: Scheduler) -> None:
-        peaks.append(s.group_stats()[1]["used"])
-
-    outs, s = run_with_config(be, cfg, prompts, 30, on_step)
-    assert outs == _expected(NAME, prompts, [30] * len(prompts))
-    assert s.stats()["sliding_blocks_released"] > 0
-    assert max(peaks) <= 3 * (-(-(20 - 1 + 16) // 4) + 1)
-    assert s.num_free_blocks == cfg.total_kv_blocks
-    assert all(g["used"] == 0 for g in s.group_stats())
-
-
-def test_every_positions_logits_match_transformers_in_float32() -> None:
-    model = backend(NAME, total_kv_blocks=64).model
-    tokens = random_prompts(12, [41])[0]
-    n = len(tokens)
-    blocks = np.arange(-(-n // 4), dtype=np.int32)[None]
-    got = model.forward(
-        input_ids=np.array(tokens), positions=np.arange(n), slot_mapping=np.arange(n),
-        group_slot_mapping=np.arange(n)[None], query_start_loc=np.array([0, n], np.int32),
-        seq_lens=np.array([n], np.int32), num_computed_before=np.zeros(1, np.int32),
-        block_tables=blocks, group_block_tables=blocks, sample_indices=np.arange(n))
-    with torch.no_grad():
-        want = reference_model(NAME)(torch.tensor([tokens])).logits[0]
-    torch.testing.assert_close(got, want, rtol=0, atol=2e-4)
 
 
 def _reference_experts(i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,

@@ -18,6 +18,7 @@ from iron_batch.models.registry import SUPPORTED_MODEL_TYPES
 from tiny_models import (
     checkpoint,
     hf_greedy,
+    prefix_hit_run,
     random_prompts,
     reference_model,
     run_scheduler,
@@ -58,17 +59,7 @@ def test_gpt_oss_is_registered_with_its_layers(monkeypatch: pytest.MonkeyPatch) 
 def test_chunked_prefill_and_prefix_hits_match_transformers(
     route: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    prefix = random_prompts(30, [17])[0]
-    prompts = [prefix + s for s in random_prompts(31, [3, 5, 1, 9])] + random_prompts(
-        32, [25, 7])
-    be = _backend(route, monkeypatch)
-    first, _ = run_scheduler(be, prompts[:1], 10)
-    chunks: list[int] = []
-    outs, stats = run_scheduler(be, prompts, 10, max_batch_tokens=7, max_running_seqs=3,
-                                on_step=lambda b: chunks.append(b.num_tokens))
-    assert stats["prefix_cache_hit_tokens"] > 0
-    assert max(chunks) <= 7
-    assert outs[0] == first[0]
+    prompts, outs = prefix_hit_run(_backend(route, monkeypatch), (17, 25))
     assert outs == _expected(prompts, [10] * len(prompts))
 
 

@@ -13,15 +13,17 @@ import pytest
 import torch
 from iron_batch.backends.torch_backend import TorchBackend
 from iron_batch.layers.moe import DECODE_MAX_ROWS, SMALL_EXPERTS_MAX_ROWS, MoE, Router
-from iron_batch.platform import cpu, switches
 from iron_batch.models.registry import SUPPORTED_MODEL_TYPES
+from iron_batch.platform import cpu, switches
 from tiny_models import (
     backend,
     checkpoint,
     hf_greedy,
+    prefix_hit_run,
     random_prompts,
     reference_model,
     run_scheduler,
+    sixteen_requests_run,
     write_byte_tokenizer,
 )
 
@@ -39,17 +41,7 @@ def test_the_moe_families_are_registered() -> None:
 
 @pytest.mark.parametrize("name", MOE_FAMILIES)
 def test_chunked_prefill_and_prefix_hits_match_transformers(name: str) -> None:
-    prefix = random_prompts(30, [37])[0]
-    prompts = [prefix + s for s in random_prompts(31, [3, 5, 1, 9])] + random_prompts(
-        32, [45, 7])
-    be = backend(name)
-    first, _ = run_scheduler(be, prompts[:1], 10)
-    chunks: list[int] = []
-    outs, stats = run_scheduler(be, prompts, 10, max_batch_tokens=7, max_running_seqs=3,
-                                on_step=lambda b: chunks.append(b.num_tokens))
-    assert stats["prefix_cache_hit_tokens"] > 0
-    assert max(chunks) <= 7
-    assert outs[0] == first[0]
+    prompts, outs = prefix_hit_run(backend(name))
     assert outs == _expected(name, prompts, [10] * len(prompts))
 
 
@@ -65,14 +57,8 @@ def test_preemption_keeps_output_exact(name: str) -> None:
 
 @pytest.mark.parametrize("name", MOE_FAMILIES)
 def test_sixteen_concurrent_requests(name: str) -> None:
-    lengths = [1, 2, 3, 5, 8, 11, 16, 17, 23, 31, 4, 9, 40, 6, 27, 12]
-    max_new = [12, 3, 20, 7, 16, 1, 9, 14, 5, 18, 11, 2, 8, 13, 6, 10]
-    prompts = random_prompts(20, lengths)
-    widths: list[int] = []
-    outs, _ = run_scheduler(backend(name), prompts, max_new,
-                            on_step=lambda b: widths.append(len(b.sample_indices)))
+    prompts, max_new, outs = sixteen_requests_run(backend(name))
     assert outs == _expected(name, prompts, max_new)
-    assert max(widths) > DECODE_MAX_ROWS
 
 
 def _sparse(be: TorchBackend) -> tuple[int, MoE]:

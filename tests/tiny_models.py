@@ -403,3 +403,38 @@ def run_scheduler(
     assert sched.num_free_blocks == sched.config.total_kv_blocks
     assert all(g["used"] == 0 for g in sched.group_stats())
     return [outputs[rid] for rid in ids], sched.stats()
+
+
+def prefix_hit_run(be: TorchBackend, lengths: tuple[int, int] = (37, 45)) -> tuple[
+        list[list[int]], list[list[int]]]:
+    """Four prompts that share a prefix of ``lengths[0]`` tokens and two that do not (one
+    of ``lengths[1]``), run in prompt chunks of at most 7 tokens, three sequences at a
+    time, after the first ran alone: (prompts, greedy tokens of 10 each). Asserts that the
+    prefix cache hit, the chunks kept their bound and the first prompt's tokens are those
+    of its run alone."""
+    prefix = random_prompts(30, [lengths[0]])[0]
+    prompts = [prefix + s for s in random_prompts(31, [3, 5, 1, 9])] + random_prompts(
+        32, [lengths[1], 7])
+    first, _ = run_scheduler(be, prompts[:1], 10)
+    chunks: list[int] = []
+    outs, stats = run_scheduler(be, prompts, 10, max_batch_tokens=7, max_running_seqs=3,
+                                on_step=lambda b: chunks.append(b.num_tokens))
+    assert stats["prefix_cache_hit_tokens"] > 0
+    assert max(chunks) <= 7
+    assert outs[0] == first[0]
+    return prompts, outs
+
+
+def sixteen_requests_run(be: TorchBackend) -> tuple[list[list[int]], list[int],
+                                                    list[list[int]]]:
+    """Sixteen requests of 1 to 40 prompt tokens and 1 to 20 new ones at once: (prompts,
+    new tokens asked, greedy tokens). Asserts that some step sampled more than 8 rows
+    (wider than one GEMV pass)."""
+    lengths = [1, 2, 3, 5, 8, 11, 16, 17, 23, 31, 4, 9, 40, 6, 27, 12]
+    max_new = [12, 3, 20, 7, 16, 1, 9, 14, 5, 18, 11, 2, 8, 13, 6, 10]
+    prompts = random_prompts(20, lengths)
+    widths: list[int] = []
+    outs, _ = run_scheduler(be, prompts, max_new,
+                            on_step=lambda b: widths.append(len(b.sample_indices)))
+    assert max(widths) > 8
+    return prompts, max_new, outs
