@@ -156,19 +156,19 @@ def test_a_large_head_packed_in_parts_gives_its_logits_step_after_step() -> None
     """A head of a large vocabulary (packed in parts, the last one short) gives the logits
     of its whole matrix at every row count: the GEMV's rows, steps whose logits go to a
     fresh block, steps that reuse the head's buffer (again and again, fewer rows after
-    more), and a prompt scored at every position (more rows than the buffer keeps)."""
+    more), and a prompt scored at every position (more rows than the buffer keeps). Where
+    this torch cannot pack the head, it is the whole matrix's logits as they were."""
     from iron_batch.layers import embedding
     from iron_batch.layers.linear import Linear
 
     kernels = cpu.select(torch.device("cpu"), torch.bfloat16, switches.read())
-    if not cpu.bf16_gemm_is_native():
-        pytest.skip("oneDNN packs bf16 weights only where the CPU has bf16 arithmetic")
     g = torch.Generator().manual_seed(11)
     vocab = embedding.SLABBED_VOCAB + 4000
     w = torch.randn(vocab, 64, generator=g).bfloat16()
     head = embedding.LMHead(Linear(w, None, kernels=kernels), vocab)
     head.prepack()
-    assert len(head.slabs) == -(-vocab // embedding.SLAB_ROWS)
+    if cpu.bf16_gemm_is_native():  # oneDNN packs bf16 weights where the CPU computes in bf16
+        assert len(head.slabs) == -(-vocab // embedding.SLAB_ROWS)
     buffered = []
     for rows in (1, 8, 9, 40, 200, 120, 200, embedding.BUFFER_MAX_ROWS + 1):
         x = torch.randn(rows, 64, generator=g).bfloat16()
@@ -178,4 +178,5 @@ def test_a_large_head_packed_in_parts_gives_its_logits_step_after_step() -> None
         # Logits of HEAP_BLOCK bytes or more, up to BUFFER_MAX_ROWS rows, share one buffer.
         if rows * vocab * 4 >= embedding.HEAP_BLOCK and rows <= embedding.BUFFER_MAX_ROWS:
             buffered.append(got.data_ptr())
-    assert len(buffered) == 3 and len(set(buffered)) == 1
+    if head.slabs:
+        assert len(buffered) == 3 and len(set(buffered)) == 1

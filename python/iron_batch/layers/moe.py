@@ -152,7 +152,8 @@ class Router:
             logits = self.project(x)
         else:
             logits = F.linear(x, self.weight, self.bias)
-        if self.routes_in_rust and logits.device.type == "cpu" and logits.shape[0] > 0:
+        if (self.routes_in_rust and logits.device.type == "cpu"
+                and logits.dtype == torch.bfloat16 and logits.shape[0] > 0):
             return self._route(logits.contiguous())
         if self.softmax_after_topk:
             top, ids = torch.topk(logits, self.top_k, dim=-1)
