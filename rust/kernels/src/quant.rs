@@ -2,8 +2,11 @@
 //! rows against a matrix kept in 4-bit or 8-bit blocks of 32 weights, read as they are.
 //!
 //! At batch 1 a decoder is bound by the weight bytes it reads per token; 4-bit blocks are a
-//! quarter of bf16's. The activations stay bf16 and every sum is f32: the result is the dot
-//! product with the dequantized weights, up to the order of the additions.
+//! quarter of bf16's. Every weight is used as its bf16 rounding (`scale * q + min` computed
+//! in f32, a multiply then an add, rounded to the nearest bf16): the weights
+//! [`dequantize_bf16`] writes for the dense path of larger batches, so a matrix gives the
+//! same products whichever path a step takes. The activations stay bf16 and every sum is
+//! f32: the result is the dot product with those weights, up to the order of the additions.
 //!
 //! Layouts (a row of `k` weights is `k / 32` blocks; `n` rows, row-major):
 //! - **Q4** (GGUF Q4_0 and Q4_1, and `int4` with a scale and a zero point per group of 32):
@@ -14,12 +17,13 @@
 //! - **Q8** (GGUF Q8_0): weight `j` of block `b` is `scale[b] * q_j`, `q` an `i8`; `quants`
 //!   is `[n, k]` i8 and `scale` `[n, k / 32]` f16.
 //!
-//! The AVX-512 Q4 path widens each nibble to the bf16 number `128 + q` by an OR with the
-//! bit pattern of 128.0 and takes 32 products a block in one `vdpbf16ps`; the extra
-//! `128 * sum(x)` of each block is subtracted once per row from precomputed block sums of
-//! `x`. Its Q8 path widens each block's `i8` weights once to bf16 (exact) and takes one
-//! `vdpbf16ps` a row. Products of two bf16 numbers are exact in f32, so nothing is rounded
-//! but the sums. Without AVX-512 BF16, Q8 runs f32 FMAs on widened activations.
+//! The AVX-512 paths dequantize each block once into bf16 weights and take 32 products a
+//! block in one `vdpbf16ps` per activation row, straight into the row's accumulators, so a
+//! block's scale is applied once however many rows share the pass (each extra row of a
+//! speculative step costs one instruction per 32 weights). Q4 builds a pair of blocks'
+//! table of 32 possible weights and picks from it by nibble (`vpermw`). Products of two
+//! bf16 numbers are exact in f32, so nothing is rounded but the weights and the sums.
+//! Without AVX-512 BF16, Q8 runs f32 FMAs on the same rounded weights widened to f32.
 //!
 //! Up to [`MAX_ROWS`] activation rows share one pass over the weights, and every row is
 //! computed the same way whatever the number of rows beside it (the same operations in the
@@ -145,9 +149,8 @@ pub fn gemv_quant(
     }
     let simd = simd_available(&weight);
     let blocks = k / QBLOCK;
-    // Per activation row: f32 copy (Q8 and the portable path) and per-block sums (Q4).
+    // Per activation row: an f32 copy (the f32 Q8 path and the portable path).
     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-    let block_sums: Vec<f32> = xf.chunks_exact(QBLOCK).map(|c| c.iter().sum()).collect();
     let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
     let out_addr = out.as_mut_ptr() as usize;
     let task = |part: usize| {
@@ -165,7 +168,6 @@ pub fn gemv_quant(
                 let xs = Rows {
                     bf16: &x[first * k..(first + take) * k],
                     f32: &xf[first * k..(first + take) * k],
-                    block_sums: &block_sums[first * blocks..(first + take) * blocks],
                     count: take,
                 };
                 dot_chunk(&weight, chunk..end, k, &xs, &scales, simd, &mut results);
@@ -266,7 +268,6 @@ pub fn dequantize_bf16(
 struct Rows<'a> {
     bf16: &'a [Bf16],
     f32: &'a [f32],
-    block_sums: &'a [f32],
     count: usize,
 }
 
@@ -477,7 +478,11 @@ fn dot_row(
         for b in 0..blocks {
             let mut lanes = [0f32; QBLOCK];
             for (j, lane) in lanes.iter_mut().enumerate() {
-                *lane = x[b * QBLOCK + j] * weight.weight(row, b * QBLOCK + j, k);
+                let w = weight.weight(row, b * QBLOCK + j, k);
+                // Read as their bf16 roundings, as the SIMD paths and `dequantize_bf16`
+                // have them.
+                let w = Bf16::from_f32(w).to_f32();
+                *lane = x[b * QBLOCK + j] * w;
             }
             total += lanes.iter().sum::<f32>();
         }
@@ -638,6 +643,12 @@ mod avx512 {
     }
 
     #[allow(clippy::needless_range_loop)] // `r` indexes `acc`, `dots` and the rows of `xs`
+    /// Each pair of blocks is dequantized once into a bf16 table of its 32 possible
+    /// weights (`scale * q + min` for `q` in `0..16`, rounded as [`dequantize_row`]
+    /// rounds), the nibbles pick from it (`vpermw`), and each row then takes one
+    /// `vdpbf16ps` a block straight into its accumulator: the scaling is paid once per
+    /// block, not once per block and row.
+    ///
     /// SAFETY: AVX-512 F/BW/BF16; `packed` is one row (`k / 2` bytes, `k % 64 == 0`),
     /// `scale`/`min` its `k / 32` blocks; `xs` holds `count` rows of `k`.
     #[inline]
@@ -650,54 +661,44 @@ mod avx512 {
         k: usize,
         dots: &mut [f32; MAX_ROWS],
     ) {
-        let rows = ROWS;
-        let low = _mm256_set1_epi8(15);
-        // bf16 bit pattern of 128.0: OR-ing q (0..16) into its mantissa gives 128 + q.
-        let bias = _mm512_set1_epi16(0x4300);
+        let low = _mm512_set1_epi16(15);
+        let second = _mm512_set1_epi16(16);
+        let iota = _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+        );
         let xp = xs.bf16.as_ptr() as *const u16;
         let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
         let pairs = k / (2 * QBLOCK);
         for p in 0..pairs {
-            let bytes = _mm256_loadu_si256(packed.as_ptr().add(p * QBLOCK) as *const __m256i);
-            let q0 = _mm256_and_si256(bytes, low);
-            let q1 = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low);
-            let w0: __m512bh = std::mem::transmute(_mm512_or_si512(_mm512_cvtepu8_epi16(q0), bias));
-            let w1: __m512bh = std::mem::transmute(_mm512_or_si512(_mm512_cvtepu8_epi16(q1), bias));
-            let d0 = _mm512_set1_ps(*scale.get_unchecked(2 * p));
-            let d1 = _mm512_set1_ps(*scale.get_unchecked(2 * p + 1));
-            for r in 0..rows {
+            let (b0, b1) = (2 * p, 2 * p + 1);
+            let t0 = _mm512_add_ps(
+                _mm512_mul_ps(iota, _mm512_set1_ps(*scale.get_unchecked(b0))),
+                _mm512_set1_ps(*min.get_unchecked(b0)),
+            );
+            let t1 = _mm512_add_ps(
+                _mm512_mul_ps(iota, _mm512_set1_ps(*scale.get_unchecked(b1))),
+                _mm512_set1_ps(*min.get_unchecked(b1)),
+            );
+            // Words 0..16: the first block's weights; 16..32: the second's.
+            let table: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(t1, t0));
+            let bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                packed.as_ptr().add(p * QBLOCK) as *const __m256i
+            ));
+            let i0 = _mm512_and_si512(bytes, low);
+            let i1 = _mm512_or_si512(_mm512_srli_epi16::<4>(bytes), second);
+            let w0: __m512bh = std::mem::transmute(_mm512_permutexvar_epi16(i0, table));
+            let w1: __m512bh = std::mem::transmute(_mm512_permutexvar_epi16(i1, table));
+            for r in 0..ROWS {
                 let base = xp.add(r * k + 2 * p * QBLOCK);
                 let x0: __m512bh = std::mem::transmute(_mm512_loadu_si512(base as *const __m512i));
                 let x1: __m512bh =
                     std::mem::transmute(_mm512_loadu_si512(base.add(QBLOCK) as *const __m512i));
-                let s0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, x0);
-                let s1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), w1, x1);
-                acc[r][0] = _mm512_fmadd_ps(s0, d0, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(s1, d1, acc[r][1]);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, x0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, x1);
             }
         }
-        let blocks = k / QBLOCK;
-        // Each block's weights are scale * (128 + q) + (min - 128 * scale): add
-        // sum_b (min_b - 128 scale_b) * sum(x in b), sixteen blocks a vector.
-        let minus_128 = _mm512_set1_ps(-128.0);
-        for r in 0..rows {
-            let sums = xs.block_sums.as_ptr().add(r * blocks);
-            let mut correction = acc[r][0];
-            let mut b = 0;
-            while b < blocks {
-                let mask: __mmask16 = if blocks - b >= 16 {
-                    0xffff
-                } else {
-                    (1u16 << (blocks - b)) - 1
-                };
-                let d = _mm512_maskz_loadu_ps(mask, scale.as_ptr().add(b));
-                let m = _mm512_maskz_loadu_ps(mask, min.as_ptr().add(b));
-                let shift = _mm512_fmadd_ps(d, minus_128, m);
-                correction =
-                    _mm512_fmadd_ps(shift, _mm512_maskz_loadu_ps(mask, sums.add(b)), correction);
-                b += 16;
-            }
-            dots[r] = _mm512_reduce_add_ps(_mm512_add_ps(correction, acc[r][1]));
+        for r in 0..ROWS {
+            dots[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
         }
     }
 
@@ -719,18 +720,13 @@ mod avx512 {
         dots: &mut [f32; MAX_ROWS],
     ) {
         let xp = xs.bf16.as_ptr() as *const u16;
-        let top_words: [i16; 32] = std::array::from_fn(|j| (2 * j + 1) as i16);
-        let top = _mm512_loadu_si512(top_words.as_ptr().cast());
         let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
-        // Block `b`'s 32 weights as bf16: the top halves of their f32 numbers (the rest is
-        // zero), weights 0..16 in the low half and 16..32 in the high half, the order of
-        // the activations.
-        let widen = |qp: *const i8| {
+        // Block `b`'s 32 weights `scale * q` as bf16 (rounded as `dequantize_row` rounds
+        // them), weights 0..16 in the low half and 16..32 in the high half.
+        let widen = |qp: *const i8, d: __m512| {
             let w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp.cast())));
             let w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp.add(16).cast())));
-            let w =
-                _mm512_permutex2var_epi16(_mm512_castps_si512(w0), top, _mm512_castps_si512(w1));
-            std::mem::transmute::<__m512i, __m512bh>(w)
+            _mm512_cvtne2ps_pbh(_mm512_mul_ps(w1, d), _mm512_mul_ps(w0, d))
         };
         let blocks = k / QBLOCK;
         let mut b = 0;
@@ -738,28 +734,26 @@ mod avx512 {
         // have independent work beside them.
         while b + 2 <= blocks {
             let qp = quants.as_ptr().add(b * QBLOCK);
-            let (wa, wb) = (widen(qp), widen(qp.add(QBLOCK)));
-            let da = _mm512_set1_ps(*scale.get_unchecked(b));
-            let db = _mm512_set1_ps(*scale.get_unchecked(b + 1));
+            let wa = widen(qp, _mm512_set1_ps(*scale.get_unchecked(b)));
+            let wb = widen(qp.add(QBLOCK), _mm512_set1_ps(*scale.get_unchecked(b + 1)));
             for r in 0..ROWS {
                 let x = xp.add(r * k + b * QBLOCK);
                 let xa: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.cast()));
                 let xb: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.add(QBLOCK).cast()));
-                let sa = _mm512_dpbf16_ps(_mm512_setzero_ps(), wa, xa);
-                let sb = _mm512_dpbf16_ps(_mm512_setzero_ps(), wb, xb);
-                acc[r][0] = _mm512_fmadd_ps(sa, da, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(sb, db, acc[r][1]);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], wa, xa);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], wb, xb);
             }
             b += 2;
         }
         if b < blocks {
-            let w = widen(quants.as_ptr().add(b * QBLOCK));
-            let d = _mm512_set1_ps(*scale.get_unchecked(b));
+            let w = widen(
+                quants.as_ptr().add(b * QBLOCK),
+                _mm512_set1_ps(*scale.get_unchecked(b)),
+            );
             for r in 0..ROWS {
                 let x: __m512bh =
                     std::mem::transmute(_mm512_loadu_si512(xp.add(r * k + b * QBLOCK).cast()));
-                let s = _mm512_dpbf16_ps(_mm512_setzero_ps(), w, x);
-                acc[r][0] = _mm512_fmadd_ps(s, d, acc[r][0]);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w, x);
             }
         }
         for r in 0..ROWS {
@@ -782,14 +776,27 @@ mod avx512 {
         let rows = ROWS;
         let xp = xs.f32.as_ptr();
         let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
+        // `scale * q` rounded to the nearest bf16 (ties to even) and widened back: the
+        // weights the bf16 path and `dequantize_row` have.
+        let to_bf16 = |w: __m512| {
+            let bits = _mm512_castps_si512(w);
+            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+            let up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+            _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(-65536)))
+        };
         for b in 0..k / QBLOCK {
             let qp = quants.as_ptr().add(b * QBLOCK);
-            let w0 =
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp as *const __m128i)));
-            let w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                qp.add(16) as *const __m128i
-            )));
             let d = _mm512_set1_ps(*scale.get_unchecked(b));
+            let w0 = to_bf16(_mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp as *const __m128i))),
+                d,
+            ));
+            let w1 = to_bf16(_mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    qp.add(16) as *const __m128i
+                ))),
+                d,
+            ));
             for r in 0..rows {
                 let base = xp.add(r * k + b * QBLOCK);
                 let s = _mm512_fmadd_ps(
@@ -797,7 +804,7 @@ mod avx512 {
                     _mm512_loadu_ps(base.add(16)),
                     _mm512_mul_ps(w0, _mm512_loadu_ps(base)),
                 );
-                acc[r][b & 1] = _mm512_fmadd_ps(s, d, acc[r][b & 1]);
+                acc[r][b & 1] = _mm512_add_ps(s, acc[r][b & 1]);
             }
         }
         for r in 0..rows {
@@ -827,11 +834,9 @@ mod tests {
             .map(|i| Bf16::from_f32((i as f32 * 0.37).sin()))
             .collect();
         let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-        let sums: Vec<f32> = xf.chunks_exact(QBLOCK).map(|c| c.iter().sum()).collect();
         let xs = Rows {
             bf16: &x,
             f32: &xf,
-            block_sums: &sums,
             count: 2,
         };
         for weight in [

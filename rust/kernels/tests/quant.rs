@@ -14,7 +14,8 @@ struct Q4Data {
     packed: Vec<u8>,
     scale: Vec<F16>,
     min: Vec<F16>,
-    /// The dequantized weights, [n][k], from the q values drawn (not from the kernel crate).
+    /// The weights the GEMV reads, [n][k], from the q values drawn (not from the kernel
+    /// crate): `scale * q + min` in f32, rounded to bf16.
     dense: Vec<f64>,
     /// The same in f32 (`scale * q + min`, one rounding each), as the kernels compute it.
     dense32: Vec<f32>,
@@ -39,8 +40,8 @@ fn q4(rng: &mut Rng, n: usize, k: usize) -> Q4Data {
             packed[row * k / 2 + at] |= if high { q << 4 } else { q };
             let s = row * blocks + b;
             let (d, m) = (scale[s].to_f32(), min[s].to_f32());
-            dense[row * k + j] = f64::from(d) * f64::from(q) + f64::from(m);
             dense32[row * k + j] = d * f32::from(q) + m;
+            dense[row * k + j] = f64::from(Bf16::from_f32(dense32[row * k + j]).to_f32());
         }
     }
     Q4Data {
@@ -153,7 +154,7 @@ fn q8_gemv_matches_dequantized_reference() {
     let dense: Vec<f64> = (0..n * k)
         .map(|i| {
             let d = scale[(i / k) * blocks + (i % k) / QBLOCK].to_f32();
-            f64::from(d) * f64::from(quants[i])
+            f64::from(Bf16::from_f32(d * f32::from(quants[i])).to_f32())
         })
         .collect();
     let weight = QMatrix::Q8(Q8 {
