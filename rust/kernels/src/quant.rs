@@ -149,8 +149,14 @@ pub fn gemv_quant(
     }
     let simd = simd_available(&weight);
     let blocks = k / QBLOCK;
-    // Per activation row: an f32 copy (the f32 Q8 path and the portable path).
-    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    // Per activation row: an f32 copy, for the paths that read one (the portable path and
+    // the f32 Q8 path; the bf16 paths read `x` as it is).
+    let bf16_path = simd && (matches!(weight, QMatrix::Q4(_)) || q8_in_bf16());
+    let xf: Vec<f32> = if bf16_path {
+        Vec::new()
+    } else {
+        x.iter().map(|v| v.to_f32()).collect()
+    };
     let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
     let out_addr = out.as_mut_ptr() as usize;
     let task = |part: usize| {
@@ -167,18 +173,35 @@ pub fn gemv_quant(
                 let take = (rows - first).min(MAX_ROWS);
                 let xs = Rows {
                     bf16: &x[first * k..(first + take) * k],
-                    f32: &xf[first * k..(first + take) * k],
+                    f32: if bf16_path {
+                        &[]
+                    } else {
+                        &xf[first * k..(first + take) * k]
+                    },
                     count: take,
                 };
                 dot_chunk(&weight, chunk..end, k, &xs, &scales, simd, &mut results);
-                for (row, dots) in (chunk..end).zip(&results) {
-                    let b = bias.map_or(0.0, |b| b[row].to_f32());
-                    for (r, dot) in dots.iter().enumerate().take(take) {
-                        // SAFETY: parts own disjoint column ranges [lo, hi) of each output
-                        // row, and `out` (rows * n elements) outlives the call.
-                        unsafe {
-                            *(out_addr as *mut Bf16).add((first + r) * n + row) =
-                                Bf16::from_f32(dot + b);
+                for r in 0..take {
+                    // SAFETY: parts own disjoint column ranges [lo, hi) of each output
+                    // row, and `out` (rows * n elements) outlives the call.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            (out_addr as *mut Bf16).add((first + r) * n + chunk),
+                            end - chunk,
+                        )
+                    };
+                    match bias {
+                        Some(bias) => {
+                            for ((d, dots), b) in
+                                dst.iter_mut().zip(&results).zip(&bias[chunk..end])
+                            {
+                                *d = Bf16::from_f32(dots[r] + b.to_f32());
+                            }
+                        }
+                        None => {
+                            for (d, dots) in dst.iter_mut().zip(&results) {
+                                *d = Bf16::from_f32(dots[r]);
+                            }
                         }
                     }
                 }
