@@ -91,6 +91,8 @@ def _picks(
 ) -> list[int]:
     """The sampler's pick at every row, each row ``j`` of a request drawn as its
     ``num_generated + j``-th token."""
+    if all(s.params.is_greedy for s in states):
+        return argmax_rows(logits).tolist()
     expanded: list[SamplingParams] = []
     offsets: list[int] = []
     owners: list[RequestState] = []

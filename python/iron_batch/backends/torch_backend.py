@@ -339,9 +339,13 @@ class TorchBackend(BackendBase):
                else np.asarray(input_ids))
         ends = batch.sample_indices
         proposals = [ids[int(ends[r]) - k[r] + 1 : int(ends[r]) + 1] for r in spec]
-        rows = np.concatenate([first[r] + np.arange(k[r] + 1) for r in spec])
+        if not plain:
+            spec_logits = logits  # every row verifies (a lone sequence's step)
+        else:
+            rows = np.concatenate([first[r] + np.arange(k[r] + 1) for r in spec])
+            spec_logits = logits[torch.from_numpy(rows)]
         toks, counts, spec_logprobs = verify_rows(
-            self.sampler, logits[torch.from_numpy(rows)], [states[r] for r in spec], proposals)
+            self.sampler, spec_logits, [states[r] for r in spec], proposals)
         if spec_logprobs is not None and row_logprobs is None:
             row_logprobs = [[] for _ in k]
         at = 0
