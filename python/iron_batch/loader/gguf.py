@@ -112,7 +112,10 @@ def hf_config_from_gguf(fields: dict[str, Any], tensors: dict[str, Any],
         "model_type": family.model_types[0] if family.model_types else meta.arch,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(meta.require("feed_forward_length")),
+        # A file whose every layer is experts (qwen35moe) may have no dense MLP size.
+        "intermediate_size": int(get("feed_forward_length")
+                                 or get("expert_feed_forward_length")
+                                 or meta.require("feed_forward_length")),
         "num_hidden_layers": int(meta.require("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),

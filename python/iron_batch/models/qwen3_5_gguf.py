@@ -1,5 +1,6 @@
-"""Qwen3.5 from llama.cpp's GGUF (``qwen35``): the tensor names its converter writes, the
-metadata keys it adds, and what it changes in the linear-attention tensors, undone here.
+"""Qwen3.5 from llama.cpp's GGUF (``qwen35``, and ``qwen35moe`` with experts): the tensor
+names its converter writes, the metadata keys it adds, and what it changes in the
+linear-attention tensors, undone here.
 
 The converter (``_LinearAttentionVReorderBase`` and ``Qwen3NextModel`` in llama.cpp's
 ``conversion/qwen.py``) stores ``-exp(A_log)`` (``ssm_a``), adds 1 to every RMSNorm weight
@@ -50,8 +51,18 @@ GGUF_NAMES = {
 }
 
 
+#: The dense MLP's tensors, which a ``qwen35moe`` file has as experts instead.
+DENSE_MLP = ("blk.{i}.ffn_gate.weight", "blk.{i}.ffn_up.weight", "blk.{i}.ffn_down.weight")
+
+
 def hf_config(cfg: dict[str, Any], meta: GGUFMetadata) -> dict[str, Any]:
-    """The Qwen3.5 keys of a ``qwen35`` file, as HF config keys."""
+    """The Qwen3.5 keys of a ``qwen35`` or ``qwen35moe`` file, as HF config keys. The
+    converter counts its multi-token-prediction layers (``nextn_predict_layers``, written
+    after the model's own) in ``block_count``; they are not the model's and are not read."""
+    layers = int(cfg["num_hidden_layers"]) - int(meta.get("nextn_predict_layers", 0) or 0)
+    if layers < 1:
+        raise meta.refuse("nextn_predict_layers", meta.get("nextn_predict_layers"),
+                          "fewer than block_count")
     heads = int(meta.require("ssm.time_step_rank"))
     inner = int(meta.require("ssm.inner_size"))
     if inner % heads:
@@ -60,6 +71,7 @@ def hf_config(cfg: dict[str, Any], meta: GGUFMetadata) -> dict[str, Any]:
     rope_dims = int(meta.get("rope.dimension_count", head_dim // 4))
     return {
         **cfg,
+        "num_hidden_layers": layers,
         "linear_conv_kernel_dim": int(meta.require("ssm.conv_kernel")),
         "linear_key_head_dim": int(meta.require("ssm.state_size")),
         "linear_num_key_heads": int(meta.require("ssm.group_count")),

@@ -6,17 +6,25 @@ shared expert every token runs, scaled by ``sigmoid(shared_expert_gate(x))``
 
 The released checkpoints store each layer's experts as transformers' fused tensors
 (``experts.gate_up_proj``, ``experts.down_proj``); ``save_pretrained`` writes one tensor per
-expert and projection. Both load. Decode steps run layer by layer: the one-call hybrid
-stack runs dense MLPs only.
+expert and projection. Both load, and so do llama.cpp's ``qwen35moe`` GGUF files (the
+experts stacked per layer and projection, ``models/qwen3_5_gguf.py`` for the rest). Decode
+steps run layer by layer: the one-call hybrid stack runs dense MLPs only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from iron_batch.models import qwen3_5_gguf
 from iron_batch.models.config import ModelConfig
-from iron_batch.models.moe_decoder import MOE_NAMES, MoEConfig, MoEDecoderModel
+from iron_batch.models.moe_decoder import (
+    MOE_NAMES,
+    MoEConfig,
+    MoEDecoderModel,
+    gguf_expert_config,
+    gguf_moe_names,
+)
 from iron_batch.models.qwen3_5 import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
@@ -24,6 +32,9 @@ from iron_batch.models.qwen3_5 import (
     language_model_names,
 )
 from iron_batch.models.qwen3_moe import moe_settings
+
+if TYPE_CHECKING:
+    from iron_batch.loader.gguf import GGUFMetadata
 
 
 @dataclass
@@ -34,7 +45,18 @@ class Qwen3_5MoeConfig(Qwen3_5Config, MoEConfig):
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM, MoEDecoderModel):
     model_types = ("qwen3_5_moe_text",)
     architectures = ("Qwen3_5MoeForCausalLM",)
-    gguf_architecture = None
+    gguf_architecture = "qwen35moe"
+    gguf_names = {**{k: v for k, v in qwen3_5_gguf.GGUF_NAMES.items()
+                     if k not in qwen3_5_gguf.DENSE_MLP},
+                  **gguf_moe_names(MOE_NAMES)}
+
+    @classmethod
+    def hf_config_from_gguf(cls, cfg: dict[str, Any], meta: GGUFMetadata) -> dict[str, Any]:
+        # llama.cpp's qwen35moe graph renormalises the chosen experts' weights, as every
+        # Qwen3.5-MoE checkpoint does; the converter writes the expert sizes.
+        experts = gguf_expert_config(cfg, meta, renormalize=True,
+                                     expert_size=int(cfg["intermediate_size"]))
+        return qwen3_5_gguf.hf_config(experts, meta)
 
     @classmethod
     def config_from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
