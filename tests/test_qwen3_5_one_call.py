@@ -1,5 +1,6 @@
 """Qwen3.5 decode steps with every layer in one Rust call (``layers/hybrid_stack.py``): the
-Python layer path's logits and greedy choices in bf16 and quantized, alone and batched,
+Python layer path's logits and greedy choices in bf16 and quantized, dense and with experts
+(Qwen3.5-MoE), alone and batched,
 under preemption and prefix hits from state checkpoints; overlapped steps give the tokens of
 steps taken one at a time; prompt steps keep the layer path; bad calls are refused and
 change no cache and no state."""
@@ -14,7 +15,7 @@ import torch
 from iron_batch import CacheGroup, SamplingParams, Scheduler
 from iron_batch.backends.build import scheduler_config
 from iron_batch.backends.torch_backend import TorchBackend
-from test_qwen3_5 import VARIANTS, _all_free, checkpoint
+from test_qwen3_5 import MOE_VARIANTS, VARIANTS, _all_free, checkpoint
 from tiny_models import random_prompts, run_scheduler
 
 BS = 4
@@ -102,7 +103,7 @@ def _lockstep(fused: TorchBackend, plain: TorchBackend, cfg: Any,
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", sorted(VARIANTS) + sorted(MOE_VARIANTS))
 def test_one_call_decode_gives_the_layer_paths_logits(
     name: str, quantization: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

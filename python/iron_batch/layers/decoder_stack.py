@@ -109,8 +109,10 @@ class TensorAddresses:
     #: How errors name the stack.
     _name = "decoder stack"
 
-    def __init__(self) -> None:
+    def __init__(self, max_rows: int) -> None:
         self._keep: list[torch.Tensor] = []
+        #: Most rows a step may have: the tightest GEMV over the projections.
+        self.max_rows = max_rows
 
     def _address(self, t: torch.Tensor | None, shape: tuple[int, ...],
                  dtype: torch.dtype = torch.bfloat16) -> int:
@@ -135,6 +137,38 @@ class TensorAddresses:
             self._keep.extend(t for t in (weight.quants, weight.scale, weight.min) if t is not None)
             return (weight.kind, *weight.addresses, bias_at, n, k)
         return ("bf16", self._address(weight, (n, k)), 0, 0, bias_at, n, k)
+
+    def _linear(self, linear: Linear) -> tuple[str, int, int, int, int, int, int]:
+        """A projection's spec; a bf16 one, or a GGUF block format, bounds the rows of a
+        step."""
+        if isinstance(linear.weight, QuantWeight):
+            self.max_rows = linear.weight.gemv_rows(self.max_rows)
+        else:
+            self.max_rows = min(self.max_rows, BF16_GEMV_MAX_ROWS)
+        return self._projection(linear.weight, linear.bias)
+
+    def _moe(self, moe: MoE) -> tuple:
+        """A sparse MLP's spec (see ``_core.pyi``'s ``_MoeSpec``)."""
+        if not stacks_moe(moe):
+            raise ValueError(f"{self._name}: a sparse MLP it does not run (see stacks_moe)")
+        r = moe.router
+        self.max_rows = min(self.max_rows, BF16_GEMV_MAX_ROWS)
+        experts = []
+        for stack in (moe.gate_up, moe.down):
+            w = stack.weight
+            if isinstance(w, QuantWeight):
+                self._keep.extend(t for t in (w.quants, w.scale, w.min) if t is not None)
+            else:
+                self._address(w, tuple(w.shape))
+            experts.append((expert_kind(w), *expert_addresses(w)))
+        shared = None
+        if moe.shared is not None:
+            gate = None
+            if moe.shared_gate is not None:
+                gate = self._projection(moe.shared_gate, None)
+            shared = (self._linear(moe.shared.gate_up), self._linear(moe.shared.down), gate)
+        return (self._projection(r.weight, None), r.top_k, r.renormalize, r.weights_in_float,
+                experts[0], experts[1], moe.num_experts, moe.down.shape[1], shared)
 
 
 class DecoderStack(TensorAddresses):
@@ -162,12 +196,10 @@ class DecoderStack(TensorAddresses):
         eps: float,
         quant_gemv_rows: int = GEMV_MAX_ROWS,
     ) -> None:
-        super().__init__()
+        super().__init__(quant_gemv_rows)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.hidden = hidden
         self.eps = float(eps)
-        #: Most rows a step may have: the tightest GEMV over the projections.
-        self.max_rows = quant_gemv_rows
         #: Each layer's cache group, rotary table and rotated dims.
         self.cache_groups: list[int] = []
         self.rope_tables: list[tuple[int, int]] = []
@@ -221,38 +253,6 @@ class DecoderStack(TensorAddresses):
         assert _STACK is not None
         self._stack = _STACK(specs, hidden=hidden, heads=heads, kv_heads=kv_heads,
                              head_dim=head_dim)
-
-    def _linear(self, linear: Linear) -> tuple[str, int, int, int, int, int, int]:
-        """A projection's spec; a bf16 one, or a GGUF block format, bounds the rows of a
-        step."""
-        if isinstance(linear.weight, QuantWeight):
-            self.max_rows = linear.weight.gemv_rows(self.max_rows)
-        else:
-            self.max_rows = min(self.max_rows, BF16_GEMV_MAX_ROWS)
-        return self._projection(linear.weight, linear.bias)
-
-    def _moe(self, moe: MoE) -> tuple:
-        """A sparse MLP's spec (see ``_core.pyi``'s ``_MoeSpec``)."""
-        if not stacks_moe(moe):
-            raise ValueError("decoder stack: a sparse MLP it does not run (see stacks_moe)")
-        r = moe.router
-        self.max_rows = min(self.max_rows, BF16_GEMV_MAX_ROWS)
-        experts = []
-        for stack in (moe.gate_up, moe.down):
-            w = stack.weight
-            if isinstance(w, QuantWeight):
-                self._keep.extend(t for t in (w.quants, w.scale, w.min) if t is not None)
-            else:
-                self._address(w, tuple(w.shape))
-            experts.append((expert_kind(w), *expert_addresses(w)))
-        shared = None
-        if moe.shared is not None:
-            gate = None
-            if moe.shared_gate is not None:
-                gate = self._projection(moe.shared_gate, None)
-            shared = (self._linear(moe.shared.gate_up), self._linear(moe.shared.down), gate)
-        return (self._projection(r.weight, None), r.top_k, r.renormalize, r.weights_in_float,
-                experts[0], experts[1], moe.num_experts, moe.down.shape[1], shared)
 
     @staticmethod
     def _rounding(layer: StackLayer) -> bool:

@@ -22,11 +22,10 @@ import numpy as np
 import torch
 
 from iron_batch import _core
-from iron_batch.layers.cpu_kernels import BF16_GEMV_MAX_ROWS
 from iron_batch.layers.decoder_stack import TensorAddresses
 from iron_batch.layers.gated_delta import GatedDeltaNet
-from iron_batch.layers.linear import Linear
-from iron_batch.layers.quant import GEMV_MAX_ROWS, QuantWeight
+from iron_batch.layers.moe import MoE
+from iron_batch.layers.quant import GEMV_MAX_ROWS
 from iron_batch.platform.openmp import entry_points
 
 _STACK = getattr(_core, "_HybridStack", None)
@@ -48,11 +47,11 @@ class HybridStack(TensorAddresses):
     the Rust stack keeps.
 
     What it reads of a layer: ``input_norm`` and ``post_norm`` (:class:`CentredNorm`),
-    ``mlp`` (a :class:`GatedMLP`), and either ``mixer`` (a :class:`GatedDeltaNet`, with
-    ``state``: the layer's index among the delta layers) or a gated attention: ``qkv`` (each
-    head's q followed by its gate, then k and v), ``q_norm`` and ``k_norm``
-    (:class:`CentredNorm` of ``head_dim``), ``o``, ``scale`` and ``cache`` (the layer's
-    index among the attention layers)."""
+    ``mlp`` (a :class:`GatedMLP`, or a :class:`MoE` that ``stacks_moe`` accepts), and either
+    ``mixer`` (a :class:`GatedDeltaNet`, with ``state``: the layer's index among the delta
+    layers) or a gated attention: ``qkv`` (each head's q followed by its gate, then k and
+    v), ``q_norm`` and ``k_norm`` (:class:`CentredNorm` of ``head_dim``), ``o``, ``scale``
+    and ``cache`` (the layer's index among the attention layers)."""
 
     _name = "hybrid stack"
 
@@ -68,10 +67,8 @@ class HybridStack(TensorAddresses):
         eps: float,
         quant_gemv_rows: int = GEMV_MAX_ROWS,
     ) -> None:
-        super().__init__()
+        super().__init__(quant_gemv_rows)
         self.hidden, self.eps = hidden, float(eps)
-        #: Most rows a step may have: the tightest GEMV over the projections.
-        self.max_rows = quant_gemv_rows
         specs: list[dict[str, Any]] = []
         shape: tuple[int, int, int, int] | None = None
         for layer in layers:
@@ -79,11 +76,15 @@ class HybridStack(TensorAddresses):
             spec: dict[str, Any] = dict(
                 input_norm=self._norm(layer.input_norm, (hidden,)),
                 post_norm=self._norm(layer.post_norm, (hidden,)),
-                gate_up=self._linear(layer.mlp.gate_up), down=self._linear(layer.mlp.down),
                 activation=layer.mlp.activation_name,
                 q_norm=0, k_norm=0, rotary_dim=0, scale=0.0, cache=0,
                 conv_weight=0, kernel=0, neg_a=0, dt_bias=0, norm=0, state=0,
             )
+            if isinstance(layer.mlp, MoE):
+                spec.update(gate_up=None, down=None, moe=self._moe(layer.mlp))
+            else:
+                spec.update(gate_up=self._linear(layer.mlp.gate_up),
+                            down=self._linear(layer.mlp.down), moe=None)
             if isinstance(mixer, GatedDeltaNet):
                 dims = (mixer.key_heads, mixer.value_heads, mixer.key_dim, mixer.value_dim)
                 if shape is not None and dims != shape:
@@ -124,13 +125,6 @@ class HybridStack(TensorAddresses):
             raise ValueError(f"hybrid stack: a norm's eps {norm.eps} differs from the "
                              f"model's {self.eps}")
         return self._address(norm.weight, shape, torch.float32)
-
-    def _linear(self, linear: Linear) -> tuple[str, int, int, int, int, int, int]:
-        if isinstance(linear.weight, QuantWeight):
-            self.max_rows = linear.weight.gemv_rows(self.max_rows)
-        else:
-            self.max_rows = min(self.max_rows, BF16_GEMV_MAX_ROWS)
-        return self._projection(linear.weight, linear.bias)
 
     def set_caches(self, kv_caches: list[torch.Tensor], conv_states: torch.Tensor,
                    delta_states: torch.Tensor, block_size: int) -> None:

@@ -32,6 +32,7 @@ import torch
 
 from iron_batch.attention import paged
 from iron_batch.layers import hybrid_stack
+from iron_batch.layers.decoder_stack import stacks_moe
 from iron_batch.layers.embedding import Embedding, LMHead, VocabParallel
 from iron_batch.layers.gated_delta import GatedDeltaNet, StepRows
 from iron_batch.layers.linear import Linear
@@ -222,13 +223,15 @@ class Qwen3_5ForCausalLM(DecoderModel):
         self.state_dtype = "float32"
         super().__init__(config, source, device=device, dtype=dtype,
                          quantization=quantization, shard=shard)
-        # Decode steps with few rows: every layer in one Rust call (see hybrid_stack), which
-        # runs dense MLPs only.
+        # Decode steps with few rows: every layer in one Rust call (see hybrid_stack), with
+        # dense MLPs or the sparse ones its router runs.
         self.hybrid: hybrid_stack.HybridStack | None = None
         kernels = self.kernels
         if (shard is None and kernels.decoder and dtype == torch.bfloat16
                 and hybrid_stack.available()
-                and all(isinstance(layer.mlp, GatedMLP) for layer in self.layers)):
+                and all(isinstance(layer.mlp, GatedMLP)
+                        or (isinstance(layer.mlp, MoE) and stacks_moe(layer.mlp))
+                        for layer in self.layers)):
             self.hybrid = hybrid_stack.HybridStack(
                 self.layers, hidden=config.hidden_size, heads=self.num_heads,
                 kv_heads=self.num_kv_heads, head_dim=config.head_dim,

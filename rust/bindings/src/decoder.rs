@@ -56,7 +56,7 @@ type ExpertsSpec = (String, usize, usize, usize);
 /// A sparse MLP: (router `[experts, hidden]`, top_k, renormalize, weights in float,
 /// gate_up experts `[experts * 2 * inter, hidden]`, down experts `[experts * hidden,
 /// inter]`, experts, inter, shared expert (gate_up, down, sigmoid gate `[1, hidden]`)).
-type MoeSpec = (
+pub(crate) type MoeSpec = (
     ProjectionSpec,
     usize,
     bool,
@@ -167,7 +167,7 @@ struct LayerAddrs {
     moe: Option<MoeAddrs>,
 }
 
-struct MoeAddrs {
+pub(crate) struct MoeAddrs {
     router: ProjectionAddrs,
     routing: Routing,
     gate_up: ExpertsSpec,
@@ -178,7 +178,7 @@ struct MoeAddrs {
 }
 
 impl MoeAddrs {
-    fn parse(spec: MoeSpec) -> PyResult<Self> {
+    pub(crate) fn parse(spec: MoeSpec) -> PyResult<Self> {
         let (router, top_k, renormalize, weights_in_float, gate_up, down, experts, inter, shared) =
             spec;
         let routing = Routing {
@@ -213,7 +213,7 @@ impl MoeAddrs {
 
     /// SAFETY: as [`ProjectionAddrs::view`], and the experts' addresses hold the sizes
     /// `experts`, `inter` and the router's `k` (hidden) imply.
-    unsafe fn view<'a>(&self) -> Result<SparseMlp<'a>, KernelError> {
+    pub(crate) unsafe fn view<'a>(&self) -> Result<SparseMlp<'a>, KernelError> {
         let (e, i, h) = (self.experts, self.inter, self.router.k);
         let (gk, gq, gs, gm) = &self.gate_up;
         let (dk, dq, ds, dm) = &self.down;

@@ -5,14 +5,14 @@
 
 use iron_batch_kernels::{
     decode_hybrid_layers, run_in_team, Activation, Bf16, CacheGroup, Element, GatedAttention,
-    GatedDelta, HybridInputs, HybridLayer, HybridShape, KernelError, LayerCache, LayerState, Mixer,
-    Parallel, RopeTable,
+    GatedDelta, HybridInputs, HybridLayer, HybridShape, KernelError, LayerCache, LayerState,
+    Matrix, Mixer, Parallel, Projection, RopeTable,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::decoder::{parse_activation, ProjectionAddrs, ProjectionSpec};
+use crate::decoder::{parse_activation, MoeAddrs, MoeSpec, ProjectionAddrs, ProjectionSpec};
 use crate::kernels::{run_kernel, slice, slice_mut};
 
 /// One layer as Python describes it (a dict with these keys). `kind` is "attention" or
@@ -33,12 +33,16 @@ struct LayerAddrs {
     mix_in: ProjectionAddrs,
     #[pyo3(from_py_with = projection)]
     mix_out: ProjectionAddrs,
-    #[pyo3(from_py_with = projection)]
-    gate_up: ProjectionAddrs,
-    #[pyo3(from_py_with = projection)]
-    down: ProjectionAddrs,
+    /// None where the MLP is sparse (`moe`).
+    #[pyo3(from_py_with = optional_projection)]
+    gate_up: Option<ProjectionAddrs>,
+    #[pyo3(from_py_with = optional_projection)]
+    down: Option<ProjectionAddrs>,
     #[pyo3(from_py_with = activation)]
     activation: Activation,
+    /// The sparse MLP (`MoeSpec`, as the decoder stack takes it); None: `gate_up`, `down`.
+    #[pyo3(from_py_with = sparse_mlp)]
+    moe: Option<MoeAddrs>,
     q_norm: usize,
     k_norm: usize,
     rotary_dim: usize,
@@ -65,6 +69,20 @@ fn is_attention(kind: &Bound<'_, PyAny>) -> PyResult<bool> {
 
 fn projection(spec: &Bound<'_, PyAny>) -> PyResult<ProjectionAddrs> {
     ProjectionAddrs::parse(spec.extract::<ProjectionSpec>()?)
+}
+
+fn optional_projection(spec: &Bound<'_, PyAny>) -> PyResult<Option<ProjectionAddrs>> {
+    if spec.is_none() {
+        return Ok(None);
+    }
+    projection(spec).map(Some)
+}
+
+fn sparse_mlp(spec: &Bound<'_, PyAny>) -> PyResult<Option<MoeAddrs>> {
+    if spec.is_none() {
+        return Ok(None);
+    }
+    MoeAddrs::parse(spec.extract::<MoeSpec>()?).map(Some)
 }
 
 fn activation(name: &Bound<'_, PyAny>) -> PyResult<Activation> {
@@ -230,13 +248,25 @@ impl HybridStack {
                                 state: l.state,
                             })
                         };
+                        // A sparse layer's dense projections are neither read nor checked.
+                        let none = || Projection {
+                            weight: Matrix::Bf16(&[]),
+                            bias: None,
+                            n: 0,
+                            k: 0,
+                        };
+                        let dense = |p: &Option<ProjectionAddrs>| match p {
+                            Some(p) => p.view(),
+                            None => Ok(none()),
+                        };
                         Ok(HybridLayer {
                             input_norm: slice(l.input_norm, hidden),
                             mixer,
                             post_norm: slice(l.post_norm, hidden),
-                            gate_up: l.gate_up.view()?,
-                            down: l.down.view()?,
+                            gate_up: dense(&l.gate_up)?,
+                            down: dense(&l.down)?,
                             activation: l.activation,
+                            moe: l.moe.as_ref().map(|m| m.view()).transpose()?,
                         })
                     })
                     .collect::<Result<Vec<_>, KernelError>>()?;

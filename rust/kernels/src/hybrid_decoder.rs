@@ -22,14 +22,15 @@
 //! a = input_norm(h)
 //! d = mixer(a)                     // gated attention or Gated DeltaNet, below
 //! h = h + d
-//! d = down(silu(gate) * up)        // gate, up = gate_up(post_norm(h))
-//! h = h + d
+//! d = down(silu(gate) * up)        // gate, up = gate_up(post_norm(h)); or the sparse
+//! h = h + d                        // MLP (`crate::moe`: router, experts, shared expert)
 //! ```
 
 use crate::attention::{DecodeShape, KernelError, Parallel};
 use crate::decoder::{Activation, CacheGroup, LayerKv, Projection, RopeTable};
 use crate::delta_rule::{causal_conv_decode, delta_rule_decode, DeltaShape};
 use crate::element::{Bf16, Element};
+use crate::moe::SparseMlp;
 
 /// A gated full-attention layer: the q projection is doubled, each head's q followed by a
 /// gate whose sigmoid multiplies that head's attention output.
@@ -85,6 +86,9 @@ pub struct HybridLayer<'a> {
     pub gate_up: Projection<'a>,
     pub down: Projection<'a>,
     pub activation: Activation,
+    /// The MLP is sparse (Qwen3.5-MoE): a router and experts, with a shared expert, in
+    /// place of `gate_up` and `down`, which are then neither read nor checked.
+    pub moe: Option<SparseMlp<'a>>,
 }
 
 /// One Gated DeltaNet layer's state pools: the convolution windows `[slots, C, kernel - 1]`
@@ -146,7 +150,7 @@ fn check<S: Element>(
     let Some(first) = layers.first() else {
         return Err(invalid("no layers".into()));
     };
-    let hidden = first.down.n;
+    let hidden = first.input_norm.len();
     if rows == 0 || hidden == 0 || h.len() != rows * hidden {
         return Err(invalid(format!(
             "{} residual values for {rows} rows of {hidden}",
@@ -180,12 +184,16 @@ fn check<S: Element>(
     let mut total = usize::MAX;
     for (i, l) in layers.iter().enumerate() {
         let inter = l.gate_up.n / 2;
-        let mut fits = l.input_norm.len() == hidden
-            && l.post_norm.len() == hidden
-            && (l.gate_up.k, l.gate_up.n) == (hidden, 2 * inter)
-            && (l.down.k, l.down.n) == (inter, hidden)
-            && rows <= l.gate_up.max_rows()
-            && rows <= l.down.max_rows();
+        let mlp_fits = match l.moe {
+            Some(m) => m.fits(hidden, rows),
+            None => {
+                (l.gate_up.k, l.gate_up.n) == (hidden, 2 * inter)
+                    && (l.down.k, l.down.n) == (inter, hidden)
+                    && rows <= l.gate_up.max_rows()
+                    && rows <= l.down.max_rows()
+            }
+        };
+        let mut fits = l.input_norm.len() == hidden && l.post_norm.len() == hidden && mlp_fits;
         match l.mixer {
             Mixer::Attention(a) => {
                 fits &= (a.qkv.k, a.qkv.n) == (hidden, (2 * s.heads + 2 * s.kv_heads) * hd)
@@ -353,7 +361,7 @@ pub fn decode_hybrid_layers<S: Element>(
         Mixer::Attention(a) => a.qkv.n,
         Mixer::Delta(d) => d.in_proj.n,
     });
-    let inter = widest(&|l| l.gate_up.n / 2);
+    let inter = widest(&|l| if l.moe.is_some() { 0 } else { l.gate_up.n / 2 });
     let zeros = |len: usize| vec![Bf16(0); len];
     let mut t = Scratch {
         x: zeros(rows * hidden),
@@ -538,6 +546,19 @@ pub fn decode_hybrid_layers<S: Element>(
         }
         add_into(h, &t.delta);
         centred_norm(&mut t.x, h, layer.post_norm, eps);
+        if let Some(m) = &layer.moe {
+            m.apply(
+                &mut t.delta,
+                &t.x,
+                rows,
+                hidden,
+                layer.activation,
+                threads,
+                parallel,
+            )?;
+            add_into(h, &t.delta);
+            continue;
+        }
         let inter = layer.gate_up.n / 2;
         let gate_up = &mut t.gate_up[..rows * 2 * inter];
         layer

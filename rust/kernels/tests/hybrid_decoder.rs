@@ -89,6 +89,7 @@ fn view(l: &Layer, state: usize) -> HybridLayer<'_> {
         gate_up: projection(&l.gate_up, 2 * INTER, HIDDEN),
         down: projection(&l.down, HIDDEN, INTER),
         activation: Activation::SiluMul,
+        moe: None,
     }
 }
 
