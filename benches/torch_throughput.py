@@ -87,6 +87,15 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         head_dim=64, intermediate_size=2048, moe_intermediate_size=384, num_experts=32,
         num_experts_per_tok=4, norm_topk_prob=True, vocab_size=32000,
         tie_word_embeddings=False)),
+    # A small Qwen3.5-MoE (Qwen3.5's hybrid layers, 6 Gated DeltaNet to 2 gated attention,
+    # each MLP 32 experts of 384 rows, top 4, and a shared expert of 768): a hybrid mixture
+    # of experts transformers runs in bf16 here.
+    "qwen3.5-moe-small": ("Qwen3_5MoeTextConfig", dict(
+        hidden_size=768, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16,
+        linear_key_head_dim=64, linear_value_head_dim=64, moe_intermediate_size=384,
+        shared_expert_intermediate_size=768, num_experts=32, num_experts_per_tok=4,
+        vocab_size=32000, tie_word_embeddings=False)),
 }
 
 
