@@ -215,7 +215,7 @@ def main() -> None:
     texts: dict[bool, list[str]] = {}
     accepted = drafted = 0
     alone: list[float] = []
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         # Both servers at once (the idle one costs nothing), their requests taking turns.
         procs, urls = [], []
         try:
@@ -231,8 +231,10 @@ def main() -> None:
             drafted = metrics["spec_drafted_tokens"]
             accepted = metrics["spec_accepted_tokens"]
             for c in args.concurrency:
-                for spec, url in zip((False, True), urls, strict=True):
-                    tps.setdefault((spec, c), []).append(throughput(url, c, args))
+                # Which server goes first alternates from round to round.
+                order = (False, True) if round_ % 2 == 0 else (True, False)
+                for spec in order:
+                    tps.setdefault((spec, c), []).append(throughput(urls[int(spec)], c, args))
         finally:
             for proc in procs:
                 proc.terminate()
@@ -274,8 +276,10 @@ def main() -> None:
               f"llama.cpp's best: {fast / min(plain, look):.2f}x its ms/token")
     for c in args.concurrency:
         a, b = statistics.median(tps[(False, c)]), statistics.median(tps[(True, c)])
-        print(f"random prompts, concurrency {c}: {a:.1f} tok/s without, {b:.1f} with: "
-              f"{b / a:.2f}x")
+        each = statistics.median(y / x for x, y in zip(tps[(False, c)], tps[(True, c)],
+                                                         strict=True))
+        print(f"random prompts, concurrency {c}: {a:.1f} tok/s without, {b:.1f} with "
+              f"(medians); the rounds' ratios' median: {each:.2f}x")
 
 
 if __name__ == "__main__":
