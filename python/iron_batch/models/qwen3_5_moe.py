@@ -8,7 +8,8 @@ The released checkpoints store each layer's experts as transformers' fused tenso
 (``experts.gate_up_proj``, ``experts.down_proj``); ``save_pretrained`` writes one tensor per
 expert and projection. Both load, and so do llama.cpp's ``qwen35moe`` GGUF files (the
 experts stacked per layer and projection, ``models/qwen3_5_gguf.py`` for the rest). Decode
-steps run layer by layer: the one-call hybrid stack runs dense MLPs only.
+steps of few rows run in the one-call hybrid stack, sparse MLPs included
+(``layers/hybrid_stack.py``).
 """
 
 from __future__ import annotations
