@@ -105,6 +105,26 @@ def test_seeded_sampling_is_the_same_on_tp2(pair: tuple[Any, Any]) -> None:
     assert tp2 == tp1
 
 
+def test_speculation_on_tp2_gives_the_tokens_without_it(pair: tuple[Any, Any]) -> None:
+    """Prompt lookup with both ranks verifying the proposals in the same forward: the
+    greedy tokens without speculation, and the same proposals accepted as on one rank."""
+    prompts = []
+    for i in range(3):
+        phrase = [(11 * i + 5 * j + 3) % 64 for j in range(6 + i)]
+        prompts.append(phrase * 3 + phrase[:2])
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    want, plain, _ = _both(pair, prompts, params)
+    assert plain == want
+    counts = []
+    for be in pair:
+        llm = LLM(backend=be, kv_block_size=4, num_speculative_tokens=4)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        stats = llm.engine.scheduler.stats()
+        assert stats["free_blocks"] == stats["total_blocks"]
+        counts.append((stats["spec_drafted_tokens"], stats["spec_accepted_tokens"]))
+    assert counts[1] == counts[0] and counts[1][0] > 0, counts
+
+
 def test_gemma4_layers_whose_kv_heads_a_rank_cannot_follow_are_refused() -> None:
     # 6 query heads: 3 per rank, which pair with the sliding layers' 2 KV heads (one KV
     # head each) but would take one and a half of the global layers' 3 KV heads.
