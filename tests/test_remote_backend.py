@@ -204,6 +204,67 @@ def test_torch_worker_matches_in_process_torch(
     _assert_all_blocks_free(engine)
 
 
+@pytest.mark.parametrize("depth", [None, 1])
+def test_speculation_through_a_worker_gives_the_local_tokens(
+    worker_factory: list[WorkerProcess], torch_checkpoint: str, depth: int | None
+) -> None:
+    """Prompt lookup in the server's scheduler, proposals verified on the worker: the
+    greedy tokens of a local run without speculation, the proposals and acceptances of a
+    local run with it, and the accepted tokens' logprobs; every block free after. The
+    engine's own choice keeps no step in flight with speculation on; with one in flight
+    by request, nothing is proposed and the tokens are the same."""
+    from tiny_models import backend
+
+    w = WorkerProcess("--model", torch_checkpoint, "--device", "cpu", "--dtype", "float32",
+                      "--total-kv-blocks", "64", "--kv-block-size", "4")
+    worker_factory.append(w)
+    w.start()
+    prompts = []
+    for i in range(4):
+        phrase = [(7 * i + 3 * j + 5) % 300 for j in range(5 + i)]
+        prompts.append(phrase * 3 + phrase[:2])
+    reqs = [(p, 24) for p in prompts]
+    params = SamplingParams(ignore_eos=True, logprobs=2)
+    spec = {"num_speculative_tokens": 4}
+
+    def local(**extra: int) -> tuple[dict[str, list[int]], Engine]:
+        cfg = SchedulerConfig(total_kv_blocks=64, kv_block_size=4, max_batch_tokens=64,
+                              max_running_seqs=8, **extra)
+        engine = Engine(backend("llama"), cfg, overlap_depth=0)
+        return _drive(engine, reqs, params)[0], engine
+
+    want, _ = local()
+    ref, ref_engine = local(**spec)
+    assert ref == want
+    be = RemoteBackend(w.url)
+    assert be.supports_speculation
+    cfg = _config(be)
+    cfg.num_speculative_tokens = 4
+    engine = Engine(be, cfg, overlap_depth=depth)
+    events: list[TokenEvent] = []
+    for i, (prompt, n) in enumerate(reqs):
+        engine.add_request(f"r{i}", prompt, SamplingParams(**{**params.__dict__,
+                                                                "max_new_tokens": n}))
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished():
+        assert time.monotonic() < deadline, "engine made no progress"
+        events.extend(engine.step())
+    got = {f"r{i}": [e.token_id for e in events if e.request_id == f"r{i}"
+                     and e.token_id is not None] for i in range(len(reqs))}
+    assert all(e.error is None for e in events)
+    assert got == want
+    stats, ref_stats = engine.scheduler.stats(), ref_engine.scheduler.stats()
+    counts = (stats["spec_drafted_tokens"], stats["spec_accepted_tokens"])
+    if depth is None:  # no step in flight: the same steps as the local run
+        assert engine.overlap_depth == 0
+        assert counts == (ref_stats["spec_drafted_tokens"], ref_stats["spec_accepted_tokens"])
+        assert counts[1] > 0
+    else:
+        assert counts == (0, 0)
+    assert all(e.logprobs is not None for e in events if e.token_id is not None)
+    _assert_all_blocks_free(engine)
+
+
 def test_a_gemma_worker_gives_the_server_its_cache_groups(
     worker_factory: list[WorkerProcess]
 ) -> None:

@@ -64,6 +64,7 @@ def good_batch() -> dict[str, np.ndarray]:
         "state_fresh": np.zeros(0, i32),
         "state_restore": np.zeros(0, i32),
         "state_save": np.zeros(0, i32),
+        "num_proposed": np.zeros(2, i32),
         "sample_handles": np.array([10, 11], i64),
         "remove_handles": np.array([3], i64),
         "add_handles": np.array([10], i64),
@@ -271,7 +272,7 @@ def test_short_bodies_and_wrong_array_counts_are_refused() -> None:
     assert refused(bytearray(b"\x01\x00\x00\x00")) == "truncated EXECUTE body"
     # The 8-byte prefix alone is whole; the arrays it announces are what is missing.
     count = len(wire.EXECUTE_FIELDS)
-    assert count == 26  # 19 batch arrays (placeholders, cache groups), 7 of bookkeeping
+    assert count == 27  # 20 batch arrays (placeholders, cache groups, proposals), 7 of bookkeeping
     assert refused(bytearray(struct.pack("<II", 1, count))) == "array 0: truncated header"
     fields = good_batch()
     assert f"carries {count - 1} arrays, expected {count}" in refused(
@@ -405,6 +406,49 @@ def test_an_empty_step_is_allowed() -> None:
     assert (req.num_seqs, req.num_tokens, req.adds) == (0, 0, [])
 
 
+def test_proposals_to_verify_are_checked() -> None:
+    """``num_proposed``: one count per sample row, within its sequence's query rows, and
+    only in a step of its own (no lookahead)."""
+    # Sequence 1 decodes its last token with two proposals: query rows 3..5.
+    spec = dict(input_ids=[5, 6, 7, 8, 9, 10], positions=[0, 1, 2, 5, 6, 7],
+                slot_mapping=[8, 9, 10, 5, 6, 7], query_start_loc=[0, 3, 6], seq_lens=[3, 8],
+                sample_indices=[2, 5], sample_max_steps=[1, 1], num_proposed=[0, 2])
+    req = wire.decode_execute(execute_body(with_(**spec), steps=1), LIMITS)
+    assert req.num_proposed.tolist() == [0, 2]
+    for changes, steps, message in [
+        ({"num_proposed": [2]}, 1, "num_proposed needs one entry per sample row"),
+        ({"num_proposed": [0, -1]}, 1, "num_proposed out of 0..64"),
+        ({"num_proposed": [0, 65]}, 1, "num_proposed out of 0..64"),
+        ({"num_proposed": [0, 3]}, 1, "a sample row's proposals outrun its sequence's query"),
+        ({}, 2, "proposals need steps == 1"),
+    ]:
+        assert refused(execute_body(with_(**{**spec, **changes}), steps=steps)) == message
+
+
+def test_a_verifying_steps_result_carries_its_accepted_tokens() -> None:
+    """Rows that verified proposals answer with their accepted tokens, left-aligned, and
+    ``num_accepted``; logprobs come one per accepted token."""
+    proposed = np.array([2, 0, 1], np.int32)
+    tokens = np.array([[4, 5, 6], [7, 0, 0], [8, 0, 0]], np.int64)
+    extras = {"num_accepted": [3, 1, 1],
+              "logprobs": [[-0.5, []], [-0.25, []], None, [-1.0, []], [-2.0, []]]}
+    got, back = wire.decode_result(body_of(wire.encode_result(tokens, extras)), 3, 1, 10,
+                                   proposed)
+    assert np.array_equal(got, tokens) and back["num_accepted"].tolist() == [3, 1, 1]
+    assert back["logprobs"][2] is None and len(back["logprobs"]) == 5
+    for bad_tokens, bad, message in [
+        (tokens, {}, "needs num_accepted"),
+        (tokens, {"num_accepted": [3, 1]}, "needs num_accepted"),
+        (tokens, {"num_accepted": [3, 0, 1]}, r"out of 1..proposals \+ 1"),
+        (tokens, {"num_accepted": [3, 2, 1]}, r"out of 1..proposals \+ 1"),
+        (tokens, {"num_accepted": [3, 1, 1], "logprobs": [None]}, "one entry per sample row"),
+        (tokens[:, :2], {"num_accepted": [2, 1, 1]}, r"expected int64\(3, 3\)"),
+    ]:
+        with pytest.raises(WireError, match=message):
+            wire.decode_result(body_of(wire.encode_result(bad_tokens, bad)), 3, 1, 10,
+                               proposed)
+
+
 # ---------------------------------------------------------------------------- results
 
 
@@ -534,6 +578,7 @@ def batches(draw: st.DrawFn) -> tuple[int, dict[str, np.ndarray], list[Any], wir
         "state_fresh": np.zeros(0, i32),
         "state_restore": np.zeros(0, i32),
         "state_save": np.zeros(0, i32),
+        "num_proposed": np.zeros(len(rows), i32),
         "sample_handles": np.array([draw(st.integers(0, 2**40)) for _ in rows], i64),
         "remove_handles": np.array(draw(st.lists(st.integers(0, 2**40), max_size=3)), i64),
         "seq_handles": np.array([draw(st.integers(0, 2**40)) for _ in range(n)], i64),

@@ -51,6 +51,9 @@ BATCH_FIELDS: tuple[BatchField, ...] = (
     BatchField("state_fresh", I32, False),  # [S] or [0]
     BatchField("state_restore", I32, False),  # [S] or [0]
     BatchField("state_save", I32, False),  # [S] or [0]
+    # [N] proposed tokens each sample row verifies (speculation; 0 without): its sequence's
+    # last num_proposed[n] + 1 token rows are verification rows.
+    BatchField("num_proposed", I32, False),  # [N]
 )
 BATCH_FIELD_NAMES = tuple(f.name for f in BATCH_FIELDS)
 MODEL_INPUTS = tuple(f.name for f in BATCH_FIELDS if f.model_input)

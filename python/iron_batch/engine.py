@@ -245,11 +245,15 @@ class Engine:
         ``max_stream_buffer_events``: see :class:`RequestStream` (0: unbounded).
         ``overlap_depth``: steps kept in flight while the next is scheduled (0: none,
         each step runs to the end before the next is scheduled; None: chosen by the
-        engine: 0 for a backend whose ``submit`` runs the step to the end, else from 1 up
-        as far as deeper pipelines measurably raise the step rate; see the module
-        docstring)."""
+        engine: 0 for a backend whose ``submit`` runs the step to the end or with
+        speculation on, else from 1 up as far as deeper pipelines measurably raise the step
+        rate; see the module docstring). With steps in flight nothing is proposed."""
         full = hasattr(backend, "submit")
-        asynchronous = full and bool(backend.asynchronous_submit)
+        # A sequence proposes only with no step of its own in flight: with speculation on,
+        # the engine's own choice is to keep none in flight (a remote worker then verifies
+        # proposals instead of hiding its round trip).
+        speculating = bool(config is not None and config.num_speculative_tokens)
+        asynchronous = full and bool(backend.asynchronous_submit) and not speculating
         if overlap_depth is not None and overlap_depth < 0:
             raise ValueError("overlap_depth must be >= 0")
         self.overlap_depth = (1 if asynchronous else 0) if overlap_depth is None else overlap_depth

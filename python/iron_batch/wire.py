@@ -25,7 +25,10 @@ Kinds:
   empty when there is nothing to say) with the logprobs requests asked for:
   ``"logprobs"``: per sample row null or ``[chosen, [[id, logprob], ...]]`` (K = 1 only);
   ``"prompt_logprobs"``: request handle -> per prompt token null or the same pair, for
-  requests whose prompt was completed in this batch.
+  requests whose prompt was completed in this batch. A step whose rows verify proposals
+  (``num_proposed``, K = 1) answers ``[num_samples, 1 + max proposals]`` instead, each
+  row's accepted tokens first, with ``"num_accepted"`` (one count per row) in the JSON and
+  its logprobs one per accepted token.
 - ERROR: a UTF-8 message. The worker answers any bad frame with one and keeps serving.
 
 Every EXECUTE is checked whole (dtypes, shapes, consistency, id and slot ranges) before
@@ -53,7 +56,7 @@ MAGIC = b"IBW1"
 #: flight): both of the earlier, separately numbered v2 changes.
 #: 4: EXECUTE carries the cache-group fields (other groups' slots and tables, table
 #: offsets, recurrent state slots).
-PROTOCOL = 4
+PROTOCOL = 5
 HEADER = struct.Struct("<4sBBHI")
 _ARRAY_HEADER = struct.Struct("<BB6xII")
 _EXECUTE_PREFIX = struct.Struct("<II")
@@ -65,6 +68,8 @@ MAX_HELLO_BODY = 4096
 MAX_BODY = 256 * 2**20
 #: Most decode steps one EXECUTE may ask for.
 MAX_STEPS = 64
+#: Most proposed tokens a sample row may verify (the scheduler's own bound).
+MAX_PROPOSED = 64
 
 _DTYPES: dict[int, np.dtype[Any]] = {
     1: np.dtype("<i4"),
@@ -421,6 +426,14 @@ def decode_execute(body: bytearray, limits: WorkerLimits) -> ExecuteRequest:
         last = seq_lens[row_seqs].astype(np.int64) + max_steps - 2
         _fail_unless(bool((last < reach[row_seqs]).all()),
                      "lookahead steps outgrow the block table")
+    proposed = named["num_proposed"]
+    _fail_unless(len(proposed) == n, "num_proposed needs one entry per sample row")
+    if n and proposed.any():
+        _fail_unless(proposed.min() >= 0 and proposed.max() <= MAX_PROPOSED,
+                     f"num_proposed out of 0..{MAX_PROPOSED}")
+        _fail_unless(steps == 1, "proposals need steps == 1")
+        _fail_unless(bool((proposed < qlen[row_seqs]).all()),
+                     "a sample row's proposals outrun its sequence's query")
     holes, hole_rows = named["pending_token_indices"], named["pending_sample_rows"]
     _fail_unless(len(holes) == len(hole_rows), "placeholder arrays differ in length")
     if len(holes):
@@ -478,6 +491,7 @@ def _check_logprob_pair(value: Any, vocab_size: int) -> tuple[float, list[tuple[
 
 
 def _check_extras(blob: np.ndarray, num_samples: int, vocab_size: int) -> dict[str, Any]:
+    """``num_samples``: logprob entries expected (sample rows, or accepted tokens)."""
     if not blob.size:
         return {}
     try:
@@ -507,13 +521,35 @@ def _check_extras(blob: np.ndarray, num_samples: int, vocab_size: int) -> dict[s
 
 
 def decode_result(
-    body: bytearray, num_samples: int, steps: int, vocab_size: int
+    body: bytearray, num_samples: int, steps: int, vocab_size: int,
+    proposed: np.ndarray | None = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
-    """The sampled tokens ``[num_samples, steps]`` and the checked logprob extras."""
+    """The sampled tokens ``[num_samples, steps]`` and the checked logprob extras. A step
+    that verified proposals (``proposed``, per sample row, any > 0) answers
+    ``[num_samples, 1 + max(proposed)]``, row ``r``'s accepted tokens first, and
+    ``num_accepted`` in its extras (1 to ``proposed[r] + 1`` per row); its logprobs, if
+    any, are one per accepted token, in that order."""
     tokens, blob = decode_arrays(body, 0, 2)
-    _fail_unless(tokens.dtype == I64 and tokens.shape == (num_samples, steps),
-                 f"result is {tokens.dtype}{tokens.shape}, expected int64({num_samples}, {steps})")
+    speculated = proposed is not None and len(proposed) == num_samples and bool(proposed.any())
+    width = 1 + int(proposed.max()) if speculated and proposed is not None else steps
+    _fail_unless(tokens.dtype == I64 and tokens.shape == (num_samples, width),
+                 f"result is {tokens.dtype}{tokens.shape}, expected int64({num_samples}, {width})")
     if tokens.size:
         _fail_unless(tokens.min() >= 0 and tokens.max() < vocab_size, "sampled id out of range")
     _fail_unless(blob.dtype == U8 and blob.ndim == 1, "result extras must be a byte array")
-    return tokens, _check_extras(blob, num_samples, vocab_size)
+    if not speculated or proposed is None:
+        return tokens, _check_extras(blob, num_samples, vocab_size)
+    try:
+        raw = json.loads(blob.tobytes().decode("utf-8")) if blob.size else {}
+    except (UnicodeDecodeError, ValueError):
+        raise WireError("result extras are not UTF-8 JSON") from None
+    counts = raw.get("num_accepted") if isinstance(raw, dict) else None
+    _fail_unless(isinstance(counts, list) and len(counts) == num_samples
+                 and all(isinstance(c, int) and not isinstance(c, bool) for c in counts),
+                 "a step with proposals needs num_accepted, one count per sample row")
+    accepted = np.asarray(counts, dtype=np.int64)
+    _fail_unless(bool((accepted >= 1).all() and (accepted <= proposed + 1).all()),
+                 "num_accepted out of 1..proposals + 1")
+    extras = _check_extras(blob, int(accepted.sum()), vocab_size)
+    extras["num_accepted"] = accepted
+    return tokens, extras

@@ -45,8 +45,9 @@ HELLO_TIMEOUT_S = 10.0
 def run_steps(
     backend: Any, req: ExecuteRequest, block_size: int, previous: np.ndarray | None = None
 ) -> tuple[np.ndarray, dict[str, Any]]:
-    """Run the received batch, then the lookahead decode steps: [num_samples, K] int64,
-    and the RESULT extras (logprobs of the first step's samples, prompt logprobs of the
+    """Run the received batch, then the lookahead decode steps: [num_samples, K] int64
+    (a step that verified proposals: each row's accepted tokens, ``num_accepted`` in the
+    extras), and the RESULT extras (logprobs of the first step's samples, prompt logprobs of the
     requests whose prompt this batch completed) for requests that asked.
 
     Placeholders (an overlapped step) are filled in from ``previous``, the first column of
@@ -69,6 +70,16 @@ def run_steps(
     step = backend.wait(backend.submit(ArrayBatch(rids, seq_rids, **arrays)))
     first = step.tokens
     n, k = len(rids), req.steps
+    if step.num_accepted is not None:
+        # Proposals verified (one step): each row's accepted tokens, left-aligned.
+        counts = np.asarray(step.num_accepted, dtype=np.int64)
+        out = np.zeros((n, 1 + int(req.num_proposed.max())), dtype=np.int64)
+        ends = np.cumsum(counts)
+        for r, (end, c) in enumerate(zip(ends.tolist(), counts.tolist(), strict=True)):
+            out[r, :c] = first[end - c : end]
+        extras = _extras(step, rids, 1, accepted=int(counts.sum()))
+        extras["num_accepted"] = counts.tolist()
+        return out, extras
     out = np.zeros((n, k), dtype=np.int64)  # unused entries stay 0 (the server ignores them)
     extras = _extras(step, rids, k)
     if n == 0:
@@ -111,10 +122,13 @@ def run_steps(
     return out, extras
 
 
-def _extras(step: StepOutput, rids: list[str], steps: int) -> dict[str, Any]:
+def _extras(step: StepOutput, rids: list[str], steps: int,
+            accepted: int | None = None) -> dict[str, Any]:
+    """``accepted``: a step that verified proposals, with this many accepted tokens (its
+    logprobs are one per token)."""
     extras: dict[str, Any] = {}
     rows = step.logprobs if steps == 1 else None
-    if rows is not None and len(rows) == len(rids):
+    if rows is not None and len(rows) == (len(rids) if accepted is None else accepted):
         extras["logprobs"] = [None if r is None else [r[0], [list(a) for a in r[1]]]
                               for r in rows]
     if step.prompt_logprobs:
@@ -264,7 +278,10 @@ class Worker:
                         logger.exception("execute failed")
                         error(f"execute failed: {type(exc).__name__}: {exc}")
                         continue
-                    self._previous = tokens[:, 0].copy()
+                    # A later frame's placeholders take each row's last token.
+                    counts = extras.get("num_accepted")
+                    self._previous = (tokens[:, 0].copy() if counts is None else
+                                      tokens[np.arange(len(tokens)), np.asarray(counts) - 1])
                 replies.send(Kind.RESULT, wire.encode_result(tokens, extras))
         finally:
             stop.set()
@@ -403,6 +420,8 @@ def build_backend(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         "tokenizer": tokenizer.to_info() if tokenizer is not None else None,
         "supports_prompt_logprobs": bool(backend.supports_prompt_logprobs),
         "structured_output": bool(backend.supports_structured_output),
+        # Whether the worker verifies proposals (a server's --speculative-method ngram).
+        "speculation": bool(getattr(backend, "supports_speculation", False)),
         # The model's cache groups (sliding-window layers): the server schedules the same.
         "cache_groups": [[g.kind, g.size, g.window, g.unit_bytes]
                          for g in config.cache_groups],

@@ -143,6 +143,10 @@ class RemoteBackend(BackendBase):
         self.supports_prompt_logprobs = bool(info.get("supports_prompt_logprobs", False))
         # The worker samples, so the worker enforces grammars (an older one may not).
         self.supports_structured_output = info.get("structured_output") is True
+        # The worker verifies proposals (prompt lookup runs in this process's scheduler);
+        # one step per call: lookahead steps and proposal rows do not mix.
+        self.supports_speculation = (info.get("speculation") is True
+                                     and steps_per_call == 1)
         #: The worker model's cache groups, which the server's scheduler must keep too.
         self.cache_groups: list[CacheGroup] = [
             CacheGroup(str(kind), int(size), window=window, unit_bytes=int(unit))
@@ -321,7 +325,9 @@ class RemoteBackend(BackendBase):
             self._pending_adds.pop(h, None)
         self._pending_removes = []
         self._outstanding += 1
-        return _SentStep(self._generation, len(handles), k, adds, removes)
+        proposed = getattr(batch, "num_proposed", None)
+        proposed = proposed.copy() if proposed is not None and proposed.any() else None
+        return _SentStep(self._generation, len(handles), k, adds, removes, proposed)
 
     def wait(self, handle: _SentStep) -> StepOutput:
         if handle.generation != self._generation or self._sock is None:
@@ -352,7 +358,8 @@ class RemoteBackend(BackendBase):
         if kind != Kind.RESULT:
             raise self._lose(f"unexpected {kind.name} reply")
         try:
-            tokens, extras = wire.decode_result(body, handle.num_samples, k, self.vocab_size)
+            tokens, extras = wire.decode_result(body, handle.num_samples, k, self.vocab_size,
+                                                handle.proposed)
         except WireError as exc:
             raise self._lose(f"garbage reply: {exc}") from None
         # Each reply carries the logprobs of its own step's rows (with overlap too).
@@ -361,6 +368,13 @@ class RemoteBackend(BackendBase):
             rid = self._rids.get(h)
             if rid is not None:
                 prompts[rid] = entries
+        accepted = extras.get("num_accepted")
+        if accepted is not None:
+            # Each row's accepted tokens in turn (flat), as a verifying step gives them.
+            flat = np.concatenate([row[:c] for row, c in zip(tokens, accepted.tolist(),
+                                                              strict=True)])
+            return StepOutput(flat, extras.get("logprobs"), prompts or None,
+                              num_accepted=accepted)
         return StepOutput(tokens[:, 0].copy() if k == 1 else tokens, extras.get("logprobs"),
                           prompts or None)
 
@@ -368,14 +382,17 @@ class RemoteBackend(BackendBase):
 class _SentStep:
     """A step whose EXECUTE went out on connection ``generation``; what its reply needs."""
 
-    __slots__ = ("generation", "num_samples", "steps", "adds", "removes")
+    __slots__ = ("generation", "num_samples", "steps", "adds", "removes", "proposed")
 
     def __init__(
         self, generation: int, num_samples: int, steps: int,
         adds: list[tuple[int, list[int], dict[str, Any]]], removes: list[int],
+        proposed: np.ndarray | None = None,
     ) -> None:
         self.generation = generation
         self.num_samples = num_samples
         self.steps = steps
         self.adds = adds
         self.removes = removes
+        #: Proposals per sample row when the step verifies some (else None).
+        self.proposed = proposed
