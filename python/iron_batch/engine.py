@@ -253,12 +253,12 @@ class Engine:
         # the engine's own choice is to keep none in flight (a remote worker then verifies
         # proposals instead of hiding its round trip).
         speculating = bool(config is not None and config.num_speculative_tokens)
-        asynchronous = full and bool(backend.asynchronous_submit) and not speculating
+        overlaps = full and bool(backend.asynchronous_submit) and not speculating
         if overlap_depth is not None and overlap_depth < 0:
             raise ValueError("overlap_depth must be >= 0")
-        self.overlap_depth = (1 if asynchronous else 0) if overlap_depth is None else overlap_depth
+        self.overlap_depth = (1 if overlaps else 0) if overlap_depth is None else overlap_depth
         self._depth = _DepthTuner(self.overlap_depth) if (
-            overlap_depth is None and asynchronous) else None
+            overlap_depth is None and overlaps) else None
         # Steps submitted and not committed, oldest first: (batch, backend handle or None
         # for an empty batch, which is committed in its turn all the same).
         self._inflight: deque[tuple[Any, Any]] = deque()

@@ -490,8 +490,8 @@ def _check_logprob_pair(value: Any, vocab_size: int) -> tuple[float, list[tuple[
     return float(chosen), out
 
 
-def _check_extras(blob: np.ndarray, num_samples: int, vocab_size: int) -> dict[str, Any]:
-    """``num_samples``: logprob entries expected (sample rows, or accepted tokens)."""
+def _parse_extras(blob: np.ndarray) -> dict[str, Any]:
+    """A RESULT's JSON object (empty when the worker had nothing to say)."""
     if not blob.size:
         return {}
     try:
@@ -499,6 +499,12 @@ def _check_extras(blob: np.ndarray, num_samples: int, vocab_size: int) -> dict[s
     except (UnicodeDecodeError, ValueError):
         raise WireError("result extras are not UTF-8 JSON") from None
     _fail_unless(isinstance(extras, dict), "result extras must be a JSON object")
+    return extras
+
+
+def _check_extras(extras: dict[str, Any], num_samples: int, vocab_size: int) -> dict[str, Any]:
+    """The logprob extras, checked; ``num_samples``: logprob entries expected (sample
+    rows, or accepted tokens)."""
     out: dict[str, Any] = {}
     rows = extras.get("logprobs")
     if rows is not None:
@@ -530,26 +536,24 @@ def decode_result(
     ``num_accepted`` in its extras (1 to ``proposed[r] + 1`` per row); its logprobs, if
     any, are one per accepted token, in that order."""
     tokens, blob = decode_arrays(body, 0, 2)
-    speculated = proposed is not None and len(proposed) == num_samples and bool(proposed.any())
-    width = 1 + int(proposed.max()) if speculated and proposed is not None else steps
+    if proposed is not None and not proposed.any():
+        proposed = None
+    width = steps if proposed is None else 1 + int(proposed.max())
     _fail_unless(tokens.dtype == I64 and tokens.shape == (num_samples, width),
                  f"result is {tokens.dtype}{tokens.shape}, expected int64({num_samples}, {width})")
     if tokens.size:
         _fail_unless(tokens.min() >= 0 and tokens.max() < vocab_size, "sampled id out of range")
     _fail_unless(blob.dtype == U8 and blob.ndim == 1, "result extras must be a byte array")
-    if not speculated or proposed is None:
-        return tokens, _check_extras(blob, num_samples, vocab_size)
-    try:
-        raw = json.loads(blob.tobytes().decode("utf-8")) if blob.size else {}
-    except (UnicodeDecodeError, ValueError):
-        raise WireError("result extras are not UTF-8 JSON") from None
-    counts = raw.get("num_accepted") if isinstance(raw, dict) else None
+    raw = _parse_extras(blob)
+    if proposed is None:
+        return tokens, _check_extras(raw, num_samples, vocab_size)
+    counts = raw.get("num_accepted")
     _fail_unless(isinstance(counts, list) and len(counts) == num_samples
                  and all(isinstance(c, int) and not isinstance(c, bool) for c in counts),
                  "a step with proposals needs num_accepted, one count per sample row")
     accepted = np.asarray(counts, dtype=np.int64)
     _fail_unless(bool((accepted >= 1).all() and (accepted <= proposed + 1).all()),
                  "num_accepted out of 1..proposals + 1")
-    extras = _check_extras(blob, int(accepted.sum()), vocab_size)
+    extras = _check_extras(raw, int(accepted.sum()), vocab_size)
     extras["num_accepted"] = accepted
     return tokens, extras

@@ -343,10 +343,7 @@ def expert_addresses(w: torch.Tensor | QuantWeight) -> tuple[int, int, int]:
 
 def _expert_bytes(linear: StackedLinear) -> int:
     """Bytes of one expert's rows of ``linear``."""
-    w = linear.weight
-    tensors = [w.quants, w.scale] + ([w.min] if w.min is not None else []) if isinstance(
-        w, QuantWeight) else [w]
-    return sum(t.numel() * t.element_size() for t in tensors) // linear.experts
+    return linear.weight.nbytes // linear.experts
 
 
 def kernel_rows(linear: StackedLinear) -> int:

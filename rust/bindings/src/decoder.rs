@@ -466,16 +466,9 @@ impl DecoderStack {
                     .iter()
                     .map(|l| {
                         let (qkv, o) = (&l.projections[0], &l.projections[1]);
-                        // A sparse layer's dense MLP is neither read nor checked.
-                        let none = Projection {
-                            weight: Matrix::Bf16(&[]),
-                            bias: None,
-                            n: 0,
-                            k: 0,
-                        };
                         let (gate_up, down) = match &l.projections[..] {
                             [_, _, gu, dn] => (gu.view()?, dn.view()?),
-                            _ => (none, none),
+                            _ => (Projection::ABSENT, Projection::ABSENT),
                         };
                         let moe = l.moe.as_ref().map(|m| m.view()).transpose()?;
                         let [input_norm, attn_out_norm, post_norm, mlp_out_norm] = l.norms;

@@ -5,8 +5,8 @@
 
 use iron_batch_kernels::{
     decode_hybrid_layers, run_in_team, Activation, Bf16, CacheGroup, Element, GatedAttention,
-    GatedDelta, HybridInputs, HybridLayer, HybridShape, KernelError, LayerCache, LayerState,
-    Matrix, Mixer, Parallel, Projection, RopeTable,
+    GatedDelta, HybridInputs, HybridLayer, HybridShape, KernelError, LayerCache, LayerState, Mixer,
+    Parallel, Projection, RopeTable,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -248,16 +248,9 @@ impl HybridStack {
                                 state: l.state,
                             })
                         };
-                        // A sparse layer's dense projections are neither read nor checked.
-                        let none = || Projection {
-                            weight: Matrix::Bf16(&[]),
-                            bias: None,
-                            n: 0,
-                            k: 0,
-                        };
                         let dense = |p: &Option<ProjectionAddrs>| match p {
                             Some(p) => p.view(),
-                            None => Ok(none()),
+                            None => Ok(Projection::ABSENT),
                         };
                         Ok(HybridLayer {
                             input_norm: slice(l.input_norm, hidden),

@@ -37,6 +37,15 @@ pub struct Projection<'a> {
 }
 
 impl Projection<'_> {
+    /// No weights (0 x 0): what a sparse layer holds in place of its dense MLP's
+    /// projections, which are then neither read nor checked.
+    pub const ABSENT: Projection<'static> = Projection {
+        weight: Matrix::Bf16(&[]),
+        bias: None,
+        n: 0,
+        k: 0,
+    };
+
     /// Most activation rows the decode stack gives this projection: one pass of the bf16
     /// GEMV ([`GEMV_MAX_ROWS`], the decode rows it is built for), any number quantized.
     pub fn max_rows(&self) -> usize {

@@ -149,14 +149,8 @@ pub fn gemv_quant(
     }
     let simd = simd_available(&weight);
     let blocks = k / QBLOCK;
-    // Per activation row: an f32 copy, for the paths that read one (the portable path and
-    // the f32 Q8 path; the bf16 paths read `x` as it is).
-    let bf16_path = simd && (matches!(weight, QMatrix::Q4(_)) || q8_in_bf16());
-    let xf: Vec<f32> = if bf16_path {
-        Vec::new()
-    } else {
-        x.iter().map(|v| v.to_f32()).collect()
-    };
+    // Per activation row: an f32 copy (the portable path and the f32 Q8 path read it).
+    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
     let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
     let out_addr = out.as_mut_ptr() as usize;
     let task = |part: usize| {
@@ -173,11 +167,7 @@ pub fn gemv_quant(
                 let take = (rows - first).min(MAX_ROWS);
                 let xs = Rows {
                     bf16: &x[first * k..(first + take) * k],
-                    f32: if bf16_path {
-                        &[]
-                    } else {
-                        &xf[first * k..(first + take) * k]
-                    },
+                    f32: &xf[first * k..(first + take) * k],
                     count: take,
                 };
                 dot_chunk(&weight, chunk..end, k, &xs, &scales, simd, &mut results);
