@@ -135,7 +135,7 @@ def test_the_server_refuses_a_draft_with_another_vocabulary_in_one_line(
     # Flags that need each other.
     out = subprocess.run(base, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
-    assert "--speculative-method draft and --speculative-model go together" in out.stderr
+    assert "--speculative-method draft needs --speculative-model" in out.stderr
 
 
 def test_the_server_drafts_and_reports_it(start_server: ServerFactory) -> None:

@@ -237,7 +237,7 @@ def test_speculation_through_a_worker_gives_the_local_tokens(
     ref, ref_engine = local(**spec)
     assert ref == want
     be = RemoteBackend(w.url)
-    assert be.supports_speculation
+    assert be.speculative_methods == ("ngram",)  # no draft model on this worker
     cfg = _config(be)
     cfg.num_speculative_tokens = 4
     engine = Engine(be, cfg, overlap_depth=depth)
@@ -263,6 +263,81 @@ def test_speculation_through_a_worker_gives_the_local_tokens(
         assert counts == (0, 0)
     assert all(e.logprobs is not None for e in events if e.token_id is not None)
     _assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("draft", ["itself", "other"])
+def test_a_worker_with_a_draft_model_drafts_for_its_server(
+    worker_factory: list[WorkerProcess], torch_checkpoint: str, draft: str
+) -> None:
+    """``--speculative-model`` on the worker: the server's scheduler reserves the proposal
+    rows, the worker's draft fills them and its model verifies them. Greedy tokens are
+    those of a local run without speculation, the proposals and acceptances those of a
+    local run with the same draft; logprobs come with every token; every block is free
+    after. A model drafting for itself is right every time, another one mostly not."""
+    from iron_batch.backends.torch_backend import TorchBackend
+    from tiny_models import random_prompts, variant_checkpoint
+
+    path = torch_checkpoint if draft == "itself" else str(
+        variant_checkpoint("llama", (("num_hidden_layers", 1),)))
+    geometry = ("--device", "cpu", "--dtype", "float32", "--total-kv-blocks", "20",
+                "--kv-block-size", "4")
+    w = WorkerProcess("--model", torch_checkpoint, *geometry, "--speculative-model", path)
+    worker_factory.append(w)
+    w.start()
+    reqs = list(zip(random_prompts(43, [9, 14, 6, 11, 17]), [20, 14, 18, 12, 16],
+                    strict=True))
+    params = SamplingParams(ignore_eos=True, logprobs=1)
+
+    def local(**spec: int | str) -> tuple[dict[str, list[int]], dict[str, int]]:
+        be = TorchBackend.from_model(torch_checkpoint, device="cpu", dtype="float32",
+                                     total_kv_blocks=20, kv_block_size=4,
+                                     speculative_model=path if spec else None)
+        engine = Engine(be, SchedulerConfig(total_kv_blocks=20, kv_block_size=4,
+                                            max_batch_tokens=64, max_running_seqs=8,
+                                            **spec))
+        got, ends = _drive(engine, reqs, params)
+        assert all(e.error is None for e in ends)
+        return got, engine.scheduler.stats()
+
+    spec = {"num_speculative_tokens": 3, "speculative_method": "draft"}
+    want, _ = local()
+    _, ref_stats = local(**spec)
+    be = RemoteBackend(w.url)
+    assert be.speculative_methods == ("ngram", "draft")
+    cfg = _config(be)
+    cfg.num_speculative_tokens, cfg.speculative_method = 3, "draft"
+    engine = Engine(be, cfg)
+    got, ends = _drive(engine, reqs, params)
+    assert got == want
+    assert all(e.error is None for e in ends)
+    stats = engine.scheduler.stats()
+    counts = (stats["spec_drafted_tokens"], stats["spec_accepted_tokens"])
+    assert counts == (ref_stats["spec_drafted_tokens"], ref_stats["spec_accepted_tokens"])
+    assert counts[0] > 0
+    if draft == "itself":
+        assert counts[1] == counts[0]
+    else:
+        assert counts[1] < counts[0]
+    assert stats["preemptions"] > 0
+    _assert_all_blocks_free(engine)
+
+
+def test_a_draft_method_the_worker_cannot_run_is_refused_in_one_line(
+    worker_factory: list[WorkerProcess],
+) -> None:
+    """``--speculative-method draft`` against a worker started without a draft model: the
+    server exits with a usage error naming the worker and the flag it needs."""
+    w = _mock_worker(worker_factory)
+    result = subprocess.run(
+        [sys.executable, "-m", "iron_batch.server", "--addr", "127.0.0.1:0", "--backend",
+         "remote", "--backend-url", w.url, "--speculative-method", "draft"],
+        capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, PYTHONPATH=os.path.join(_ROOT, "python")),
+    )
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert w.url in last and "--speculative-model" in last, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_a_gemma_worker_gives_the_server_its_cache_groups(

@@ -78,8 +78,10 @@ def test_overlap_flags_reach_the_engine() -> None:
         (["--num-speculative-tokens", "3"], "needs --speculative-method"),
         (["--speculative-method", "ngram"], "needs the torch backend"),
         (["--speculative-method", "eagle"], "invalid choice"),
-        (["--speculative-method", "draft"], "--speculative-model go together"),
-        (["--speculative-model", "/tmp/x"], "--speculative-model go together"),
+        (["--speculative-method", "draft"], "--speculative-method draft needs "
+         "--speculative-model"),
+        (["--speculative-model", "/tmp/x"], "--speculative-model needs --speculative-method "
+         "draft"),
     ],
 )
 def test_bad_flags_exit_with_a_clear_message(args: list[str], needle: str) -> None:

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from iron_batch import wire
+from iron_batch._core import DRAFTED_BY_BACKEND
 from iron_batch.batch import BATCH_FIELDS
 from iron_batch.wire import Kind, WireError
 
@@ -423,6 +424,15 @@ def test_proposals_to_verify_are_checked() -> None:
         ({}, 2, "proposals need steps == 1"),
     ]:
         assert refused(execute_body(with_(**{**spec, **changes}), steps=steps)) == message
+    # A draft model on the worker fills proposal rows that carry the core's placeholder id;
+    # the placeholder anywhere else is an id out of range.
+    drafted = [5, 6, 7, 8, DRAFTED_BY_BACKEND, DRAFTED_BY_BACKEND]
+    req = wire.decode_execute(execute_body(with_(**{**spec, "input_ids": drafted}), steps=1),
+                              LIMITS)
+    assert req.input_ids.tolist() == drafted
+    for ids in ([5, 6, 7, DRAFTED_BY_BACKEND, 9, 10], [5, DRAFTED_BY_BACKEND, 7, 8, 9, 10]):
+        assert refused(execute_body(with_(**{**spec, "input_ids": ids}), steps=1)) == (
+            "input id out of range")
 
 
 def test_a_verifying_steps_result_carries_its_accepted_tokens() -> None:

@@ -11,6 +11,8 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: str
+#: The input id of a proposal row that the backend's draft model fills in.
+DRAFTED_BY_BACKEND: int
 
 class IronBatchError(Exception):
     """Base class of every error raised by the Rust core."""

@@ -270,14 +270,15 @@ class Engine:
         self._submit = steps.submit
         self._wait = steps.wait
         self.config = config if config is not None else SchedulerConfig()
-        if self.config.num_speculative_tokens and not getattr(
-                backend, "supports_speculation", False):
+        method = self.config.speculative_method
+        if self.config.num_speculative_tokens and method not in getattr(
+                backend, "speculative_methods", ()):
+            if method == "draft":
+                raise ValueError("speculative_method 'draft' needs a backend with a draft "
+                                 "model (--speculative-model, on the worker for a remote "
+                                 "backend)")
             raise ValueError("speculative decoding is not supported by this backend "
                              f"({type(backend).__name__})")
-        if (self.config.num_speculative_tokens and self.config.speculative_method == "draft"
-                and getattr(backend, "draft", None) is None):
-            raise ValueError("speculative_method 'draft' needs a backend with a draft model "
-                             "(--speculative-model)")
         self.scheduler = Scheduler(self.config)
         self.stats = EngineStats()
         self._refresh_stats()

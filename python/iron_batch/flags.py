@@ -78,6 +78,15 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
         "bfloat16 (half the bytes per state slot, so about twice the sequences in the same "
         "memory and half the state traffic per decode step; computed in float32, rounded "
         "when stored); convolution windows stay float32")),
+    Flag("--speculative-model", dict(
+        default=None, metavar="PATH",
+        help="torch: a draft model for --speculative-method draft (checkpoint folder, GGUF "
+        "file or short name; the same tokenizer as --model); a worker started with one "
+        "drafts for its server")),
+    Flag("--speculative-quantization", dict(
+        choices=QUANTIZATION_MODES, default=None,
+        help="torch: quantize the draft model's weights as --quantization does the model's "
+        "(default: as its checkpoint)")),
     Flag("--mock-token-latency-us", dict(
         type=non_negative_float, default=DEFAULT_TOKEN_LATENCY_US,
         help="mock: time of one decode step in microseconds, whatever the batch size "
@@ -93,6 +102,10 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
 MODEL_FLAGS = ("--model", "--device", "--dtype", "--quantization", "--total-kv-blocks",
                "--kv-block-size", "--kv-cache-memory-gb", "--kv-cache-dtype",
                "--recurrent-state-dtype")
+
+#: The draft model that proposes for speculative decoding (the server's and the worker's;
+#: tensor-parallel ranks run none).
+DRAFT_FLAGS = ("--speculative-model", "--speculative-quantization")
 
 
 def add(parser: argparse.ArgumentParser | Any, names: Iterable[str], **overrides: Any) -> None:

@@ -19,7 +19,8 @@ in place (``np.frombuffer``) without copying.
 
 Kinds:
 - HELLO (client -> worker, first frame): JSON ``{"protocol": PROTOCOL, "api_key": str | null}``.
-- INFO (worker -> client): JSON with the model name, KV geometry, limits and tokenizer.
+- INFO (worker -> client): JSON with the model name, KV geometry, limits, tokenizer and
+  the speculative methods whose proposals the worker verifies.
 - EXECUTE: ``<II`` (steps K, array count) then the arrays of :data:`EXECUTE_FIELDS`.
 - RESULT: one int64 array ``[num_samples, K]``, then a UTF-8 JSON object (uint8 array,
   empty when there is nothing to say) with the logprobs requests asked for:
@@ -47,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from iron_batch._core import DRAFTED_BY_BACKEND
 from iron_batch.batch import BATCH_FIELDS, I64
 from iron_batch.batch import I32 as I32  # re-exported: the codec's dtypes
 
@@ -56,7 +58,10 @@ MAGIC = b"IBW1"
 #: flight): both of the earlier, separately numbered v2 changes.
 #: 4: EXECUTE carries the cache-group fields (other groups' slots and tables, table
 #: offsets, recurrent state slots).
-PROTOCOL = 5
+#: 5: EXECUTE carries ``num_proposed``: the worker verifies proposals.
+#: 6: INFO lists the ``speculative_methods`` the worker verifies; a draft model's proposal
+#: rows arrive as ``DRAFTED_BY_BACKEND`` for the worker's draft to fill.
+PROTOCOL = 6
 HEADER = struct.Struct("<4sBBHI")
 _ARRAY_HEADER = struct.Struct("<BB6xII")
 _EXECUTE_PREFIX = struct.Struct("<II")
@@ -396,7 +401,6 @@ def decode_execute(body: bytearray, limits: WorkerLimits) -> ExecuteRequest:
     _fail_unless(len(row_seqs) == n and len(max_steps) == n and len(handles) == n,
                  "sample arrays differ in length")
     if t:
-        _fail_unless(ids.min() >= 0 and ids.max() < limits.vocab_size, "input id out of range")
         _fail_unless(pos.min() >= 0, "negative position")
         _fail_unless(slots.min() >= 0 and slots.max() < limits.num_kv_blocks * bs,
                      "slot out of range")
@@ -434,6 +438,18 @@ def decode_execute(body: bytearray, limits: WorkerLimits) -> ExecuteRequest:
         _fail_unless(steps == 1, "proposals need steps == 1")
         _fail_unless(bool((proposed < qlen[row_seqs]).all()),
                      "a sample row's proposals outrun its sequence's query")
+        if ids.max() == DRAFTED_BY_BACKEND:
+            # The proposal rows a draft model on the worker fills carry the core's
+            # placeholder id; no other row may.
+            first = (qsl[row_seqs + 1] - proposed).astype(np.int64)
+            k = proposed.astype(np.int64)
+            within = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
+            in_proposal = np.zeros(t, dtype=bool)
+            in_proposal[np.repeat(first, k) + within] = True
+            ids = ids[~(in_proposal & (ids == DRAFTED_BY_BACKEND))]
+    if t:
+        _fail_unless(len(ids) == 0 or (ids.min() >= 0 and ids.max() < limits.vocab_size),
+                     "input id out of range")
     holes, hole_rows = named["pending_token_indices"], named["pending_sample_rows"]
     _fail_unless(len(holes) == len(hole_rows), "placeholder arrays differ in length")
     if len(holes):

@@ -420,8 +420,9 @@ def build_backend(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         "tokenizer": tokenizer.to_info() if tokenizer is not None else None,
         "supports_prompt_logprobs": bool(backend.supports_prompt_logprobs),
         "structured_output": bool(backend.supports_structured_output),
-        # Whether the worker verifies proposals (a server's --speculative-method ngram).
-        "speculation": bool(getattr(backend, "supports_speculation", False)),
+        # The speculative methods whose proposals the worker verifies (draft: it runs a
+        # draft model, --speculative-model).
+        "speculative_methods": list(getattr(backend, "speculative_methods", ())),
         # The model's cache groups (sliding-window layers): the server schedules the same.
         "cache_groups": [[g.kind, g.size, g.window, g.unit_bytes]
                          for g in config.cache_groups],
@@ -445,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("torch", "mock"), default="torch",
                    help="torch (a local checkpoint, --model) or mock (no weights, for tests)")
     flags.add(p, flags.MODEL_FLAGS)
+    flags.add(p, flags.DRAFT_FLAGS)
     p.add_argument("--api-key", default=os.environ.get("IRON_BATCH_WORKER_API_KEY"),
                    help="clients must send this key in their first frame "
                    "(default $IRON_BATCH_WORKER_API_KEY; none: open)")

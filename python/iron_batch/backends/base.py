@@ -82,6 +82,10 @@ class Backend(Protocol):
     #: and the engine keeps one by default; a backend whose ``submit`` runs the step to the
     #: end (CPU) would only hand each token out a step late. Read with a default of False.
     asynchronous_submit: bool
+    #: The speculative methods whose proposals ``submit`` verifies: ``"ngram"`` (the
+    #: scheduler proposes), ``"draft"`` (the backend's draft model fills the proposal rows);
+    #: empty: none. Read with a default of ().
+    speculative_methods: tuple[str, ...]
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -183,6 +187,7 @@ class BackendBase:
     kv_block_size: int | None = None
     supports_structured_output: bool = False
     asynchronous_submit: bool = False
+    speculative_methods: tuple[str, ...] = ()
 
     supports_prompt_logprobs: bool = False
 

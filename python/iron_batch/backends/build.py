@@ -35,7 +35,8 @@ class BackendConfigError(ValueError):
 
 
 #: Flags the server and the worker both parse (``iron_batch.flags``), passed on as they are.
-SHARED_FLAGS = (*flags.MODEL_FLAGS, "--mock-token-latency-us", "--mock-prefill-token-latency-us")
+SHARED_FLAGS = (*flags.MODEL_FLAGS, *flags.DRAFT_FLAGS, "--mock-token-latency-us",
+                "--mock-prefill-token-latency-us")
 
 
 def shared_options(args: Any) -> dict[str, Any]:
@@ -201,7 +202,8 @@ def scheduler_config(
         raise BackendConfigError(f"--kv-block-size {kv_block_size} differs from the "
                                  f"backend's {own_size}")
     blocks = int(total_kv_blocks or own_blocks or DEFAULTS.total_kv_blocks)
-    if (getattr(backend, "draft", None) is not None and options.get("num_speculative_tokens")
+    if ("draft" in getattr(backend, "speculative_methods", ())
+            and options.get("num_speculative_tokens")
             and options.get("speculative_method") is None):
         # The backend's draft model proposes (the core reserves the rows).
         options["speculative_method"] = "draft"

@@ -143,10 +143,12 @@ class RemoteBackend(BackendBase):
         self.supports_prompt_logprobs = bool(info.get("supports_prompt_logprobs", False))
         # The worker samples, so the worker enforces grammars (an older one may not).
         self.supports_structured_output = info.get("structured_output") is True
-        # The worker verifies proposals (prompt lookup runs in this process's scheduler);
+        # The methods whose proposals the worker verifies (prompt lookup runs in this
+        # process's scheduler; a draft model on the worker fills the proposal rows there);
         # one step per call: lookahead steps and proposal rows do not mix.
-        self.supports_speculation = (info.get("speculation") is True
-                                     and steps_per_call == 1)
+        methods = info.get("speculative_methods") or []
+        self.speculative_methods: tuple[str, ...] = tuple(
+            m for m in ("ngram", "draft") if m in methods) if steps_per_call == 1 else ()
         #: The worker model's cache groups, which the server's scheduler must keep too.
         self.cache_groups: list[CacheGroup] = [
             CacheGroup(str(kind), int(size), window=window, unit_bytes=int(unit))

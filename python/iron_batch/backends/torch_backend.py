@@ -94,7 +94,6 @@ class TorchBackend(BackendBase):
 
     supports_prompt_logprobs = True
     supports_embeddings = True
-    supports_speculation = True
 
     def __init__(
         self,
@@ -146,7 +145,8 @@ class TorchBackend(BackendBase):
         if draft is not None:
             self.draft = DraftRunner(draft)
             self.draft.allocate_kv_cache(per_group[0], kv_block_size)
-        self.speculative_method = "draft" if draft is not None else "ngram"
+        self.speculative_methods: tuple[str, ...] = (
+            ("ngram", "draft") if draft is not None else ("ngram",))
         grammar = None
         if tokenizer is not None and llguidance_installed():
             grammar = GrammarMasker(tokenizer, model.config.vocab_size, eos)

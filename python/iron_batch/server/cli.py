@@ -91,13 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "them) or draft (a smaller model with the same tokenizer, "
                    "--speculative-model, proposes greedily); the model verifies them in the "
                    "same step, greedy and seeded output unchanged (default off)")
-    scheduling.add_argument("--speculative-model", default=None, metavar="PATH",
-                   help="speculative decoding: the draft model (checkpoint folder, GGUF file "
-                   "or short name) of --speculative-method draft")
-    scheduling.add_argument("--speculative-quantization", default=None,
-                   choices=flags.QUANTIZATION_MODES,
-                   help="speculative decoding: quantize the draft model's weights as "
-                   "--quantization does the model's (default: as its checkpoint)")
+    flags.add(scheduling, flags.DRAFT_FLAGS)
     scheduling.add_argument("--num-speculative-tokens", type=positive_int, default=None,
                    help="speculative decoding: most tokens proposed per sequence per step "
                    "(default 4 with --speculative-method)")
@@ -234,8 +228,12 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
 
     if args.num_speculative_tokens is not None and args.speculative_method is None:
         parser.error("--num-speculative-tokens needs --speculative-method")
-    if (args.speculative_method == "draft") != (args.speculative_model is not None):
-        parser.error("--speculative-method draft and --speculative-model go together")
+    if args.speculative_model is not None and args.speculative_method != "draft":
+        parser.error("--speculative-model needs --speculative-method draft")
+    if (args.speculative_method == "draft" and args.speculative_model is None
+            and args.backend not in ("remote", "real")):
+        # A remote backend's draft model is the worker's (its own --speculative-model).
+        parser.error("--speculative-method draft needs --speculative-model")
     if args.speculative_quantization is not None and args.speculative_model is None:
         parser.error("--speculative-quantization needs --speculative-model")
     keys = getattr(args, "api_keys", None)
@@ -252,8 +250,6 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
             steps_per_call=args.steps_per_call,
             tensor_parallel_size=args.tensor_parallel_size,
             tp_timeout=args.tp_timeout,
-            speculative_model=args.speculative_model,
-            speculative_quantization=args.speculative_quantization,
         )
         config = scheduler_config(
             backend,
@@ -268,7 +264,12 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
         )
     except BackendConfigError as exc:
         parser.error(str(exc))
-    if config.num_speculative_tokens and not getattr(backend, "supports_speculation", False):
+    method = args.speculative_method
+    if method is not None and method not in getattr(backend, "speculative_methods", ()):
+        if args.backend in ("remote", "real"):
+            parser.error(f"--speculative-method {method}: the worker at {args.backend_url} "
+                         "does not verify it" + (" (start the worker with "
+                         "--speculative-model)" if method == "draft" else ""))
         parser.error(f"--speculative-method needs the torch backend (not --backend "
                      f"{args.backend})")
     return Engine(

@@ -39,6 +39,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "FINISH_REASONS",
         pyo3::types::PyTuple::new(m.py(), finish_reasons())?,
     )?;
+    // The input id of a proposal row that the backend's draft model fills in.
+    m.add("DRAFTED_BY_BACKEND", iron_batch_core::DRAFTED_BY_BACKEND)?;
     m.add_class::<allocator::BlockAllocator>()?;
     m.add_class::<decoder::DecoderStack>()?;
     m.add_class::<hybrid_decoder::HybridStack>()?;
