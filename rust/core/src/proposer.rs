@@ -111,11 +111,14 @@ impl NgramProposer {
 
 impl Proposer for NgramProposer {
     fn propose(&mut self, tokens: &[u32], k: usize, out: &mut Vec<u32>) {
-        self.observe(tokens);
-        let len = tokens.len();
         if k == 0 {
+            // Nothing to propose (a step with no rows left for proposals): the index
+            // catches up the next time it is asked for tokens, so a sequence that never
+            // gets proposal rows never pays for its index.
             return;
         }
+        self.observe(tokens);
+        let len = tokens.len();
         for n in (self.min_n..=self.max_n.min(len)).rev() {
             let suffix = &tokens[len - n..];
             let Some(&at) = self.maps[n - self.min_n].get(&ngram_hash(suffix)) else {
@@ -183,6 +186,20 @@ mod tests {
         for k in 1..6 {
             assert_eq!(propose(&mut pieces, &t, k), propose(&mut whole, &t, k));
         }
+    }
+
+    #[test]
+    fn asking_for_no_tokens_defers_the_index_and_changes_no_proposal() {
+        let t: Vec<u32> = (0..120).map(|i| (i * 5 % 11) as u32).collect();
+        let mut lazy = NgramProposer::new(2, 4);
+        for end in 1..=t.len() {
+            assert!(propose(&mut lazy, &t[..end], 0).is_empty());
+        }
+        assert_eq!(lazy.num_seen(), 0);
+        let mut eager = NgramProposer::new(2, 4);
+        eager.observe(&t);
+        assert_eq!(propose(&mut lazy, &t, 3), propose(&mut eager, &t, 3));
+        assert_eq!(lazy.maps, eager.maps);
     }
 
     #[test]
