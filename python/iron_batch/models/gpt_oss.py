@@ -120,7 +120,7 @@ class GptOssForCausalLM(MoEDecoderModel):
         experts' keys, the window of the sliding layers (every other one from the first
         unless ``attention.sliding_window_pattern`` gives another period), YaRN; the
         SwiGLU's constants are llama.cpp's own. YaRN keeps gpt-oss's ``truncate: false``
-        (every gpt-oss checkpoint's): llama.cpp rounds the ramp's ends outward instead,
+        (the released checkpoints'): llama.cpp rounds the ramp's ends outward instead,
         which would move the rotary frequencies off the safetensors model's."""
         n = int(cfg["num_hidden_layers"])
         for name in GGUF_NAMES:
