@@ -8,10 +8,16 @@ A :class:`~iron_batch.layers.quant.QuantWeight` of kind ``"mxfp4"`` (``quants`` 
 like the other quantized layouts: the Rust GEMV for a decode step's rows (and the MoE
 kernel over the selected experts), a dequantization into a reused bf16 buffer and a dense
 GEMM above; with float32 ones, an exact float32 dequantization into a reused buffer.
+
+llama.cpp's GGUF files store the same numbers in its own blocks (``block_mxfp4`` in
+``ggml-common.h``, 17 bytes per 32 weights: the E8M0 exponent, then 16 bytes whose byte
+``j`` holds weight ``j`` in its low nibble and weight ``j + 16`` in its high one):
+:func:`from_gguf` reorders those nibbles into the layout above, once at load.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +28,8 @@ from iron_batch.layers.quant import QuantWeight
 from iron_batch.platform.openmp import entry_points
 
 BLOCK = 32
+#: Bytes of one GGUF MXFP4 block: its exponent, then the 32 weights' codes.
+GGUF_BLOCK_BYTES = 1 + BLOCK // 2
 _DEQUANT_F32 = getattr(_core, "_dequantize_mxfp4_f32", None)
 
 
@@ -39,6 +47,25 @@ def weight(codes: torch.Tensor, exponents: torch.Tensor) -> QuantWeight:
     return QuantWeight(kind="mxfp4", n=n, k=groups * BLOCK,
                        quants=codes.reshape(n, groups * BLOCK // 2).contiguous(),
                        scale=exponents.contiguous(), min=None, source="mxfp4")
+
+
+def from_gguf(blocks: np.ndarray) -> QuantWeight:
+    """The MXFP4 matrix of a GGUF tensor's bytes, uint8 ``[n, k / 32 * 17]`` (rows of
+    llama.cpp's ``block_mxfp4``): the exponents as they are and each block's sixteen code
+    bytes rearranged into this layout's nibble order. A permutation of 4-bit codes:
+    nothing is rounded, the weights are the file's."""
+    n, row = blocks.shape
+    if blocks.dtype != np.uint8 or row % GGUF_BLOCK_BYTES:
+        raise ValueError(f"GGUF mxfp4 rows are {GGUF_BLOCK_BYTES}-byte blocks, not "
+                         f"{row} bytes of {blocks.dtype}")
+    b = np.asarray(blocks).reshape(n, row // GGUF_BLOCK_BYTES, GGUF_BLOCK_BYTES)
+    packed = b[..., 1:]
+    # The block's 32 codes in weight order: the low nibbles are weights 0-15, the high
+    # ones 16-31; then two neighbours a byte, the even one low.
+    codes = np.concatenate([packed & 15, packed >> 4], axis=-1)
+    ours = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return weight(torch.from_numpy(np.ascontiguousarray(ours).reshape(n, -1)),
+                  torch.from_numpy(np.ascontiguousarray(b[..., 0])))
 
 
 def dequantize_f32(w: QuantWeight, scratch: bool = False) -> torch.Tensor:

@@ -232,6 +232,18 @@ class GGUFSource:
             arr = arr.copy()
         return torch.from_numpy(arr)
 
+    def blocks(self, name: str) -> tuple[str, np.ndarray] | None:
+        """A whole tensor as the file stores it: its GGUF type name and its bytes, uint8
+        ``[..., rows, row bytes]`` with the dimensions in HF order (a family reads them
+        itself where no kernel here takes the type as it is: gpt-oss's MXFP4 experts);
+        None when the file has no such tensor."""
+        t = self._by_hf_name.get(name)
+        if t is None:
+            return None
+        shape = [int(d) for d in reversed(t.shape)]
+        data = np.asarray(t.data).view(np.uint8).reshape(*shape[:-1], -1)
+        return t.tensor_type.name, data
+
     def quantized(self, part: Part) -> QuantWeight | None:
         found = self._find(part.name)
         if found is None or len(found[2]) != 2:
