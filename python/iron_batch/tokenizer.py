@@ -21,12 +21,62 @@ from tokenizers import Tokenizer as HFTokenizer
 _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
 
-# Pre-tokenizer split patterns of the GGUF "tokenizer.ggml.pre" values we know.
+# The regexes that cut text into pieces before byte-level BPE, by the GGUF
+# "tokenizer.ggml.pre" name llama.cpp's converter writes. Each is spelled as in the
+# checkpoints' own tokenizer.json (llama.cpp rewrites some for its own regex engine).
+#: GPT-2's split: the one the ``tokenizers`` ByteLevel pre-tokenizer applies itself.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+#: cl100k's split as Llama 3's tokenizer.json writes it: digits in runs of up to three.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+#: Qwen2 (and Qwen2.5, Qwen3): Llama 3's with one digit a piece.
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+#: Qwen3.5: Qwen2's with combining marks kept with their letters.
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"
+    r" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+#: o200k (gpt-oss, Phi-4-mini): letter runs cut where lower case turns upper
+#: ("HelloWorld": "Hello", "World"), each with a contraction; digits in runs of up to three.
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+#: Mistral's tekken (Mistral Nemo): o200k's letter runs without the
+#: contractions, one digit a piece.
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|"
+    r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+#: ``tokenizer.ggml.pre`` -> the regexes that split the text, applied in turn (each cuts
+#: every piece the one before left, keeping what it matches and what lies between), as
+#: llama.cpp applies its list for the name. Any other name is refused at load.
+GGUF_PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    # llama.cpp's converter writes "default" only for SentencePiece vocabularies (and
+    # llama.cpp gives a byte-level one so named a split of its own); here it is GPT-2's.
+    "default": (_GPT2_SPLIT,),
+    "gpt-2": (_GPT2_SPLIT,),
+    "olmo": (_GPT2_SPLIT,),  # OLMo 1.7, OLMoE (GPT-NeoX's vocabulary)
+    # Digits one by one, then GPT-2's split: SmolLM/SmolLM2, and Granite 3's vocabulary.
+    "smollm": (r"\p{N}", _GPT2_SPLIT),
+    "refact": (r"\p{N}", _GPT2_SPLIT),
+    "llama-bpe": (_LLAMA3_SPLIT,),
+    "qwen2": (_QWEN2_SPLIT,),
+    "qwen35": (_QWEN35_SPLIT,),
+    "gpt-4o": (_O200K_SPLIT,),
+    "tekken": (_TEKKEN_SPLIT,),
+}
+#: Vocabularies converted from tiktoken ranks (Llama 3, gpt-oss, tekken): a piece that is a
+#: token is that token, whatever the merges would make of it, as their tokenizer.json says
+#: (``ignore_merges``; llama.cpp does so for the first and the last).
+_GGUF_IGNORE_MERGES = frozenset({"llama-bpe", "gpt-4o", "tekken"})
 
 #: A vocabulary with this token is Gemma 4's.
 _GEMMA4_TURN = "<|turn>"
@@ -214,27 +264,24 @@ class Tokenizer:
                 f"unsupported GGUF tokenizer model {kind!r} (tokenizer.ggml.model): supported "
                 "are 'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)"
             )
+        pre = fields.get("tokenizer.ggml.pre")
+        splits = GGUF_PRE_TOKENIZERS.get(pre) if isinstance(pre, str) else None
+        if splits is None:
+            said = ("a GGUF byte-level vocabulary without tokenizer.ggml.pre (its text split "
+                    "is unknown)" if pre is None
+                    else f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre)")
+            known = ", ".join(repr(n) for n in GGUF_PRE_TOKENIZERS)
+            raise ValueError(f"{said}: supported are {known}")
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
         types: list[int] = fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
         merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
         vocab = {t: i for i, t in enumerate(tokens)}
-        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        pre = fields.get("tokenizer.ggml.pre", "default")
-        if pre == "smollm":
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
-        elif pre in ("llama-bpe", "qwen2"):
-            split = _LLAMA3_SPLIT if pre == "llama-bpe" else _QWEN2_SPLIT
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
-        else:
-            tok.pre_tokenizer = byte_level
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                                     ignore_merges=pre in _GGUF_IGNORE_MERGES))
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens(
             [AddedToken(t, special=True, normalized=False)
