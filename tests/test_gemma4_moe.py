@@ -17,8 +17,6 @@ from iron_batch.llm import LLM
 from iron_batch.models.gemma4 import Gemma4Experts, Gemma4Layer
 from iron_batch.sampling_params import SamplingParams
 from tiny_models import (
-    FAMILIES,
-    VARIANTS,
     backend,
     checkpoint,
     hf_greedy,
@@ -30,19 +28,6 @@ from tiny_models import (
 )
 
 NAME = "gemma4_moe"
-_MOE = {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
-        "moe_intermediate_size": 32}
-VARIANTS.update({
-    # The dense test model (sliding and global layers, K/V shared, per-layer embeddings)
-    # with 8 experts, top 2, beside every layer's MLP.
-    NAME: ("Gemma4TextConfig", {**FAMILIES["gemma4"][1], **_MOE}),
-    # As the released mixture-of-experts checkpoint is built: no per-layer embeddings, no
-    # K/V sharing, the head the token table.
-    "gemma4_moe_plain": ("Gemma4TextConfig", {
-        **FAMILIES["gemma4"][1], **_MOE, "hidden_size_per_layer_input": 0,
-        "num_kv_shared_layers": 0, "use_double_wide_mlp": False,
-        "tie_word_embeddings": True}),
-})
 
 
 def _experts(be: TorchBackend) -> list[Gemma4Experts]:

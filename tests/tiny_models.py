@@ -161,6 +161,21 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     )),
 }
 
+_GEMMA4_MOE = {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
+               "moe_intermediate_size": 32}
+VARIANTS.update({
+    # Gemma 4 with experts (tests/test_gemma4_moe.py, test_gemma4.py): the dense test model
+    # (sliding and global layers, K/V shared, per-layer embeddings) with 8 experts, top 2,
+    # beside every layer's MLP.
+    "gemma4_moe": ("Gemma4TextConfig", {**FAMILIES["gemma4"][1], **_GEMMA4_MOE}),
+    # As the released mixture-of-experts checkpoint is built: no per-layer embeddings, no
+    # K/V sharing, the head the token table.
+    "gemma4_moe_plain": ("Gemma4TextConfig", {
+        **FAMILIES["gemma4"][1], **_GEMMA4_MOE, "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0, "use_double_wide_mlp": False,
+        "tie_word_embeddings": True}),
+})
+
 _ROOT = Path(tempfile.mkdtemp(prefix="iron_batch_tiny_"))
 atexit.register(shutil.rmtree, _ROOT, True)
 
