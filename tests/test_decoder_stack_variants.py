@@ -605,6 +605,41 @@ def test_gelu_tanh_kernel_rounds_like_torch() -> None:
                                rtol=1 / 128, atol=1e-6)
 
 
+def test_gated_activation_of_many_rows_splits_over_threads_and_keeps_each_row() -> None:
+    """A prompt step's GeGLU (hundreds of rows) runs on the thread team in row ranges:
+    each row equals that row alone, and torch's chain within its last bit near zero."""
+    torch.manual_seed(3)
+    gate_up = (torch.randn(300, 2 * 1536) * 3).to(torch.bfloat16)
+    for act in ("gelu_pytorch_tanh", "silu"):
+        got = cpu_kernels.gated_activation(gate_up, act)
+        alone = torch.cat([cpu_kernels.gated_activation(gate_up[r : r + 1], act)
+                           for r in range(0, 300, 37)])
+        assert torch.equal(got[::37], alone)
+        gate, up = gate_up.chunk(2, dim=-1)
+        want = (F.gelu(gate, approximate="tanh") if act != "silu" else F.silu(gate)) * up
+        torch.testing.assert_close(got.float(), want.float(), rtol=1 / 128, atol=1e-5)
+
+
+def test_a_bf16_gemma_mlp_takes_the_fused_geglu() -> None:
+    """With the CPU's fused kernels, a GeGLU MLP of bf16 rows runs the Rust pass (a
+    SwiGLU one keeps torch's chain), and gives what the torch route gives."""
+    from iron_batch.layers.linear import Linear
+    from iron_batch.layers.mlp import GatedMLP
+    from iron_batch.platform.cpu import CpuKernels
+
+    torch.manual_seed(4)
+    plain_kernels = CpuKernels()
+    gate_up = Linear((torch.randn(2 * 96, 64) / 8).to(torch.bfloat16), kernels=plain_kernels)
+    down = Linear((torch.randn(64, 96) / 8).to(torch.bfloat16), kernels=plain_kernels)
+    x = torch.randn(40, 64).to(torch.bfloat16)
+    fused = GatedMLP(gate_up, down, "gelu_pytorch_tanh", fused=True)
+    plain = GatedMLP(gate_up, down, "gelu_pytorch_tanh")
+    assert fused.activation != plain.activation
+    assert GatedMLP(gate_up, down, "silu", fused=True).activation is GatedMLP(
+        gate_up, down, "silu").activation
+    torch.testing.assert_close(fused(x).float(), plain(x).float(), rtol=1 / 64, atol=1e-4)
+
+
 def test_bad_sizes_are_refused_before_anything_is_written() -> None:
     c = _case(50, [LLAMA, LLAMA])
     s = c.step

@@ -445,11 +445,12 @@ def _rope_store_kv_int8(
     through ``iron_batch.layers.cpu_kernels``."""
 
 def _gated_activation(
-    out: int, gate_up: int, *, rows: int, inter: int, activation: str
+    out: int, gate_up: int, *, rows: int, inter: int, activation: str, threads: int = 1,
+    openmp: tuple[int, int, int] | None = None,
 ) -> None:
     """``act(gate) * up`` of bf16 ``gate_up`` [rows, 2 * inter] into ``out`` [rows, inter]
-    (``activation``: "silu", "gelu_pytorch_tanh" / "gelu_tanh"); call it through
-    ``iron_batch.layers.cpu_kernels``."""
+    (``activation``: "silu", "gelu_pytorch_tanh" / "gelu_tanh"), row ranges on up to
+    ``threads`` threads; call it through ``iron_batch.layers.cpu_kernels``."""
 
 def _gemv_bf16(
     out: int,

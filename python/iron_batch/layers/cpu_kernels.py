@@ -117,7 +117,8 @@ def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         raise TypeError(f"gated activation: bf16 only, not {gate_up.dtype}")
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype)
-    _ACT(out.data_ptr(), gate_up.data_ptr(), rows=rows, inter=inter, activation=activation)
+    _ACT(out.data_ptr(), gate_up.data_ptr(), rows=rows, inter=inter, activation=activation,
+         threads=torch.get_num_threads(), openmp=entry_points())
     return out
 
 

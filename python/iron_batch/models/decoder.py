@@ -353,7 +353,7 @@ class DecoderModel:
                 gate_up_parts = [col(n["gate"] + ".weight", inter),
                                  col(n["up"] + ".weight", inter)]
             gate_up = Linear.load(ctx, gate_up_parts, biases=gate_up_bias)
-            return GatedMLP(gate_up, down, c.hidden_act, max_rows=mlp_rows)
+            return GatedMLP(gate_up, down, c.hidden_act, max_rows=mlp_rows, fused=fused)
 
         self.layers: list[DecoderLayer] = []
         for i in range(c.num_layers):

@@ -480,7 +480,7 @@ class Gemma4ForCausalLM(DecoderModel):
                 k_norm=norm(n["k_norm"]) if src is None else None,
                 o=o,
                 post_norm=norms["post_norm"],
-                mlp=GatedMLP(gate_up, down, c.hidden_act, max_rows=mlp_rows),
+                mlp=GatedMLP(gate_up, down, c.hidden_act, max_rows=mlp_rows, fused=fused),
                 sliding_window=window,
                 attn_out_norm=norms["attn_out_norm"],
                 mlp_out_norm=norms["mlp_out_norm"],

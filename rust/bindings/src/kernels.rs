@@ -341,9 +341,11 @@ pub fn _rope_store_kv(
 
 /// `out = act(gate) * up` for bf16 `gate_up` rows `[rows, 2 * inter]` (gate first) into
 /// `out` `[rows, inter]`; `activation` as a checkpoint's `hidden_act` names it ("silu",
-/// "gelu_pytorch_tanh"), the decode stack's own kernels.
+/// "gelu_pytorch_tanh"), the decode stack's own kernels, over row ranges on up to `threads`
+/// threads (the OpenMP team's with `openmp`).
 #[pyfunction]
-#[pyo3(signature = (out, gate_up, *, rows, inter, activation))]
+#[pyo3(signature = (out, gate_up, *, rows, inter, activation, threads=1, openmp=None))]
+#[allow(clippy::too_many_arguments)]
 pub fn _gated_activation(
     py: Python<'_>,
     out: usize,
@@ -351,10 +353,12 @@ pub fn _gated_activation(
     rows: usize,
     inter: usize,
     activation: &str,
+    threads: usize,
+    openmp: Option<(usize, usize, usize)>,
 ) -> PyResult<()> {
     let act = Activation::from_name(activation)
         .ok_or_else(|| PyValueError::new_err(format!("no gated activation {activation:?}")))?;
-    run_kernel(py, None, |_| {
+    run_kernel(py, openmp, |parallel| {
         // SAFETY: see `slice`.
         let (out, gate_up) = unsafe {
             (
@@ -362,8 +366,7 @@ pub fn _gated_activation(
                 slice::<Bf16>(gate_up, rows * 2 * inter),
             )
         };
-        act.apply(out, gate_up, inter);
-        Ok(())
+        act.apply_rows(out, gate_up, inter, threads, parallel)
     })
 }
 

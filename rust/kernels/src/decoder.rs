@@ -101,6 +101,44 @@ impl Activation {
             Self::GeluTanhMul => gelu_tanh_mul(out, gate_up, inter),
         }
     }
+
+    /// [`Activation::apply`] over row ranges on up to `threads` of `parallel`'s threads
+    /// (each row's result is the same however the rows are split).
+    pub fn apply_rows(
+        self,
+        out: &mut [Bf16],
+        gate_up: &[Bf16],
+        inter: usize,
+        threads: usize,
+        parallel: &dyn Parallel,
+    ) -> Result<(), KernelError> {
+        if inter == 0 || !out.len().is_multiple_of(inter) || gate_up.len() != 2 * out.len() {
+            return Err(KernelError(format!(
+                "gated activation: out {} / gate_up {} elements for rows of {inter}",
+                out.len(),
+                gate_up.len()
+            )));
+        }
+        let rows = out.len() / inter;
+        let out_addr = out.as_mut_ptr() as usize;
+        crate::elementwise::for_row_ranges(
+            rows,
+            crate::elementwise::split_rows(rows, inter, threads),
+            parallel,
+            &|lo, hi| {
+                // SAFETY: the row ranges are disjoint and inside `out`, which outlives the
+                // call.
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        (out_addr as *mut Bf16).add(lo * inter),
+                        (hi - lo) * inter,
+                    )
+                };
+                self.apply(out, &gate_up[2 * lo * inter..2 * hi * inter], inter);
+            },
+        );
+        Ok(())
+    }
 }
 
 /// One decoder layer as the model describes it: its weights (fused q/k/v and gate/up), its

@@ -43,14 +43,14 @@ simd_dispatch!(norm_rows_once_dispatch, norm_rows_once, (
 /// Rows per part below which splitting a call across threads costs more than it saves.
 const MIN_ELEMENTS_PER_PART: usize = 32 * 1024;
 
-fn split_rows(rows: usize, dim: usize, threads: usize) -> usize {
+pub(crate) fn split_rows(rows: usize, dim: usize, threads: usize) -> usize {
     (rows * dim / MIN_ELEMENTS_PER_PART)
         .clamp(1, threads.max(1))
         .min(rows.max(1))
 }
 
 /// Run `f(first_row, last_row)` over `rows` split into `parts` contiguous ranges.
-fn for_row_ranges(
+pub(crate) fn for_row_ranges(
     rows: usize,
     parts: usize,
     parallel: &dyn Parallel,
