@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -210,9 +211,10 @@ def test_speculation_through_a_worker_gives_the_local_tokens(
 ) -> None:
     """Prompt lookup in the server's scheduler, proposals verified on the worker: the
     greedy tokens of a local run without speculation, the proposals and acceptances of a
-    local run with it, and the accepted tokens' logprobs; every block free after. The
-    engine's own choice keeps no step in flight with speculation on; with one in flight
-    by request, nothing is proposed and the tokens are the same."""
+    local run with it, and the accepted tokens' logprobs; every block free after. With
+    fewer sequences than a step proposes for, the engine's own choice keeps no step in
+    flight; with one in flight by request, nothing is proposed and the tokens are the
+    same."""
     from tiny_models import backend
 
     w = WorkerProcess("--model", torch_checkpoint, "--device", "cpu", "--dtype", "float32",
@@ -256,12 +258,56 @@ def test_speculation_through_a_worker_gives_the_local_tokens(
     stats, ref_stats = engine.scheduler.stats(), ref_engine.scheduler.stats()
     counts = (stats["spec_drafted_tokens"], stats["spec_accepted_tokens"])
     if depth is None:  # no step in flight: the same steps as the local run
-        assert engine.overlap_depth == 0
         assert counts == (ref_stats["spec_drafted_tokens"], ref_stats["spec_accepted_tokens"])
         assert counts[1] > 0
     else:
         assert counts == (0, 0)
     assert all(e.logprobs is not None for e in events if e.token_id is not None)
+    _assert_all_blocks_free(engine)
+
+
+def test_speculation_over_a_worker_overlaps_steps_while_too_many_run_to_propose(
+    worker_factory: list[WorkerProcess], torch_checkpoint: str
+) -> None:
+    """Prompt lookup over a worker with 12 sequences: while 8 or more run (no step takes
+    proposals then) the engine keeps steps in flight, as without speculation; once fewer
+    run it drains them and proposes. The greedy tokens are those of a local run without
+    speculation, and every block is free after."""
+    from tiny_models import backend
+
+    w = WorkerProcess("--model", torch_checkpoint, "--device", "cpu", "--dtype", "float32",
+                      "--total-kv-blocks", "200", "--kv-block-size", "4")
+    worker_factory.append(w)
+    w.start()
+    reqs = []
+    for i in range(12):
+        phrase = [(5 * i + 3 * j + 7) % 300 for j in range(4 + i % 5)]
+        reqs.append((phrase * 3 + phrase[:2], 12 + 3 * i))
+
+    def config(**extra: int) -> SchedulerConfig:
+        return SchedulerConfig(total_kv_blocks=200, kv_block_size=4, max_batch_tokens=256,
+                               max_running_seqs=12, **extra)
+
+    want, _ = _drive(Engine(backend("llama"), config(), overlap_depth=0), reqs)
+    be = RemoteBackend(w.url)
+    steps: list[tuple[int, int, int]] = []  # (placeholders, proposals, sequences running)
+    submit = be.submit
+
+    def watched(batch: Any) -> Any:
+        steps.append((len(batch.pending_token_indices), int(batch.num_proposed.sum()),
+                      engine.scheduler.num_running))
+        return submit(batch)
+
+    be.submit = watched  # type: ignore[method-assign]
+    engine = Engine(be, config(num_speculative_tokens=4))
+    got, ends = _drive(engine, reqs)
+    assert got == want
+    assert all(e.error is None for e in ends)
+    overlapped = [s for s in steps if s[0] > 0]
+    proposing = [s for s in steps if s[1] > 0]
+    assert overlapped and all(s[2] >= 8 for s in overlapped)
+    assert proposing and all(s[2] < 8 for s in proposing)
+    assert engine.scheduler.stats()["spec_accepted_tokens"] > 0
     _assert_all_blocks_free(engine)
 
 

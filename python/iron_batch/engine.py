@@ -245,20 +245,25 @@ class Engine:
         ``max_stream_buffer_events``: see :class:`RequestStream` (0: unbounded).
         ``overlap_depth``: steps kept in flight while the next is scheduled (0: none,
         each step runs to the end before the next is scheduled; None: chosen by the
-        engine: 0 for a backend whose ``submit`` runs the step to the end or with
-        speculation on, else from 1 up as far as deeper pipelines measurably raise the step
-        rate; see the module docstring). With steps in flight nothing is proposed."""
+        engine: 0 for a backend whose ``submit`` runs the step to the end, else from 1 up
+        as far as deeper pipelines measurably raise the step rate; see the module
+        docstring). With steps in flight nothing is proposed: with speculation on and the
+        engine's own choice, it keeps none in flight while a step could take proposals
+        (fewer running than ``speculative_max_rows``), and overlaps again above that."""
         full = hasattr(backend, "submit")
-        # A sequence proposes only with no step of its own in flight: with speculation on,
-        # the engine's own choice is to keep none in flight (a remote worker then verifies
-        # proposals instead of hiding its round trip).
-        speculating = bool(config is not None and config.num_speculative_tokens)
-        overlaps = full and bool(backend.asynchronous_submit) and not speculating
+        overlaps = full and bool(backend.asynchronous_submit)
         if overlap_depth is not None and overlap_depth < 0:
             raise ValueError("overlap_depth must be >= 0")
         self.overlap_depth = (1 if overlaps else 0) if overlap_depth is None else overlap_depth
         self._depth = _DepthTuner(self.overlap_depth) if (
             overlap_depth is None and overlaps) else None
+        # A sequence proposes only with no step of its own in flight, and only a step with
+        # fewer sequences running than this proposes at all: below it the engine's own
+        # choice keeps no step in flight (a remote worker then verifies proposals instead of
+        # hiding its round trip). 0: no such switch.
+        self._proposal_rows = config.speculative_max_rows if (
+            config is not None and config.num_speculative_tokens and self._depth is not None
+        ) else 0
         # Steps submitted and not committed, oldest first: (batch, backend handle or None
         # for an empty batch, which is committed in its turn all the same).
         self._inflight: deque[tuple[Any, Any]] = deque()
@@ -544,7 +549,13 @@ class Engine:
         lookahead = backend.steps_per_call - 1
         depth = self.overlap_depth if lookahead == 0 else 0
         inflight = self._inflight
-        if scheduler.has_work():
+        proposing = bool(self._proposal_rows) and (
+            scheduler.num_running + scheduler.num_waiting < self._proposal_rows)
+        if proposing:
+            depth = 0
+        # A step that could take proposals is scheduled only over no step in flight (the
+        # pipeline drains first).
+        if scheduler.has_work() and not (proposing and inflight):
             # Over the steps in flight (a plain schedule also drops any left open by a
             # failed step: nothing is in flight then).
             batch = scheduler.schedule(lookahead=lookahead, overlap=bool(inflight))
@@ -562,7 +573,8 @@ class Engine:
             tuner = self._depth
             # A wait the pipeline's depth decided (not the end of the work) is a sample for
             # the depth tuner.
-            timed = tuner is not None and len(inflight) > depth and scheduler.has_work()
+            timed = (tuner is not None and not proposing and len(inflight) > depth
+                     and scheduler.has_work())
             batch, handle = inflight.popleft()
             if handle is None:
                 output = _NOTHING
