@@ -33,6 +33,7 @@ from tiny_models import (
     reference_model,
     run_scheduler,
     variant_checkpoint,
+    write_gguf_byte_vocabulary,
 )
 
 FAMILIES = ["gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3"]
@@ -290,7 +291,7 @@ def write_gguf(name: str, out: Path, overrides: dict[str, Any] | None = None, *,
     if vocabulary is not None:
         vocabulary.write(w)
     else:
-        _write_byte_vocabulary(w, folder, tensors["token_embd.weight"].shape[0])
+        write_gguf_byte_vocabulary(w, folder, tensors["token_embd.weight"].shape[0])
     for tname, value in tensors.items():
         w.add_tensor(tname, np.ascontiguousarray(value))
     w.write_header_to_file()
@@ -298,22 +299,6 @@ def write_gguf(name: str, out: Path, overrides: dict[str, Any] | None = None, *,
     w.write_tensors_to_file()
     w.close()
     return out
-
-
-def _write_byte_vocabulary(w: gguf.GGUFWriter, folder: Path, rows: int) -> None:
-    """A GPT-2 style vocabulary of the byte tokenizer, padded as the converter pads it."""
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    by_id = {i: t for t, i in tok["model"]["vocab"].items()}
-    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(rows)]
-    types = [gguf.TokenType.CONTROL if i < 3 else
-             gguf.TokenType.NORMAL if i in by_id else gguf.TokenType.UNUSED for i in range(rows)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges([])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
 
 
 def _backend(path: Path) -> TorchBackend:

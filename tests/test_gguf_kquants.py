@@ -27,7 +27,7 @@ from iron_batch.backends.torch_backend import TorchBackend
 from iron_batch.layers import quant
 from safetensors.numpy import load_file
 from test_quantization import _decode_logits, _logit_tolerance, _prefill_logits
-from tiny_models import random_prompts, variant_checkpoint
+from tiny_models import random_prompts, variant_checkpoint, write_gguf_byte_vocabulary
 
 #: The formats kept in their own bytes, and the two regrouped ones a stacked matrix mixes in.
 RAW = ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"]
@@ -288,17 +288,8 @@ def _write_kquant_gguf(folder: Path, out: Path) -> dict[str, torch.Tensor]:
                                                  cfg["rope_parameters"]["rope_theta"]))
     w.add_float32("llama.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]))
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    by_id = {i: t for t, i in tok["model"]["vocab"].items()}
     vocab = cfg["vocab_size"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(vocab)])
-    w.add_token_types([gguf.TokenType.CONTROL if i < 3 else gguf.TokenType.NORMAL
-                       if i in by_id else gguf.TokenType.UNUSED for i in range(vocab)])
-    w.add_token_merges([])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    write_gguf_byte_vocabulary(w, folder, vocab)
     state = load_file(str(folder / "model.safetensors"))
     weights: dict[str, torch.Tensor] = {}
     seed = 0

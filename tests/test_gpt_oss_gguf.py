@@ -24,7 +24,12 @@ from iron_batch.layers import mxfp4
 from iron_batch.layers.moe import MoE
 from iron_batch.layers.quant import QuantWeight
 from safetensors.torch import load_file, save_file
-from tiny_models import random_prompts, run_scheduler, variant_checkpoint
+from tiny_models import (
+    random_prompts,
+    run_scheduler,
+    variant_checkpoint,
+    write_gguf_byte_vocabulary,
+)
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 NAME = "gpt_oss"
@@ -176,17 +181,7 @@ def write_gguf(folder: Path, out: Path, *, drop: tuple[str, ...] = (),
             w.add_float32(f"{arch}.{key}", value)
         else:
             w.add_uint32(f"{arch}.{key}", int(value))
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    by_id = {i: t for t, i in tok["model"]["vocab"].items()}
-    rows = tensors["token_embd.weight"][0].shape[0]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(rows)])
-    w.add_token_types([gguf.TokenType.CONTROL if i < 3 else gguf.TokenType.NORMAL
-                       if i in by_id else gguf.TokenType.UNUSED for i in range(rows)])
-    w.add_token_merges([])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    write_gguf_byte_vocabulary(w, folder, tensors["token_embd.weight"][0].shape[0])
     for tname, (value, raw) in tensors.items():
         if tname in drop:
             continue

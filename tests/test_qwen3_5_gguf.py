@@ -23,7 +23,7 @@ from iron_batch.layers.quant import QuantWeight
 from iron_batch.loader import read_config, resolve
 from safetensors.torch import load_file
 from test_qwen3_5 import checkpoint, hf_greedy
-from tiny_models import random_prompts, run_with_config
+from tiny_models import random_prompts, run_with_config, write_gguf_byte_vocabulary
 
 ARCH = "qwen35"
 
@@ -167,17 +167,7 @@ def write_gguf(folder: Path, out: Path, mtp_layers: int = 0, expert_type: str = 
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]))
     w.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    by_id = {i: t for t, i in tok["model"]["vocab"].items()}
-    rows = cfg["vocab_size"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(rows)])
-    w.add_token_types([gguf.TokenType.CONTROL if i < 3 else gguf.TokenType.NORMAL
-                       if i in by_id else gguf.TokenType.UNUSED for i in range(rows)])
-    w.add_token_merges([])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    write_gguf_byte_vocabulary(w, folder, cfg["vocab_size"])
     converted = _gguf_tensors(tensors, cfg)
     hidden = cfg["hidden_size"]
     rng = np.random.default_rng(5)

@@ -292,6 +292,24 @@ def write_byte_tokenizer(folder: Path) -> None:
     )
 
 
+def write_gguf_byte_vocabulary(writer: Any, folder: Path, rows: int) -> None:
+    """The byte tokenizer of ``folder`` (:func:`write_byte_tokenizer`) as a GGUF file's
+    GPT-2 style vocabulary, padded to ``rows`` tokens as llama.cpp's converter pads it:
+    ids 0-2 control tokens (1 the BOS, 2 the EOS), the pads unused."""
+    import gguf
+
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    by_id = {i: t for t, i in tok["model"]["vocab"].items()}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(rows)])
+    writer.add_token_types([gguf.TokenType.CONTROL if i < 3 else gguf.TokenType.NORMAL
+                            if i in by_id else gguf.TokenType.UNUSED for i in range(rows)])
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
 def uneven_checkpoint(folder: Path) -> Path:
     """A Llama with 6 query / 3 KV heads (2 + 1 KV heads per rank), 129 MLP rows (65 + 64)
     and a vocabulary of 321 (padded to 2 x 161): nothing splits evenly over 2 ranks. Bias on
