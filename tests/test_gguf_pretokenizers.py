@@ -5,7 +5,8 @@ converter writes; any other name is refused at load.
 The reference for each name is the pre-tokenizer chain of its models' tokenizer.json,
 written below as JSON the way those files spell it and run by the ``tokenizers`` library:
 GPT-2's and OLMo's files (ByteLevel with its own regex), SmolLM2's and Granite 3's
-(single digits, then ByteLevel), Llama 3's, Qwen2.5/Qwen3's, Qwen3.5's, gpt-oss's (o200k)
+(single digits, then ByteLevel), Llama 3's (also DBRX's, Phi-4's and SmolLM3's, which
+llama.cpp names "dbrx" and "smaug-bpe"), Qwen2.5/Qwen3's, Qwen3.5's, gpt-oss's (o200k)
 and Mistral Nemo's (tekken) Split regexes. o200k is also checked against tiktoken's own
 pattern run as tiktoken runs it, and, on ASCII text, every name against the regex list
 llama.cpp's ``llama-vocab.cpp`` applies for it.
@@ -60,8 +61,9 @@ _CHAINS_JSON = r"""
 """  # noqa: E501
 CHAINS: dict[str, list[dict[str, Any]]] = json.loads(_CHAINS_JSON)
 
-#: tokenizer.ggml.pre -> (its models' chain, whether their tokenizer.json ignores merges
-#: for a piece that is a token).
+#: tokenizer.ggml.pre -> (its models' chain, whether a piece that is a token is taken whole:
+#: as their tokenizer.json says (``ignore_merges``), and for "dbrx" and "smaug-bpe" as
+#: llama.cpp does, which is not).
 REFERENCE: dict[str, tuple[str, bool]] = {
     "default": ("gpt2", False),  # the tests' own name for GPT-2's split
     "gpt-2": ("gpt2", False),  # openai-community/gpt2
@@ -69,6 +71,8 @@ REFERENCE: dict[str, tuple[str, bool]] = {
     "smollm": ("digits-gpt2", False),  # HuggingFaceTB/SmolLM2
     "refact": ("digits-gpt2", False),  # Refact-1.6, Granite 3
     "llama-bpe": ("llama3", True),  # meta-llama/Llama-3.x
+    "dbrx": ("llama3", False),  # databricks/dbrx-base, microsoft/phi-4 (cl100k)
+    "smaug-bpe": ("llama3", False),  # HuggingFaceTB/SmolLM3-3B (Llama 3's vocabulary)
     "qwen2": ("qwen2", False),  # Qwen2.5, Qwen3
     "qwen35": ("qwen35", False),  # Qwen3.5
     "gpt-4o": ("o200k", True),  # openai/gpt-oss-20b
@@ -94,13 +98,16 @@ _CPP_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _CPP_TAIL = r"\s*[\r\n]+|\s+(?!\S)|\s+"
 _CPP_UPPER = r"((?=[\p{L}])([^a-z]))"
 _CPP_LOWER = r"((?=[\p{L}])([^A-Z]))"
+_CPP_LLAMA3 = [_CPP_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|" + _CPP_TAIL]
 LLAMA_CPP: dict[str, list[str]] = {
     "gpt-2": [_CPP_GPT2],
     "olmo": [_CPP_GPT2],
     "smollm": [r"\p{N}", _CPP_GPT2],
     "refact": [r"\p{N}", _CPP_GPT2],
-    "llama-bpe": [_CPP_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|" + _CPP_TAIL],
+    "llama-bpe": _CPP_LLAMA3,
+    "dbrx": _CPP_LLAMA3,  # LLAMA_VOCAB_PRE_TYPE_DBRX: "same as llama3"
+    "smaug-bpe": _CPP_LLAMA3,  # LLAMA_VOCAB_PRE_TYPE_SMAUG: likewise
     "qwen2": [_CPP_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|" + _CPP_TAIL],
     "qwen35": [_CPP_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
@@ -344,8 +351,30 @@ def test_a_piece_that_is_a_token_as_the_checkpoint_says(pre: str, whole: bool,
     assert ids == ([tokens.index("abc")] if whole else [tokens.index("a"), tokens.index("bc")])
 
 
-@pytest.mark.parametrize("pre", ["deepseek-llm", "command-r", "stablelm2", "dbrx",
-                                 "deepseek-r1-qwen", "llama3", "phi-2"])
+@pytest.mark.parametrize("pre", ["dbrx", "smaug-bpe"])
+def test_llama_cpps_other_names_for_llama_3s_split(pre: str, tmp_path: Path) -> None:
+    """"dbrx" (Phi-4's and DBRX's files) and "smaug-bpe" (SmolLM3's) cut as "llama-bpe"
+    does, digits in runs of up to three, not as GPT-2's split would; but, as llama.cpp
+    sets no ignore_merges for them, a piece that is a token the merges do not reach is
+    cut by the merges, where "llama-bpe" takes it whole."""
+    ours, llama, gpt2 = (_ours(tmp_path, p) for p in (pre, "llama-bpe", "gpt-2"))
+    for text in TEXTS:
+        assert _pieces(ours, text) == _pieces(llama, text), text
+    assert _pieces(ours, "12345") == ["123", "45"]
+    assert _pieces(gpt2, "12345") == ["12345"]
+    assert _pieces(ours, "we'll DON'T") != _pieces(gpt2, "we'll DON'T")
+
+    tokens = [*_byte_chars().values(), "bc", "abc", "<|endoftext|>"]
+    merges = ["b c"]  # "abc" is a token no merge reaches
+    for name, want in [(pre, ["a", "bc"]), ("llama-bpe", ["abc"])]:
+        folder = tmp_path / f"whole-{name}"
+        folder.mkdir()
+        ids = _ours(folder, name, tokens, merges).encode("abc", add_special_tokens=False)
+        assert ids == [tokens.index(t) for t in want], name
+
+
+@pytest.mark.parametrize("pre", ["deepseek-llm", "command-r", "stablelm2", "olmo2",
+                                 "smollm3", "deepseek-r1-qwen", "llama3", "phi-2"])
 def test_another_name_is_refused_in_one_line(pre: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError) as err:
         _ours(tmp_path, pre)

@@ -68,6 +68,12 @@ GGUF_PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "smollm": (r"\p{N}", _GPT2_SPLIT),
     "refact": (r"\p{N}", _GPT2_SPLIT),
     "llama-bpe": (_LLAMA3_SPLIT,),
+    # Llama 3's split under the names llama.cpp's converter writes when a vocabulary's
+    # test encoding hashes as DBRX's (cl100k: DBRX, Phi-4) or as Smaug's (Llama 3's
+    # vocabulary encoded with no BOS: SmolLM3, some Llama 3.x conversions); llama.cpp
+    # cuts both with Llama 3's regex and sets no ignore_merges for them (see below).
+    "dbrx": (_LLAMA3_SPLIT,),
+    "smaug-bpe": (_LLAMA3_SPLIT,),
     "qwen2": (_QWEN2_SPLIT,),
     "qwen35": (_QWEN35_SPLIT,),
     "gpt-4o": (_O200K_SPLIT,),
@@ -75,7 +81,11 @@ GGUF_PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
 }
 #: Vocabularies converted from tiktoken ranks (Llama 3, gpt-oss, tekken): a piece that is a
 #: token is that token, whatever the merges would make of it, as their tokenizer.json says
-#: (``ignore_merges``; llama.cpp does so for the first and the last).
+#: (``ignore_merges``; llama.cpp does so for the first and the last). "dbrx" and
+#: "smaug-bpe" follow the merges, as llama.cpp does for those names, although Llama 3's
+#: tokenizer.json, whose vocabulary SmolLM3's files carry, sets ``ignore_merges`` (whether
+#: SmolLM3's own file does is not checked here): where a piece is a token the merges do
+#: not reach, a smaug-bpe file can then cut it otherwise than its checkpoint.
 _GGUF_IGNORE_MERGES = frozenset({"llama-bpe", "gpt-4o", "tekken"})
 
 #: A vocabulary with this token is Gemma 4's.
