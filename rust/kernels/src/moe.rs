@@ -7,7 +7,8 @@
 //! (`[E * 2I, H]`), its down rows `e * H .. (e + 1) * H` of `down` (`[E * H, I]`). Either
 //! is bf16 or quantized ([`QMatrix`]); a quantized expert's rows are its own blocks, so a
 //! step reads the selected experts' bytes and no others. Each selected expert runs the
-//! GEMVs of the dense layers ([`gemv_bf16`], [`gemv_quant`]) on its gathered rows, its
+//! GEMVs of the dense layers ([`gemv_bf16`], [`gemv_quant`]) on its gathered rows (all the
+//! experts' pieces of one projection in one job of the thread team), its
 //! gated activation rounded as torch rounds it, and its output joins each row's f32 sum
 //! scaled by that row's routing weight; the sums are rounded to bf16 once.
 //!
@@ -32,9 +33,8 @@ pub enum Experts<'a> {
 }
 
 impl<'a> Experts<'a> {
-    /// Expert `e`'s `n` x `k` rows.
-    fn expert(&self, e: usize, n: usize, k: usize) -> Experts<'a> {
-        let (lo, hi) = (e * n, (e + 1) * n);
+    /// Rows `lo..hi` of the stacked rows of `k` values.
+    fn rows(&self, lo: usize, hi: usize, k: usize) -> Experts<'a> {
         let blocks = k / QBLOCK;
         match *self {
             Experts::Bf16(w) => Experts::Bf16(&w[lo * k..hi * k]),
@@ -146,10 +146,12 @@ pub struct ExpertExtras<'a> {
 /// `expert_e(x) = down_e(act(gate_e x) * up_e x)`.
 ///
 /// `x` and `out` are `[rows, hidden]` bf16, `ids` `[rows, top_k]` expert indices,
-/// `weights` `[rows, top_k]` f32. Experts run in index order, each on its rows in row
-/// order; each GEMV is split into at most `threads` parts on `parallel` (the caller's
-/// OpenMP team: on a loaded machine it answered each of a step's 2 x k GEMVs at once,
-/// where a team of our own that yields while it waits lost a time slice at some of them).
+/// `weights` `[rows, top_k]` f32. The rows are gathered by expert (experts in index order,
+/// each one's rows in row order); all the chosen experts' gate/up projections run as one
+/// job of at most `threads` parts on `parallel` (the caller's OpenMP team), their output
+/// rows laid end to end and cut evenly, and their down projections as a second such job:
+/// two hand-offs to the team a layer, where one GEMV per expert and projection took
+/// `2 x k` at batch 1. Each output value is the same GEMV's whatever the cut.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_experts(
     out: &mut [Bf16],
@@ -226,57 +228,63 @@ pub fn moe_experts_with(
             chosen[ids[r * top_k + j] as usize].push((r, weights[r * top_k + j]));
         }
     }
+    // The chosen experts, each with where its rows start in the gathered buffers.
+    let mut used: Vec<(usize, usize)> = Vec::new(); // (expert, first gathered row)
+    let mut gathered = 0;
+    for (e, picks) in chosen.iter().enumerate() {
+        if !picks.is_empty() {
+            used.push((e, gathered));
+            gathered += picks.len();
+        }
+    }
+    let mut xs = vec![Bf16::from_f32(0.0); gathered * hidden];
+    for &(e, first) in &used {
+        for (i, &(r, _)) in chosen[e].iter().enumerate() {
+            xs[(first + i) * hidden..(first + i + 1) * hidden]
+                .copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
+        }
+    }
+    let mut gu = vec![Bf16::from_f32(0.0); gathered * 2 * inter];
+    let mut act = vec![Bf16::from_f32(0.0); gathered * inter];
+    let mut h = vec![Bf16::from_f32(0.0); gathered * hidden];
+    // Every chosen expert's gate/up in one pass of the team, then every down projection in
+    // another (two hand-offs a layer, not two an expert).
+    let project = |out: &mut [Bf16],
+                   input: &[Bf16],
+                   weights: Experts<'_>,
+                   bias: Option<&[Bf16]>,
+                   n: usize,
+                   k: usize|
+     -> Result<(), KernelError> {
+        let segments: Vec<Segment> = used
+            .iter()
+            .map(|&(e, first)| Segment {
+                expert: e,
+                first,
+                rows: chosen[e].len(),
+            })
+            .collect();
+        experts_pass(
+            out, input, weights, bias, &segments, n, k, threads, parallel,
+        )
+    };
+    project(
+        &mut gu,
+        &xs,
+        gate_up,
+        extras.gate_up_bias,
+        2 * inter,
+        hidden,
+    )?;
+    extras.activation.apply(&mut act, &gu, inter);
+    project(&mut h, &act, down, extras.down_bias, hidden, inter)?;
     let mut sums = vec![0f32; rows * hidden];
-    {
-        let team = parallel;
-        // Scratch for the expert with the most rows; the others use its leading part.
-        let most = chosen.iter().map(Vec::len).max().unwrap_or(0);
-        let mut xs = vec![Bf16::from_f32(0.0); most * hidden];
-        let mut gu = vec![Bf16::from_f32(0.0); most * 2 * inter];
-        let mut act = vec![Bf16::from_f32(0.0); most * inter];
-        let mut h = vec![Bf16::from_f32(0.0); most * hidden];
-        for (e, picks) in chosen.iter().enumerate() {
-            let m = picks.len();
-            if m == 0 {
-                continue;
-            }
-            for (i, &(r, _)) in picks.iter().enumerate() {
-                xs[i * hidden..(i + 1) * hidden].copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
-            }
-            let gu_e = gate_up.expert(e, 2 * inter, hidden);
-            let gu_bias = extras
-                .gate_up_bias
-                .map(|b| &b[e * 2 * inter..(e + 1) * 2 * inter]);
-            gu_e.gemv(
-                &mut gu[..m * 2 * inter],
-                &xs[..m * hidden],
-                gu_bias,
-                m,
-                2 * inter,
-                hidden,
-                threads,
-                team,
-            )?;
-            extras
-                .activation
-                .apply(&mut act[..m * inter], &gu[..m * 2 * inter], inter);
-            let down_e = down.expert(e, hidden, inter);
-            let down_bias = extras.down_bias.map(|b| &b[e * hidden..(e + 1) * hidden]);
-            down_e.gemv(
-                &mut h[..m * hidden],
-                &act[..m * inter],
-                down_bias,
-                m,
-                hidden,
-                inter,
-                threads,
-                team,
-            )?;
-            for (i, &(r, w)) in picks.iter().enumerate() {
-                let acc = &mut sums[r * hidden..(r + 1) * hidden];
-                for (s, v) in acc.iter_mut().zip(&h[i * hidden..(i + 1) * hidden]) {
-                    *s += w * v.to_f32();
-                }
+    for &(e, first) in &used {
+        for (i, &(r, w)) in chosen[e].iter().enumerate() {
+            let acc = &mut sums[r * hidden..(r + 1) * hidden];
+            let row = &h[(first + i) * hidden..(first + i + 1) * hidden];
+            for (s, v) in acc.iter_mut().zip(row) {
+                *s += w * v.to_f32();
             }
         }
     }
@@ -284,6 +292,79 @@ pub fn moe_experts_with(
         *o = Bf16::from_f32(*s);
     }
     Ok(())
+}
+
+/// An expert's gathered activation rows: `rows` of them from row `first` of the gathered
+/// buffers.
+struct Segment {
+    expert: usize,
+    first: usize,
+    rows: usize,
+}
+
+/// `out[first + i] = input[first + i] W_e^T (+ b_e)` for every segment's expert `e` (each
+/// `n` x `k` in the stacked `weights`), as one job of `threads` parts: the experts' output
+/// rows laid end to end and cut evenly, each part running the GEMV of its pieces on its
+/// own thread. Each output value is the GEMV's for that row, whatever the cut.
+#[allow(clippy::too_many_arguments)]
+fn experts_pass(
+    out: &mut [Bf16],
+    input: &[Bf16],
+    weights: Experts<'_>,
+    bias: Option<&[Bf16]>,
+    segments: &[Segment],
+    n: usize,
+    k: usize,
+    threads: usize,
+    parallel: &dyn Parallel,
+) -> Result<(), KernelError> {
+    let total = segments.len() * n;
+    let parts = threads.clamp(1, total.max(1));
+    let out_addr = out.as_mut_ptr() as usize;
+    let out_len = out.len();
+    let failed = std::sync::Mutex::new(None);
+    let part = |p: usize| {
+        let (lo, hi) = (total * p / parts, total * (p + 1) / parts);
+        let mut scratch: Vec<Bf16> = Vec::new();
+        let mut at = lo;
+        while at < hi {
+            let (s, from) = (at / n, at % n);
+            let to = n.min(from + hi - at);
+            let seg = &segments[s];
+            let m = seg.rows;
+            let rows_of = weights.rows(seg.expert * n + from, seg.expert * n + to, k);
+            let b = bias.map(|b| &b[seg.expert * n + from..seg.expert * n + to]);
+            let x = &input[seg.first * k..(seg.first + m) * k];
+            let width = to - from;
+            scratch.clear();
+            scratch.resize(m * width, Bf16::from_f32(0.0));
+            let one = crate::attention::ScopedThreads;
+            if let Err(e) = rows_of.gemv(&mut scratch, x, b, m, width, k, 1, &one) {
+                *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                return;
+            }
+            for i in 0..m {
+                let start = (seg.first + i) * n + from;
+                debug_assert!(start + width <= out_len);
+                // SAFETY: parts cover disjoint (segment, column) ranges of `out`, which
+                // outlives the job; `start + width <= out.len()`.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut((out_addr as *mut Bf16).add(start), width)
+                };
+                dst.copy_from_slice(&scratch[i * width..(i + 1) * width]);
+            }
+            at += to - from;
+        }
+    };
+    if parts == 1 {
+        part(0);
+    } else {
+        parallel.run(parts, &part);
+    }
+    match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// A sparse MLP as a decoder layer runs it: the router, the chosen experts, and a shared
