@@ -1,8 +1,8 @@
 """The bf16 GEMV of two builds side by side, in one process: SmolLM2-135M's 30 layers of
-projections and its LM head, or a small Qwen3-MoE shape's experts, at several activation
-row counts. Each build's extension is loaded from its checkout and the two are called in
-turns (medians of ``--reps`` calls after a warm-up), so each pair of figures meets the
-same seconds of the machine's memory bandwidth.
+projections and its LM head at several activation row counts. Each build's extension is
+loaded from its checkout and the two are called in turns (medians of ``--reps`` calls after
+a warm-up), so each pair of figures meets the same seconds of the machine's memory
+bandwidth.
 
     python benches/gemv_rows.py --other OTHER/python --rows 1 2 5 8
 """

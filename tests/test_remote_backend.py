@@ -349,7 +349,12 @@ def test_a_worker_with_a_draft_model_drafts_for_its_server(
     want, _ = local()
     _, ref_stats = local(**spec)
     be = RemoteBackend(w.url)
-    assert be.speculative_methods == ("ngram", "draft")
+    # The worker's draft fills every proposal row: prompt lookup's would be overwritten.
+    assert be.speculative_methods == ("draft",)
+    lookup = _config(be)
+    lookup.num_speculative_tokens = 3
+    with pytest.raises(ValueError, match="fills every proposal row"):
+        Engine(be, lookup)
     cfg = _config(be)
     cfg.num_speculative_tokens, cfg.speculative_method = 3, "draft"
     engine = Engine(be, cfg)

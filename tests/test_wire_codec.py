@@ -6,6 +6,7 @@ each error path of ``iron_batch.wire`` is hit directly and named by its message.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import struct
@@ -425,14 +426,18 @@ def test_proposals_to_verify_are_checked() -> None:
     ]:
         assert refused(execute_body(with_(**{**spec, **changes}), steps=steps)) == message
     # A draft model on the worker fills proposal rows that carry the core's placeholder id;
-    # the placeholder anywhere else is an id out of range.
+    # the placeholder anywhere else, or at a worker with no draft, is an id out of range.
     drafted = [5, 6, 7, 8, DRAFTED_BY_BACKEND, DRAFTED_BY_BACKEND]
+    drafting = dataclasses.replace(LIMITS, drafts=True)
     req = wire.decode_execute(execute_body(with_(**{**spec, "input_ids": drafted}), steps=1),
-                              LIMITS)
+                              drafting)
     assert req.input_ids.tolist() == drafted
+    assert refused(execute_body(with_(**{**spec, "input_ids": drafted}), steps=1)) == (
+        "input id out of range")
     for ids in ([5, 6, 7, DRAFTED_BY_BACKEND, 9, 10], [5, DRAFTED_BY_BACKEND, 7, 8, 9, 10]):
-        assert refused(execute_body(with_(**{**spec, "input_ids": ids}), steps=1)) == (
-            "input id out of range")
+        with pytest.raises(WireError, match="input id out of range"):
+            wire.decode_execute(execute_body(with_(**{**spec, "input_ids": ids}), steps=1),
+                                drafting)
 
 
 def test_a_verifying_steps_result_carries_its_accepted_tokens() -> None:

@@ -249,7 +249,8 @@ class Engine:
         as far as deeper pipelines measurably raise the step rate; see the module
         docstring). With steps in flight nothing is proposed: with speculation on and the
         engine's own choice, it keeps none in flight while a step could take proposals
-        (fewer running than ``speculative_max_rows``), and overlaps again above that."""
+        (fewer sequences running and waiting, up to ``max_running_seqs``, than
+        ``speculative_max_rows``), and overlaps again above that."""
         full = hasattr(backend, "submit")
         overlaps = full and bool(backend.asynchronous_submit)
         if overlap_depth is not None and overlap_depth < 0:
@@ -282,6 +283,9 @@ class Engine:
                 raise ValueError("speculative_method 'draft' needs a backend with a draft "
                                  "model (--speculative-model, on the worker for a remote "
                                  "backend)")
+            if "draft" in getattr(backend, "speculative_methods", ()):
+                raise ValueError(f"speculative_method {method!r}: this backend runs a draft "
+                                 "model, which fills every proposal row; use 'draft'")
             raise ValueError("speculative decoding is not supported by this backend "
                              f"({type(backend).__name__})")
         self.scheduler = Scheduler(self.config)
@@ -549,8 +553,11 @@ class Engine:
         lookahead = backend.steps_per_call - 1
         depth = self.overlap_depth if lookahead == 0 else 0
         inflight = self._inflight
-        proposing = bool(self._proposal_rows) and (
-            scheduler.num_running + scheduler.num_waiting < self._proposal_rows)
+        # Sequences the next steps may hold: the running ones and those waiting, up to the
+        # scheduler's limit.
+        proposing = bool(self._proposal_rows) and min(
+            scheduler.num_running + scheduler.num_waiting, self.config.max_running_seqs
+        ) < self._proposal_rows
         if proposing:
             depth = 0
         # A step that could take proposals is scheduled only over no step in flight (the

@@ -255,6 +255,9 @@ class WorkerLimits:
     kv_block_size: int
     vocab_size: int
     max_model_len: int | None
+    #: Whether a draft model fills proposal rows here: only then may they carry
+    #: ``DRAFTED_BY_BACKEND``.
+    drafts: bool = False
 
 
 _NDIM = {f.name: f.ndim for f in BATCH_FIELDS}
@@ -438,7 +441,7 @@ def decode_execute(body: bytearray, limits: WorkerLimits) -> ExecuteRequest:
         _fail_unless(steps == 1, "proposals need steps == 1")
         _fail_unless(bool((proposed < qlen[row_seqs]).all()),
                      "a sample row's proposals outrun its sequence's query")
-        if ids.max() == DRAFTED_BY_BACKEND:
+        if limits.drafts and ids.max() == DRAFTED_BY_BACKEND:
             # The proposal rows a draft model on the worker fills carry the core's
             # placeholder id; no other row may.
             first = (qsl[row_seqs + 1] - proposed).astype(np.int64)

@@ -158,6 +158,7 @@ class Worker:
             kv_block_size=int(info["kv_block_size"]),
             vocab_size=int(info["vocab_size"]),
             max_model_len=info["max_model_len"],
+            drafts="draft" in info.get("speculative_methods", ()),
         )
         self.api_key = api_key
         self.delay_s = delay_s

@@ -145,8 +145,10 @@ class TorchBackend(BackendBase):
         if draft is not None:
             self.draft = DraftRunner(draft)
             self.draft.allocate_kv_cache(per_group[0], kv_block_size)
+        # With a draft model loaded it fills every proposal row (prompt lookup's would be
+        # overwritten), so the draft is then the one method.
         self.speculative_methods: tuple[str, ...] = (
-            ("ngram", "draft") if draft is not None else ("ngram",))
+            ("draft",) if draft is not None else ("ngram",))
         grammar = None
         if tokenizer is not None and llguidance_installed():
             grammar = GrammarMasker(tokenizer, model.config.vocab_size, eos)

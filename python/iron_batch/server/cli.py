@@ -219,6 +219,7 @@ def api_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[
 def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     """Backend and engine from parsed flags; bad combinations exit through ``parser.error``."""
     from iron_batch.backends.build import (
+        ALIASES,
         BackendConfigError,
         build_backend,
         scheduler_config,
@@ -231,7 +232,7 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
     if args.speculative_model is not None and args.speculative_method != "draft":
         parser.error("--speculative-model needs --speculative-method draft")
     if (args.speculative_method == "draft" and args.speculative_model is None
-            and args.backend not in ("remote", "real")):
+            and args.backend not in ("remote", *ALIASES)):
         # A remote backend's draft model is the worker's (its own --speculative-model).
         parser.error("--speculative-method draft needs --speculative-model")
     if args.speculative_quantization is not None and args.speculative_model is None:
@@ -265,8 +266,15 @@ def build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
     except BackendConfigError as exc:
         parser.error(str(exc))
     method = args.speculative_method
-    if method is not None and method not in getattr(backend, "speculative_methods", ()):
-        if args.backend in ("remote", "real"):
+    methods = getattr(backend, "speculative_methods", ())
+    if method is not None and method not in methods:
+        if args.backend in ("remote", *ALIASES):
+            if args.steps_per_call > 1:
+                parser.error(f"--speculative-method {method} needs --steps-per-call 1")
+            if "draft" in methods:
+                parser.error(f"--speculative-method {method}: the worker at "
+                             f"{args.backend_url} runs a draft model, which fills every "
+                             "proposal row (use --speculative-method draft)")
             parser.error(f"--speculative-method {method}: the worker at {args.backend_url} "
                          "does not verify it" + (" (start the worker with "
                          "--speculative-model)" if method == "draft" else ""))

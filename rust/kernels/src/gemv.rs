@@ -14,7 +14,8 @@
 //!
 //! Where the CPU has AVX-512 BF16, each activation row takes one `vdpbf16ps` per 32
 //! weights straight from the bf16 values (the products of two bf16 numbers are exact in
-//! f32, so only the order of the additions differs from the widening path): an extra row of
+//! f32, so the order of the additions differs from the widening path, and the instruction
+//! takes denormal inputs and sums as zero): an extra row of
 //! a speculative step or a small batch costs one instruction per 32 weights instead of two
 //! FMAs, and the weights are not widened at all.
 //!

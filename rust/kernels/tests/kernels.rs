@@ -569,10 +569,18 @@ fn gemv_matches_a_plain_product_for_any_number_of_rows() {
 fn gemv_rows_do_not_depend_on_the_rows_beside_them() {
     use iron_batch_kernels::gemv_bf16;
     let mut rng = Rng(29);
-    // k multiples of 32, of 16 only, and of neither: every vector path this CPU has.
-    // k 4112 makes blocks of 8 activation rows; the row counts cover one pass, several,
-    // and a last pass of 1 to 7 rows.
-    for (n, k) in [(300, 576), (260, 48), (70, 40), (20, 4112)] {
+    // k multiples of 64, of 32 only (the bf16 dot products' last 32 values alone), of 16
+    // only, and of neither: every vector path this CPU has. k 4112 and 4128 make blocks of
+    // 8 activation rows; the row counts cover one pass, several, and a last pass of 1 to 7
+    // rows.
+    for (n, k) in [
+        (300, 576),
+        (90, 96),
+        (260, 48),
+        (70, 40),
+        (20, 4112),
+        (20, 4128),
+    ] {
         let most = 27;
         let x: Vec<Bf16> = (0..most * k).map(|_| Bf16::from_f32(rng.unit())).collect();
         let w: Vec<Bf16> = (0..n * k).map(|_| Bf16::from_f32(rng.unit())).collect();
