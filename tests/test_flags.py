@@ -17,11 +17,15 @@ RANK = ["--rank", "1", "--world-size", "2", "--store", "127.0.0.1:1", "--timeout
 
 
 def test_the_server_and_the_worker_read_the_model_flags_alike() -> None:
-    names = (*flags.MODEL_FLAGS, "--mock-token-latency-us", "--mock-prefill-token-latency-us")
-    server = flags.values(server_parser().parse_args(GIVEN), names)
-    worker = flags.values(worker_parser().parse_args(GIVEN), names)
+    names = (*flags.MODEL_FLAGS, *flags.DRAFT_FLAGS, "--mock-token-latency-us",
+             "--mock-prefill-token-latency-us")
+    given = [*GIVEN, "--speculative-model", "smollm2-135m",
+             "--speculative-quantization", "int8"]
+    server = flags.values(server_parser().parse_args(given), names)
+    worker = flags.values(worker_parser().parse_args(given), names)
     assert server == worker
     assert server["quantization"] == "int4" and server["kv_block_size"] == 8
+    assert server["speculative_quantization"] == "int8"
     assert flags.values(server_parser().parse_args([]), names) == flags.values(
         worker_parser().parse_args([]), names)
 
@@ -38,7 +42,8 @@ def test_rank_zeros_model_flags_reach_a_spawned_rank_intact() -> None:
     assert got == sparse
 
 
-@pytest.mark.parametrize("bad", [["--quantization", "int3"], ["--kv-block-size", "0"]])
+@pytest.mark.parametrize("bad", [["--quantization", "int3"], ["--kv-block-size", "0"],
+                                 ["--speculative-quantization", "int3"]])
 def test_every_program_refuses_the_same_bad_values(bad: list[str]) -> None:
     for parser in (server_parser(), worker_parser()):
         with pytest.raises(SystemExit):
