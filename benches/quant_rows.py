@@ -1,7 +1,8 @@
-"""The quantized GEMV by activation row count, two builds in one process: what each extra
-row of a step (a speculative step's verification rows, a batch of decoding sequences) costs
-in the "q4" and "q8" layouts that GGUF Q4_0/Q4_1/Q8_0 matrices and
-``--quantization int4|int8`` run on, and in the GGUF block formats kept in their own bytes.
+"""The CPU GEMVs by activation row count, two builds in one process: what each extra row of
+a step (a speculative step's verification rows, a batch of decoding sequences) costs in
+bf16 (``--sets bf16``: ``_gemv_bf16``), in the "q4" and "q8" layouts that GGUF
+Q4_0/Q4_1/Q8_0 matrices and ``--quantization int4|int8`` run on, and in the GGUF block
+formats kept in their own bytes.
 
 SmolLM2-135M's projections (30 layers of q/k/v, o, gate/up and down, random Q4 blocks) and
 its 49152 x 576 Q8 LM head, each set called matrix by matrix through
@@ -17,6 +18,7 @@ this machine's memory bandwidth; each figure is the median of ``--reps`` calls.
     python benches/quant_rows.py --other /path/to/other/checkout/python
     python benches/quant_rows.py --other OTHER/python --sets q4_k q6_k q5_0 --rows 1 4 8
     python benches/quant_rows.py --other OTHER/python --sets moe_k q4_k q6_k --rows 1 2 4
+    python benches/quant_rows.py --other OTHER/python --sets bf16 --rows 1 2 5 8
 """
 
 from __future__ import annotations
@@ -85,12 +87,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--warmup-s", type=float, default=5.0)
     ap.add_argument("--sets", nargs="+", default=["q4", "q8"],
-                    choices=["q4", "q8", "q5_0", "q4_k", "q6_k", "moe_k"])
+                    choices=["bf16", "q4", "q8", "q5_0", "q4_k", "q6_k", "moe_k"])
     args = ap.parse_args()
     this = load_core(str(Path(__file__).resolve().parents[1] / "python"), "this")
     other = load_core(args.other, "other")
     rng = np.random.default_rng(0)
     sets: dict[str, list[Matrix]] = {}
+    if "bf16" in args.sets:
+        torch.manual_seed(0)
+        sets["bf16 projections"] = [(torch.randn(n, k).bfloat16() / 8, None, None, n, k, "bf16")
+                                    for _ in range(LAYERS) for n, k in SHAPES]
+        sets["bf16 LM head"] = [(torch.randn(*HEAD).bfloat16() / 8, None, None, *HEAD, "bf16")]
     if "q4" in args.sets:
         sets["q4 projections"] = [matrix(rng, n, k, "q4") for _ in range(LAYERS) for n, k in SHAPES]
     if "q8" in args.sets:
@@ -117,6 +124,10 @@ def main() -> None:
         for quants, scale, low, n, k, kind in mats:
             x = xs[(rows, k)]
             y = ys.setdefault((rows, n), torch.empty(rows, n, dtype=torch.bfloat16))
+            if kind == "bf16":
+                core._gemv_bf16(y.data_ptr(), x.data_ptr(), quants.data_ptr(), 0, rows=rows,
+                                n=n, k=k, threads=threads, openmp=openmp)
+                continue
             core._gemv_quant(y.data_ptr(), x.data_ptr(), kind, quants.data_ptr(),
                              0 if scale is None else scale.data_ptr(),
                              0 if low is None else low.data_ptr(), 0, rows=rows, n=n, k=k,

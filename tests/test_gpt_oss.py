@@ -17,6 +17,7 @@ from iron_batch.layers.moe import DECODE_MAX_ROWS, MoE
 from iron_batch.models.registry import SUPPORTED_MODEL_TYPES
 from tiny_models import (
     checkpoint,
+    greedy_on_one_and_two_ranks,
     hf_greedy,
     prefix_hit_run,
     random_prompts,
@@ -222,18 +223,7 @@ def test_what_cannot_run_sinks_refuses_them(monkeypatch: pytest.MonkeyPatch) -> 
 def test_tp2_equals_tp1() -> None:
     """Two ranks, each with half the heads (and their sinks) and half of every expert's
     intermediate rows, give TP=1's greedy tokens."""
-    from iron_batch.llm import LLM
-    from iron_batch.sampling_params import SamplingParams
-
-    kw = dict(device="cpu", dtype="float32", total_kv_blocks=256, kv_block_size=4)
-    prompts = random_prompts(21, [1, 5, 11, 17, 23])
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    path = str(checkpoint(NAME))
-    tp1 = [o.token_ids for o in LLM(model=path, **kw).generate(prompts, params)]
-    llm = LLM(model=path, tensor_parallel_size=2, **kw)
-    try:
-        tp2 = [o.token_ids for o in llm.generate(prompts, params)]
-    finally:
-        llm.close()
+    tp1, tp2 = greedy_on_one_and_two_ranks(
+        str(checkpoint(NAME)), random_prompts(21, [1, 5, 11, 17, 23]), 10)
     assert all(len(o) == 10 for o in tp1)
     assert tp2 == tp1

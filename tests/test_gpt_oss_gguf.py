@@ -25,6 +25,7 @@ from iron_batch.layers.moe import MoE
 from iron_batch.layers.quant import QuantWeight
 from safetensors.torch import load_file, save_file
 from tiny_models import (
+    greedy_on_one_and_two_ranks,
     random_prompts,
     run_scheduler,
     variant_checkpoint,
@@ -303,19 +304,8 @@ def test_gguf_gives_the_safetensors_tokens_and_logits(experts: str) -> None:
 def test_tp2_equals_tp1_from_gguf() -> None:
     """Two ranks, each with half the heads and one MXFP4 block of every expert's 64
     intermediate rows, give one rank's tokens from the GGUF file."""
-    from iron_batch.llm import LLM
-    from iron_batch.sampling_params import SamplingParams
-
-    kw = dict(device="cpu", dtype="float32", total_kv_blocks=256, kv_block_size=4)
-    prompts = random_prompts(64, [1, 5, 11, 17, 23])
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    path = str(_gguf("mxfp4"))
-    tp1 = [o.token_ids for o in LLM(model=path, **kw).generate(prompts, params)]
-    llm = LLM(model=path, tensor_parallel_size=2, **kw)
-    try:
-        tp2 = [o.token_ids for o in llm.generate(prompts, params)]
-    finally:
-        llm.close()
+    tp1, tp2 = greedy_on_one_and_two_ranks(
+        str(_gguf("mxfp4")), random_prompts(64, [1, 5, 11, 17, 23]), 10)
     assert all(len(o) == 10 for o in tp1)
     assert tp2 == tp1
 

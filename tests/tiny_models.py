@@ -341,6 +341,25 @@ def backend(name: str, total_kv_blocks: int = 256, kv_block_size: int = 4) -> To
     )
 
 
+def greedy_on_one_and_two_ranks(
+    path: str, prompts: list[list[int]], new_tokens: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens of ``path`` (float32, CPU) on one rank and over two
+    (``tensor_parallel_size=2``), the same prompts and pool on each."""
+    from iron_batch.llm import LLM
+
+    kw: dict[str, Any] = dict(device="cpu", dtype="float32", total_kv_blocks=256,
+                              kv_block_size=4)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    tp1 = [o.token_ids for o in LLM(model=path, **kw).generate(prompts, params)]
+    llm = LLM(model=path, tensor_parallel_size=2, **kw)
+    try:
+        tp2 = [o.token_ids for o in llm.generate(prompts, params)]
+    finally:
+        llm.close()
+    return tp1, tp2
+
+
 def random_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, VOCAB, size=n).tolist() for n in lengths]

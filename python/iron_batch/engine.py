@@ -259,9 +259,9 @@ class Engine:
         self._depth = _DepthTuner(self.overlap_depth) if (
             overlap_depth is None and overlaps) else None
         # A sequence proposes only with no step of its own in flight, and only a step with
-        # fewer sequences running than this proposes at all: below it the engine's own
-        # choice keeps no step in flight (a remote worker then verifies proposals instead of
-        # hiding its round trip). 0: no such switch.
+        # fewer sequences than this proposes at all: below it (counting those running and
+        # waiting) the engine's own choice keeps no step in flight (a remote worker then
+        # verifies proposals instead of hiding its round trip). 0: no such switch.
         self._proposal_rows = config.speculative_max_rows if (
             config is not None and config.num_speculative_tokens and self._depth is not None
         ) else 0
