@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                    help="the servers' KV and state memory (their default when not given)")
     ap.add_argument("--parts", default="w,b1", help="w (throughput), b1 (batch 1) or both")
     ap.add_argument("--one-at-a-time", action="store_true",
                     help="start each build's server for its turn and stop it after (a model "
@@ -64,6 +66,8 @@ def main() -> None:
     else:
         raise SystemExit("give --model or --shape")
     extra = ["--quantization", args.quantization] if args.quantization else []
+    if args.kv_cache_memory_gb is not None:
+        extra += ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
     pythons = dict(builds)
 
     def warm(name: str, server: tt.Server) -> None:

@@ -364,6 +364,9 @@ def main() -> None:
                     "alternating; report the median of each round's ratio")
     ap.add_argument("--max-batch-tokens", type=int, default=8192,
                     help="iron-batch's token budget per step (the server's default)")
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                    help="iron-batch's KV and state memory, in process and in the server "
+                    "(its default when not given)")
     ap.add_argument("--server", action="store_true",
                     help="also measure through python -m iron_batch.server (what users see)")
     ap.add_argument("--prefix-cache", action="store_true",
@@ -390,7 +393,8 @@ def main() -> None:
         model = plain_checkpoint(args.model, dtype, Path(tmp.name))
     else:
         ap.error("give --model or --shape")
-    llm = LLM(model=model, dtype=args.dtype, device="cpu", max_batch_tokens=args.max_batch_tokens)
+    llm = LLM(model=model, dtype=args.dtype, device="cpu", max_batch_tokens=args.max_batch_tokens,
+              kv_cache_memory_gb=args.kv_cache_memory_gb)
     backend: TorchBackend = llm.backend  # type: ignore[assignment]
     net = backend.model
     weight_bytes = sum(
@@ -417,7 +421,9 @@ def main() -> None:
         best = max(before, copy_bandwidth_gbs())
         return value, (weight_bytes + state_bytes) / (best * 1e9) * 1e3
 
-    server = Server(model, args.dtype, vocab, args) if args.server else None
+    memory = ([] if args.kv_cache_memory_gb is None
+              else ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)])
+    server = Server(model, args.dtype, vocab, args, memory) if args.server else None
     hf = hf_model(model, dtype)
     batches = [int(x) for x in args.hf_batches.split(",")]
     warm(lambda: ours_throughput(llm, fresh(), new), args.warmup_s)

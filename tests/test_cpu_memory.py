@@ -1,7 +1,8 @@
 """CPU activations kept off fresh kernel pages (``models/cpu_malloc.py``): once a CPU model
 is loaded, an activation-sized block comes from the heap and, freed, stays there for the
-next step instead of going back to the kernel (to be faulted in and zeroed again); with the
-switch off, glibc maps such a block on its own. A long prompt step runs the MLP in runs of
+next step instead of going back to the kernel (to be faulted in and zeroed again), even one
+above glibc's largest mmap threshold; with the switch off, glibc maps such a block on its
+own. A long prompt step runs the MLP in runs of
 rows small enough to stay such blocks, with the same logits as in one piece."""
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ block = torch.full((10 << 20,), 1.0, dtype=torch.bfloat16)  # 20 MiB, a prompt c
 alive = mallinfo2()
 del block
 freed = mallinfo2()
+# Above glibc's largest mmap threshold (32 MiB): a 64-prompt step's float32 temporaries.
+large = torch.full((24 << 20,), 1.0, dtype=torch.float16)  # 48 MiB
+large_alive = mallinfo2()
+del large
 print(json.dumps({"mapped_alone": alive.hblkhd - before.hblkhd,
-                  "kept_free": freed.fordblks - before.fordblks}))
+                  "kept_free": freed.fordblks - before.fordblks,
+                  "large_mapped_alone": large_alive.hblkhd - freed.hblkhd}))
 """
 
 
@@ -58,8 +64,10 @@ def test_a_freed_activation_block_stays_with_the_allocator() -> None:
     assert kept["mapped_alone"] < block, kept
     # Freed, it stays in the heap (less whatever small allocation took a piece since).
     assert kept["kept_free"] >= block // 2, kept
+    assert kept["large_mapped_alone"] == 0, kept
     default = _probe(keep=False)
     assert default["mapped_alone"] >= block, default
+    assert default["large_mapped_alone"] >= 48 << 20, default
     assert default["kept_free"] < block // 2, default
 
 
