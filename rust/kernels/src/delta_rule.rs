@@ -403,19 +403,7 @@ fn chunk_head_body<S: Element>(
         }
         // One read of the state for the whole block: S^T k_t and S^T q_t.
         read_state(&wide, &kb, &qb, n, dk, dv, &mut sk, &mut sq);
-        // Key-key and query-key products within the block (i <= t), across i at once.
-        for t in 0..n {
-            let (kr, qr) = (&mut kk[t * c..t * c + t + 1], &mut qk[t * c..t * c + t + 1]);
-            kr.fill(0.0);
-            qr.fill(0.0);
-            for d in 0..dk {
-                let (kd, qd) = (kb[t * dk + d], qb[t * dk + d]);
-                for ((a, b), &ki) in kr.iter_mut().zip(qr.iter_mut()).zip(&kt[d * c..]) {
-                    *a += kd * ki;
-                    *b += qd * ki;
-                }
-            }
-        }
+        key_products(&kb, &qb, &kt, n, dk, &mut kk, &mut qk);
         // Forward substitution: u_t = beta_t (v_t - e^{G_t} S^T k_t
         //   - sum_{i<t} e^{G_t - G_i} (k_t . k_i) u_i); then the outputs.
         for t in 0..n {
@@ -454,6 +442,59 @@ fn chunk_head_body<S: Element>(
             *e = S::from_f32(a);
         }
         start += n;
+    }
+}
+
+/// Keys per register tile of the key-key and query-key products.
+const TILE_KEYS: usize = 16;
+
+/// The key-key and query-key products within a block, `kk[t * c + i] = k_t . k_i` and
+/// `qk[t * c + i] = q_t . k_i` for `i <= t < n`, in register tiles of [`TILE_ROWS`] tokens
+/// `t` by [`TILE_KEYS`] keys `i`; `kt` holds the block's keys key-dimension-major
+/// (`[dk, c]`). Each product sums over the key dimension from the first term, as the
+/// plain loop does. Tile rows past `n` and columns past `t` are computed on whatever the
+/// buffers hold and not stored.
+#[inline(always)]
+fn key_products(
+    kb: &[f32],
+    qb: &[f32],
+    kt: &[f32],
+    n: usize,
+    dk: usize,
+    kk: &mut [f32],
+    qk: &mut [f32],
+) {
+    let c = DELTA_CHUNK;
+    let mut t0 = 0;
+    while t0 < n {
+        // `t0` is a multiple of TILE_ROWS below `c`: the tile's rows are inside the buffers.
+        let rows = TILE_ROWS.min(n - t0);
+        let mut i0 = 0;
+        while i0 < t0 + rows {
+            let mut ka = [[0.0f32; TILE_KEYS]; TILE_ROWS];
+            let mut qa = [[0.0f32; TILE_KEYS]; TILE_ROWS];
+            for d in 0..dk {
+                let col: &[f32; TILE_KEYS] =
+                    kt[d * c + i0..d * c + i0 + TILE_KEYS].try_into().unwrap();
+                for r in 0..TILE_ROWS {
+                    let kd = kb[(t0 + r) * dk + d];
+                    let qd = qb[(t0 + r) * dk + d];
+                    for j in 0..TILE_KEYS {
+                        ka[r][j] += kd * col[j];
+                        qa[r][j] += qd * col[j];
+                    }
+                }
+            }
+            for r in 0..rows {
+                let t = t0 + r;
+                for j in 0..TILE_KEYS.min(t + 1 - i0.min(t + 1)) {
+                    kk[t * c + i0 + j] = ka[r][j];
+                    qk[t * c + i0 + j] = qa[r][j];
+                }
+            }
+            i0 += TILE_KEYS;
+        }
+        t0 += rows;
     }
 }
 
@@ -593,10 +634,13 @@ fn write_state(
 }
 
 /// SiLU, rounded to `T` after the convolution's rounding (as torch's conv1d then silu).
+/// The exponential is the decoder's branchless one (about 2 ulp), so that the loops over
+/// a row's channels vectorise: with the C library's `expf`, a call per channel, a
+/// Qwen3.5-0.8B prompt step of 2048 rows spent 294 ms in the convolution, now 82-109 ms.
 #[inline(always)]
 fn conv_out<T: Element>(sum: f32) -> T {
     let x = T::from_f32(sum).to_f32();
-    T::from_f32(x / (1.0 + (-x).exp()))
+    T::from_f32(x / (1.0 + crate::decoder::exp(-x)))
 }
 
 /// One new input per sequence: `x` `[B, C]`; `windows` the pool `[slots, C, K - 1]` of
