@@ -415,12 +415,8 @@ fn chunk_head_body<S: Element>(
             for ((x, &vj), &sj) in ut.iter_mut().zip(vt).zip(&sk[t * dv..(t + 1) * dv]) {
                 *x = vj - et * sj;
             }
-            for (i, ui) in done.chunks_exact(dv).enumerate() {
-                let w = decay[t * c + i] * kk[t * c + i];
-                for (x, &e) in ut.iter_mut().zip(ui) {
-                    *x -= w * e;
-                }
-            }
+            // `x - w e` is `x + (-w) e` exactly.
+            add_weighted_rows(ut, done, |i| -(decay[t * c + i] * kk[t * c + i]));
             for x in ut.iter_mut() {
                 *x *= bt;
             }
@@ -428,12 +424,7 @@ fn chunk_head_body<S: Element>(
             for (o, &sj) in ot.iter_mut().zip(&sq[t * dv..(t + 1) * dv]) {
                 *o = et * sj;
             }
-            for (i, ui) in done.chunks_exact(dv).chain([&*ut]).enumerate() {
-                let w = decay[t * c + i] * qk[t * c + i];
-                for (o, &e) in ot.iter_mut().zip(ui) {
-                    *o += w * e;
-                }
-            }
+            add_weighted_rows(ot, &u[..(t + 1) * dv], |i| decay[t * c + i] * qk[t * c + i]);
         }
         // One write of the state: S = e^{G_n} S + sum_i e^{G_n - G_i} k_i u_i^T, each
         // element summed in f32 and stored once (a bf16 state rounds once per block).
@@ -442,6 +433,32 @@ fn chunk_head_body<S: Element>(
             *e = S::from_f32(a);
         }
         start += n;
+    }
+}
+
+/// `acc += w(i) * rows[i]` for each row `i` of `rows` (rows of `acc.len()` values end to
+/// end), the terms added in order of `i`. Rows of 128 (Qwen3.5's value heads) keep `acc` in
+/// registers across the rows instead of loading and storing it for each.
+#[inline(always)]
+fn add_weighted_rows(acc: &mut [f32], rows: &[f32], w: impl Fn(usize) -> f32) {
+    if let Ok(a) = <&mut [f32; 128]>::try_from(&mut *acc) {
+        let mut r = *a;
+        for (i, row) in rows.chunks_exact(128).enumerate() {
+            let wi = w(i);
+            let row: &[f32; 128] = row.try_into().unwrap();
+            for j in 0..128 {
+                r[j] += wi * row[j];
+            }
+        }
+        *a = r;
+        return;
+    }
+    let d = acc.len();
+    for (i, row) in rows.chunks_exact(d).enumerate() {
+        let wi = w(i);
+        for (x, &e) in acc.iter_mut().zip(row) {
+            *x += wi * e;
+        }
     }
 }
 
