@@ -1,8 +1,10 @@
 """The W of ``torch_throughput.py`` (``--requests`` x ``--prompt-tokens`` in x
 ``--new-tokens`` out) for a shape too large for that script's three copies of the weights:
 iron-batch's server is started, measured and stopped first, then transformers is loaded
-and measured, so that one engine's copy is in memory at a time. One round: the ratio
-spans a few minutes of this machine's memory bandwidth.
+and measured, so that one engine's copy is in memory at a time; then batch 1 the same way
+(the server's inter-token p50 over three requests, transformers' ``generate``, as in
+``torch_throughput.py``). One round: each ratio spans a few minutes of this machine's
+memory bandwidth.
 
     python benches/w_one_at_a_time.py --shape qwen3.5-4b --kv-cache-memory-gb 8
 """
@@ -34,6 +36,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--b1-new-tokens", type=int, default=32, help="new tokens of batch 1")
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
     args = ap.parse_args()
@@ -51,6 +54,8 @@ def main() -> None:
             ours = server.throughput(seed=2)
             print(f"iron-batch server: {ours:.1f} tok/s ({time.perf_counter() - t:.0f} s)",
                   flush=True)
+            server.args = argparse.Namespace(**{**vars(args), "new_tokens": args.b1_new_tokens})
+            ours_ms = server.ms_per_token(seed=3)
         finally:
             server.stop()
         hf = tt.hf_model(folder, dtype)
@@ -58,9 +63,12 @@ def main() -> None:
         prompts = rng.integers(100, vocab - 100, (args.requests, args.prompt_tokens))
         tt.hf_static(hf, prompts[: args.hf_batch], args.hf_batch, 2)  # warm-up
         theirs = tt.hf_static(hf, prompts, args.hf_batch, args.new_tokens)
+        theirs_ms = tt.hf_ms_per_token(hf, prompts[0], args.b1_new_tokens)
     print(f"transformers static batch {args.hf_batch}: {theirs:.1f} tok/s")
     print(f"| {args.shape} W {args.requests} x {args.prompt_tokens} x {args.new_tokens} | "
           f"{ours:.1f} | {theirs:.1f} | **{ours / theirs:.2f}x** |")
+    print(f"| {args.shape} batch 1, ms/token | {ours_ms:.1f} | {theirs_ms:.1f} | "
+          f"**{ours_ms / theirs_ms:.2f}x** |")
 
 
 if __name__ == "__main__":

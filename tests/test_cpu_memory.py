@@ -1,4 +1,4 @@
-"""CPU activations kept off fresh kernel pages (``models/cpu_malloc.py``): once a CPU model
+"""CPU activations kept off fresh kernel pages (``platform/heap.py``): once a CPU model
 is loaded, an activation-sized block comes from the heap and, freed, stays there for the
 next step instead of going back to the kernel (to be faulted in and zeroed again), even one
 above glibc's largest mmap threshold; with the switch off, glibc maps such a block on its
@@ -57,7 +57,7 @@ def _probe(keep: bool) -> dict[str, int]:
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc",
                     reason="mallopt's thresholds and mallinfo2 are glibc's; other C "
-                           "libraries are left as they are (cpu_malloc does nothing there)")
+                           "libraries are left as they are (platform/heap.py does nothing there)")
 def test_a_freed_activation_block_stays_with_the_allocator() -> None:
     block = 20 << 20
     kept = _probe(keep=True)
