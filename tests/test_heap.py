@@ -1,16 +1,23 @@
-"""glibc's arenas under ``IRON_BATCH_ONE_MALLOC_ARENA`` (``platform/heap.py``): with it,
-a thread started after the model loads (the server's engine thread) allocates from the main
-arena, whose raised thresholds keep large activations between steps."""
+"""glibc's arenas (``platform/heap.py``): a thread started after the model loads
+allocates from an arena of its own, unless ``IRON_BATCH_ONE_MALLOC_ARENA`` caps them at the
+main one, whose raised thresholds keep large activations between steps. The server steps
+the model on its main thread, so a step's large temporaries stay in the heap there."""
 
 from __future__ import annotations
 
+import os
 import platform
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from conftest import free_port, wait_for
 from iron_batch.platform import cpu, switches
+from tiny_models import checkpoint
 
 # Arenas, mallopt and malloc_stats are glibc's; on another C library the switch sets
 # nothing (heap.one_arena returns False) and there is no arena to count.
@@ -60,3 +67,67 @@ def test_the_switch_reaches_the_cpu_kernels_and_is_off_by_default() -> None:
     assert not cpu.select(cpu_, torch.bfloat16, switches.read({})).one_malloc_arena
     with pytest.raises(switches.SwitchError, match="IRON_BATCH_ONE_MALLOC_ARENA"):
         switches.read({"IRON_BATCH_ONE_MALLOC_ARENA": "2"})
+
+
+# The server with a torch backend whose every step also makes, fills and frees a 96 MiB
+# block (a 64-row step's float32 logits over a large vocabulary are 67 MB), and writes the
+# pages that block faulted in on the stepping thread (Linux: per-thread rusage).
+_SERVER_BOOT = """
+import json, resource, sys
+import torch
+from iron_batch.backends.torch_backend import TorchBackend
+log = open(sys.argv[1], "a")
+submit = TorchBackend.submit
+def submit_with_a_large_temporary(self, batch):
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    block = torch.empty(48 << 20, dtype=torch.bfloat16).fill_(1.0)
+    del block
+    log.write(json.dumps(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before) + "\\n")
+    log.flush()
+    return submit(self, batch)
+TorchBackend.submit = submit_with_a_large_temporary
+from iron_batch.server.cli import main
+main(sys.argv[2:])
+"""
+
+
+@glibc_only
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread rusage is Linux's")
+def test_the_server_keeps_a_steps_large_temporaries_in_the_heap(tmp_path: Path) -> None:
+    faults_log = tmp_path / "faults.jsonl"
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVER_BOOT, str(faults_log), "--backend", "torch", "--model",
+         str(checkpoint("llama")), "--device", "cpu", "--dtype", "float32",
+         "--addr", f"127.0.0.1:{port}", "--no-ui"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                return httpx.get(f"{url}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 120, "server /health")
+        for i in range(3):
+            r = httpx.post(f"{url}/generate", json={"prompt_token_ids": [1 + i, 5, 9],
+                                                    "max_new_tokens": 8}, timeout=60)
+            assert r.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if proc.stdout:
+            proc.stdout.close()
+    faults = [int(line) for line in faults_log.read_text().splitlines()]
+    pages = (96 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert len(faults) >= 20, faults
+    # The first steps grow the heap; after them the block is reused, not faulted in again.
+    # On a thread with an arena of its own it was mapped fresh every step (all its pages).
+    later = sorted(faults[3:])
+    assert later[len(later) // 2] < pages // 20, faults

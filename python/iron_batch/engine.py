@@ -26,11 +26,17 @@ Lookahead (``steps_per_call`` > 1) never overlaps. Only the engine thread touche
 scheduler and the backend, so neither needs locks; the rest of the world talks to it
 through the inbox.
 
-Two ways to drive it:
+Three ways to drive it:
 - ``start()`` runs the step loop on a background thread; ``submit()`` (called on an asyncio
   loop) returns a :class:`RequestStream` of events. The thread sleeps on a condition when
   there is nothing to do, so an idle engine costs no CPU.
-- Without ``start()``, ``add_request()`` + ``step()`` run everything on the caller's thread
+- ``run()`` runs the same loop on the calling thread until ``shutdown()`` is called from
+  another one; the asyncio loop then lives on that other thread. The server steps the model
+  on its main thread this way (``server/cli.py``): the thread that loaded the model keeps
+  its OpenMP team, and the model's large temporaries come from glibc's main arena, whose
+  settings (``platform/heap.py``) keep them in the heap. Any other thread allocates from an
+  arena of its own, where a block above 64 MiB is mapped and faulted in again at every step.
+- Without either, ``add_request()`` + ``step()`` run everything on the caller's thread
   (the offline :class:`iron_batch.llm.LLM` does this).
 """
 
@@ -298,6 +304,10 @@ class Engine:
         self._inbox: list[_Command] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # Whether start() made _thread (run() records the caller's thread there instead).
+        self._own_thread = False
+        self._idle_wake_s: float | None = None
+        self._loop_done = threading.Event()
         self._tokenizer = backend.tokenizer
         self._eos = list(backend.eos_token_ids)
         # Liveness for /health: the loop stamps ``heartbeat`` every iteration and sets
@@ -334,25 +344,48 @@ class Engine:
         # engine thread runs it. An OpenMP team left behind here would throttle the engine
         # thread's team (see iron_batch.platform.openmp).
         release_thread_pool()
-        self._thread = threading.Thread(target=self._run, name="iron-batch-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="iron-batch-engine", daemon=True)
+        self._own_thread = True
         self._thread.start()
 
+    def run(self, ready: Callable[[], None] | None = None) -> None:
+        """Run the step loop on the calling thread; returns once :meth:`shutdown` was called
+        (from another thread) or a fatal fault stopped it. ``submit()`` works as with
+        :meth:`start`, from an asyncio loop on another thread. ``ready`` is called once the
+        engine counts as started, before the first step (start the other thread there)."""
+        with self._cond:
+            if self._thread is not None:
+                raise RuntimeError("engine already started")
+            self._thread = threading.current_thread()
+            # A signal that the kernel hands to another thread (an OpenMP worker) does not
+            # wake this one from a lock's wait, and Python runs its handlers on the main
+            # thread only: an idle loop wakes this often to let them run.
+            self._idle_wake_s = 0.2
+        if ready is not None:
+            ready()
+        self._loop()
+
     def shutdown(self, timeout: float | None = 10.0) -> None:
-        """Stop the thread; live requests end with finish_reason "abort"."""
+        """Stop the loop and wait for it to end (up to ``timeout`` seconds; not when called
+        on the loop's own thread); live requests end with finish_reason "abort"."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread is not None:
+        if self._thread is None or self._thread is threading.current_thread():
+            return
+        if self._own_thread:
             self._thread.join(timeout)
+        else:
+            self._loop_done.wait(timeout)
 
     @property
     def started(self) -> bool:
-        """Whether :meth:`start` was called (the thread may have stopped since)."""
+        """Whether :meth:`start` or :meth:`run` was called (the loop may have ended since)."""
         return self._thread is not None
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and not self._loop_done.is_set()
 
     @property
     def num_waiting_requests(self) -> int:
@@ -432,6 +465,12 @@ class Engine:
             raise RuntimeError("step() drives the engine synchronously; this one has a thread")
         return [event for _, event in self._step()]
 
+    def _loop(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._loop_done.set()
+
     def _run(self) -> None:
         empty_steps = 0
         busy = False
@@ -439,7 +478,7 @@ class Engine:
             with self._cond:
                 while not self._inbox and not busy and not self._stopping:
                     self.idle = True
-                    self._cond.wait()
+                    self._cond.wait(self._idle_wake_s)
                 self.idle = False
                 self.heartbeat = time.monotonic()
                 if self._stopping:

@@ -62,7 +62,8 @@ def create_app(
     pooling: PoolingConfig | None = None,
     max_stored_responses: int = MAX_STORED_RESPONSES,
 ) -> Starlette:
-    """The server app; its lifespan starts the engine thread and stops it.
+    """The server app; its lifespan starts the engine's thread (unless the engine already
+    runs, as the command line runs it on the main thread) and stops the engine.
 
     ``limits`` bound bodies, prompts, max_new_tokens and the waiting queue on every
     generation endpoint; ``max_waiting_requests``, when given, overrides its queue cap

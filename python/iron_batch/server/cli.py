@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     server = _draining_server(config, app.state.admission, args.drain_timeout, started_text)
 
-    def on_fatal(message: str) -> None:  # engine thread; uvicorn polls the flag
+    def on_fatal(message: str) -> None:  # the engine's thread; uvicorn polls the flag
         server.should_exit = True
 
     engine.on_fatal = on_fatal
@@ -398,21 +398,58 @@ def main(argv: list[str] | None = None) -> None:
             server.should_exit = True
 
         engine.backend.on_lost = on_lost
-    # uvicorn re-raises the signal it caught once it has shut down; with Python's default
-    # SIGTERM handler that would kill the process (status -15) after a clean drain.
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    try:
-        server.run()
-    except OSError as exc:
-        print(f"error: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+    failure = _serve(server, engine)
+    if failure is not None:
+        print(f"error: cannot serve on {host}:{port}: {failure}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
-        pass
     if engine.fatal_error is not None or lost:
         print(f"error: fatal engine fault: {engine.fatal_error or lost[0]}", file=sys.stderr)
         sys.exit(1)
     if not server.started:
         sys.exit(1)
+
+
+def _serve(server: Any, engine: Any) -> str | None:
+    """uvicorn on a thread of its own and the engine's step loop on this, the main, thread,
+    until both have stopped; returns why uvicorn could not start (a port in use), else None.
+
+    The step loop belongs on the thread that loaded the model: that thread's OpenMP team
+    stays the only one, and glibc serves its allocations from the main arena, whose
+    settings (``platform/heap.py``) keep a step's large temporaries in the heap. On any
+    other thread, blocks above 64 MiB (a 64-row step's float32 logits over a large
+    vocabulary, Qwen3.5's prompt temporaries) were mapped and faulted in at every step.
+    Signals reach the main thread only; SIGINT and SIGTERM ask uvicorn to drain and stop,
+    as its own handlers would (a second SIGINT stops without waiting), and the lifespan's
+    end stops the loop. uvicorn re-raises no signal from a thread of its own, so a drained
+    shutdown exits 0.
+    """
+    import threading
+
+    failure: list[str] = []
+
+    def serve() -> None:
+        try:
+            server.run()
+        except SystemExit as exc:  # uvicorn's way out when it cannot listen (it logs why)
+            if exc.code:
+                failure.append("uvicorn stopped while starting (its log above says why)")
+        except BaseException as exc:  # noqa: BLE001 -- reported on the main thread
+            failure.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            engine.shutdown(timeout=0)  # the loop ends even where no lifespan ran
+
+    def on_signal(signum: int, frame: Any) -> None:
+        server.handle_exit(signum, frame)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    http = threading.Thread(target=serve, name="iron-batch-http", daemon=True)
+    engine.run(ready=http.start)  # started first, so the lifespan starts no thread of its own
+    # A fatal fault or the lifespan's end stopped the loop: uvicorn stops too.
+    server.should_exit = True
+    while http.is_alive():
+        http.join(0.2)
+    return failure[0] if failure else None
 
 
 def _pooling(args: argparse.Namespace) -> Any:
