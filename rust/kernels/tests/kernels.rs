@@ -498,6 +498,7 @@ fn gemv_matches_a_plain_product_for_any_number_of_rows() {
     let mut rng = Rng(11);
     for (rows, n, k) in [
         (1, 700, 576),
+        (1, 301, 96),
         (2, 1000, 64),
         (1, 3, 40),
         (2, 513, 96),
@@ -570,12 +571,16 @@ fn gemv_rows_do_not_depend_on_the_rows_beside_them() {
     use iron_batch_kernels::gemv_bf16;
     let mut rng = Rng(29);
     // k multiples of 64, of 32 only (the bf16 dot products' last 32 values alone), of 16
-    // only, and of neither: every vector path this CPU has. k 4112 and 4128 make blocks of
+    // only, and of neither: every vector path this CPU has. n 45 and 1031 leave a weight
+    // row without a partner when one activation row takes them in pairs (1031 on each of
+    // two threads). k 4112 and 4128 make blocks of
     // 8 activation rows; the row counts cover one pass, several, and a last pass of 1 to 7
     // rows.
     for (n, k) in [
         (300, 576),
         (90, 96),
+        (45, 96),
+        (1031, 576),
         (260, 48),
         (70, 40),
         (20, 4112),
