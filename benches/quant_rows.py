@@ -19,6 +19,10 @@ this machine's memory bandwidth; each figure is the median of ``--reps`` calls.
     python benches/quant_rows.py --other OTHER/python --sets q4_k q6_k q5_0 --rows 1 4 8
     python benches/quant_rows.py --other OTHER/python --sets moe_k q4_k q6_k --rows 1 2 4
     python benches/quant_rows.py --other OTHER/python --sets bf16 --rows 1 2 5 8
+    python benches/quant_rows.py --other OTHER/python --sets bf16_4b --rows 1 2
+
+``bf16_4b``: four layers of a Qwen3.5-4B shape's MLP in bf16 (18432 x 2560 gate/up, 2560 x
+9216 down), 566 MB.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)
 # A Llama-3.2-3B layer's projections: fused q/k/v, o, fused gate/up, down.
 LLAMA3B = [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]
+# A Qwen3.5-4B layer's MLP: fused gate/up, down (bf16, four layers: 566 MB, past the caches).
+QWEN35_4B_MLP = [(18432, 2560), (2560, 9216)]
 # A Qwen3-30B-A3B expert's projections: fused gate/up (Q4_K), down (Q6_K).
 EXPERT = [(1536, 2048, "q4_k"), (2048, 768, "q6_k")]
 # GGUF block formats: values a block, bytes a block, offsets of the block's f16 fields.
@@ -87,7 +93,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--warmup-s", type=float, default=5.0)
     ap.add_argument("--sets", nargs="+", default=["q4", "q8"],
-                    choices=["bf16", "q4", "q8", "q5_0", "q4_k", "q6_k", "moe_k"])
+                    choices=["bf16", "bf16_4b", "q4", "q8", "q5_0", "q4_k", "q6_k", "moe_k"])
     args = ap.parse_args()
     this = load_core(str(Path(__file__).resolve().parents[1] / "python"), "this")
     other = load_core(args.other, "other")
@@ -98,6 +104,11 @@ def main() -> None:
         sets["bf16 projections"] = [(torch.randn(n, k).bfloat16() / 8, None, None, n, k, "bf16")
                                     for _ in range(LAYERS) for n, k in SHAPES]
         sets["bf16 LM head"] = [(torch.randn(*HEAD).bfloat16() / 8, None, None, *HEAD, "bf16")]
+    if "bf16_4b" in args.sets:
+        torch.manual_seed(0)
+        sets["bf16 Qwen3.5-4B MLP, 4 layers"] = [
+            (torch.randn(n, k).bfloat16() / 8, None, None, n, k, "bf16")
+            for _ in range(4) for n, k in QWEN35_4B_MLP]
     if "q4" in args.sets:
         sets["q4 projections"] = [matrix(rng, n, k, "q4") for _ in range(LAYERS) for n, k in SHAPES]
     if "q8" in args.sets:
@@ -117,7 +128,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     openmp = entry_points()
     xs = {(r, k): torch.randn(r, k).bfloat16() for r in args.rows
-          for k in (576, 768, 1536, 2048, 3072, 8192)}
+          for k in (576, 768, 1536, 2048, 2560, 3072, 8192, 9216)}
     ys: dict[tuple[int, int], torch.Tensor] = {}
 
     def call(core: ModuleType, mats: list[Matrix], rows: int) -> None:

@@ -23,13 +23,15 @@ for comparison.
 Those thresholds hold for glibc's main arena. Every other thread that allocates gets an
 arena of its own, whose heaps are at most 64 MiB: a block larger than that (a step's
 float32 logits over a large vocabulary: 64 rows x 262k is 67 MB) is mapped fresh and
-faulted in at every step. The server runs its steps on the engine thread, so Gemma-3-1B's
-64 x 128 x 64 workload faulted 1.2-1.5 million pages a run there, about 100 on the
-caller's thread. :func:`one_arena` caps glibc at one arena, so every thread shares the main
-one (``IRON_BATCH_ONE_MALLOC_ARENA=1``): that run's W through the server rose 1.06-1.12x,
-but batch 1 of SmolLM2 got 1.08-1.28x slower (the threads now share the arena's lock), so
-it is off by default. The LM head now writes a large vocabulary's logits into a buffer it
-keeps (``layers/embedding.py``), which gave Gemma-3-1B's W through the server 1.22x.
+faulted in at every step. When the server ran its steps on a thread of their own,
+Gemma-3-1B's 64 x 128 x 64 workload faulted 1.2-1.5 million pages a run there, about 100
+on the caller's thread. The server now steps the model on its main thread
+(``Engine.run``, ``server/cli.py``) and serves HTTP from another: Qwen3.5-0.8B's W through
+the server rose 1.05x. An engine started on a thread of its own (``Engine.start``) still
+allocates from that thread's arena. :func:`one_arena` caps glibc at one arena, so every
+thread shares the main one (``IRON_BATCH_ONE_MALLOC_ARENA=1``); it cost SmolLM2's batch 1
+1.08-1.28x (the threads share the arena's lock), so it is off by default. The LM head
+writes a large vocabulary's logits into a buffer it keeps (``layers/embedding.py``).
 """
 
 from __future__ import annotations

@@ -56,9 +56,10 @@ SWITCHES: dict[str, Switch] = {
         "kernel as glibc decides (0)."),
     "one_malloc_arena": Switch(
         "IRON_BATCH_ONE_MALLOC_ARENA", "0", ("1", "0"),
-        "Every thread allocates from glibc's main arena (1), or each from its own (0): the "
-        "engine thread then keeps large activations between steps (W), at a cost in "
-        "batch-1 latency."),
+        "Every thread allocates from glibc's main arena (1), or each from its own (0). The "
+        "server steps the model on its main thread, whose arena keeps large activations "
+        "between steps either way; the switch is for programs that run `Engine.start()` "
+        "(the engine on a thread of its own), at a cost in batch-1 latency."),
     "quant_gemv_rows": Switch(
         "IRON_BATCH_QUANT_GEMV_ROWS", "16", (),
         "Activation rows up to which quantized projections run the block GEMV (GGUF "
