@@ -91,6 +91,21 @@ def test_bad_flags_exit_with_a_clear_message(args: list[str], needle: str) -> No
     assert "Traceback" not in result.stderr
 
 
+def test_a_port_in_use_exits_with_one_line_and_no_hang() -> None:
+    # uvicorn runs on a thread of its own beside the engine's loop on the main thread: when
+    # it cannot listen, the loop must end too and the process say why.
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("--addr", f"127.0.0.1:{port}", "--no-ui")
+    assert result.returncode == 1
+    assert f"error: cannot serve on 127.0.0.1:{port}" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.fixture
 def cli_server() -> Iterator[str]:
     port = free_port()
