@@ -636,9 +636,12 @@ fn dot_row(
     dots: &mut [f32; MAX_ROWS],
 ) {
     if path != Path::Avx512 {
-        // The AVX-512 path runs faster on the hardware prefetcher alone: a row's requests
-        // at once filled the line buffers and stalled it (32768 x 8192 Q4_K, Q6_K, Q5_0 and
-        // Q8_0 matrices from memory on two threads of a Xeon: 1.1x to 1.5x the time).
+        // The AVX-512 path requests its lines itself, into L2, a block at a time as it
+        // reads them (`prefetch_line_ahead_l2`): a row's requests at once, into L1, filled
+        // the line buffers and stalled it (32768 x 8192 Q4_K, Q6_K, Q5_0 and Q8_0 matrices
+        // from memory on two threads of a Xeon: 1.1x to 1.5x the time), while requests
+        // spread through the loop into L2 cut a one-row Q4_K GEMV over 3B-shaped layers to
+        // 0.48-0.60x the time of none at all (a slow-memory Zen 5 host).
         prefetch_ahead(w.as_ptr(), w.len());
     }
     #[cfg(target_arch = "x86_64")]
@@ -966,6 +969,7 @@ mod avx512 {
 
     use super::{BlockFormat, FixedRows, MAX_ROWS};
     use crate::element::Bf16;
+    use crate::prefetch::prefetch_line_ahead_l2;
 
     /// The f16 at `p` as f32.
     #[inline(always)]
@@ -1046,6 +1050,9 @@ mod avx512 {
             _ => (4, None),
         };
         let len = if both { 2 * size } else { size };
+        // Two blocks are at most 68 bytes: two line requests cover them.
+        prefetch_line_ahead_l2(p);
+        prefetch_line_ahead_l2(p.add(len - 1));
         let v = _mm512_maskz_loadu_epi8((1u64 << len) - 1, p.cast());
         // 16-bit lanes 0..8 and 8..16 the first block's nibbles, 16..32 the second's.
         let (a, b) = ((qs / 2) as i16, ((size + qs) / 2) as i16);
@@ -1096,6 +1103,9 @@ mod avx512 {
         let size = if five { 176 } else { 144 };
         for b in 0..blocks {
             let p = p.add(size * b);
+            for line in (0..size).step_by(64) {
+                prefetch_line_ahead_l2(p.add(line));
+            }
             let mut numbers = [0u8; 16];
             _mm_storeu_si128(numbers.as_mut_ptr().cast(), k4_numbers(p));
             let mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(
@@ -1132,6 +1142,9 @@ mod avx512 {
         let to_signed = _mm512_set1_epi16(32);
         for b in 0..blocks {
             let p = p.add(210 * b);
+            for line in (0..210).step_by(64) {
+                prefetch_line_ahead_l2(p.add(line));
+            }
             let sc = p.add(192) as *const i8;
             // The scales of groups g and g + 1 of 16, over 32 `i16` lanes.
             let pair = |g: usize| {
