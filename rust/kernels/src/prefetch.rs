@@ -26,8 +26,8 @@ pub(crate) fn prefetch_line_ahead(at: *const u8) {
 /// As [`prefetch_line_ahead`], but into L2 only (`prefetcht1`). A request into L1 holds
 /// one of the core's few L1 miss buffers until its line arrives, which caps the reads in
 /// flight; L2 tracks more. Where memory answers slowly this keeps more of it busy: the bf16
-/// GEMV at one row over a Qwen3.5-4B shape's MLP matrices read 26 against 22 GB/s (copy
-/// bandwidth 26 GB/s that hour), and the first loop iterations that touch the line find it
+/// GEMV at one row over a Qwen3.5-4B shape's MLP matrices read 26 against 22 GB/s (a
+/// 2-vCPU Xeon whose copy bandwidth read 26 GB/s), and the first loop iterations that touch the line find it
 /// in L2 a few cycles away.
 #[inline(always)]
 pub(crate) fn prefetch_line_ahead_l2(at: *const u8) {
