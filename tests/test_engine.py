@@ -412,6 +412,48 @@ def test_mock_tokens_in_vocab() -> None:
     assert len(set(ids.tolist())) > 10  # not a constant
 
 
+def test_run_steps_on_the_calling_thread_until_another_thread_shuts_it_down() -> None:
+    # How the server drives it: the loop on the thread that loaded the model, the asyncio
+    # loop (and the shutdown) on another.
+    backend = fast_mock()
+    stepping: set[str] = set()
+    execute = backend.execute
+
+    def recording(batch: object) -> object:
+        stepping.add(threading.current_thread().name)
+        return execute(batch)  # type: ignore[arg-type]
+
+    backend.execute = recording  # type: ignore[method-assign]
+    engine = Engine(backend, SchedulerConfig())
+    got: dict[str, object] = {}
+
+    def client() -> None:
+        async def consume() -> list[TokenEvent]:
+            events: list[TokenEvent] = []
+            async for batch in engine.submit("r", [1, 2, 3], SamplingParams(max_new_tokens=4)):
+                events.extend(batch)
+            return events
+
+        try:
+            got["running"] = engine.running
+            got["events"] = asyncio.run(consume())
+        finally:
+            engine.shutdown()
+
+    other = threading.Thread(target=client, name="client")
+    engine.run(ready=other.start)
+    other.join(10)
+    events = got["events"]
+    assert isinstance(events, list)
+    assert [e.token_id is not None for e in events] == [True] * 4
+    assert events[-1].finished and events[-1].finish_reason == "length"
+    assert got["running"] is True
+    assert stepping == {threading.current_thread().name}
+    assert engine.started and not engine.running
+    with pytest.raises(RuntimeError, match="already started"):
+        engine.run()
+
+
 def test_engine_step_is_for_unthreaded_engines_only() -> None:
     engine = Engine(fast_mock(), SchedulerConfig())
     engine.start()
