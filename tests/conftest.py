@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +42,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def cli_process(*args: str, boot: str | None = None,
+                startup_s: float = 30) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """``python -m iron_batch.server`` (or the ``boot`` code, which calls its ``main``) on a
+    free loopback port with ``args``, once its /health answers 200; killed at the end if
+    still running. Yields the process (stdout and stderr in one pipe) and the port."""
+    port = free_port()
+    cmd = [sys.executable, "-c", boot] if boot else [sys.executable, "-m", "iron_batch.server"]
+    proc = subprocess.Popen([*cmd, "--addr", f"127.0.0.1:{port}", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stdout.read() if proc.stdout else ''}")
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(up, startup_s, "server /health")
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        if proc.stdout:
+            proc.stdout.close()
 
 
 @dataclass

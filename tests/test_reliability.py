@@ -5,14 +5,10 @@ KV block is free again."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import random
 import signal
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +22,7 @@ from conftest import (
     ServerHandle,
     ServerStarter,
     TextMockBackend,
-    free_port,
+    cli_process,
     wait_for,
 )
 from iron_batch.backends.base import FatalBackendError
@@ -865,35 +861,8 @@ main(sys.argv[1:])
 """
 
 
-@contextlib.contextmanager
-def _cli(*args: str, boot: str | None = None) -> Iterator[tuple[subprocess.Popen[str], int]]:
-    port = free_port()
-    cmd = [sys.executable, "-c", boot] if boot else [sys.executable, "-m", "iron_batch.server"]
-    proc = subprocess.Popen([*cmd, "--addr", f"127.0.0.1:{port}", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stdout.read() if proc.stdout else ''}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(up, 30, "server /health")
-        yield proc, port
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
-        if proc.stdout:
-            proc.stdout.close()
-
-
 def test_cli_exits_non_zero_on_a_fatal_backend_fault() -> None:
-    with _cli("--mock-token-latency-us", "1000", boot=_FATAL_BOOT) as (proc, port):
+    with cli_process("--mock-token-latency-us", "1000", boot=_FATAL_BOOT) as (proc, port):
         response = httpx.post(f"http://127.0.0.1:{port}/generate",
                               json={"prompt_tokens": 4, "max_new_tokens": 1000}, timeout=30)
         lines = [json.loads(x) for x in response.text.splitlines()]
@@ -903,7 +872,7 @@ def test_cli_exits_non_zero_on_a_fatal_backend_fault() -> None:
 
 
 def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
-    with _cli("--mock-token-latency-us", "2000", "--drain-timeout", "3") as (proc, port):
+    with cli_process("--mock-token-latency-us", "2000", "--drain-timeout", "3") as (proc, port):
         url = f"http://127.0.0.1:{port}"
         keep_alive = httpx.Client(timeout=10)
         assert keep_alive.get(f"{url}/health").status_code == 200

@@ -438,11 +438,8 @@ def _serve(server: Any, engine: Any) -> str | None:
         finally:
             engine.shutdown(timeout=0)  # the loop ends even where no lifespan ran
 
-    def on_signal(signum: int, frame: Any) -> None:
-        server.handle_exit(signum, frame)
-
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+        signal.signal(sig, server.handle_exit)
     http = threading.Thread(target=serve, name="iron-batch-http", daemon=True)
     engine.run(ready=http.start)  # started first, so the lifespan starts no thread of its own
     # A fatal fault or the lifespan's end stopped the loop: uvicorn stops too.
