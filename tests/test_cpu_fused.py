@@ -94,33 +94,55 @@ def test_gemv_linear_matches_f_linear_to_one_rounding(rows: int, bias: bool) -> 
     assert torch.equal(cpu_fused.linear(x32, w.float(), None), F.linear(x32, w.float()))
 
 
+@pytest.mark.parametrize("gemm", ["auto", "bf16", "f32"])
 @pytest.mark.parametrize("gemv_rows", [0, 8, 192])
-def test_a_bf16_projection_of_many_rows_is_exact_to_one_rounding(gemv_rows: int) -> None:
+@pytest.mark.parametrize("prepacked", [False, True])
+def test_a_bf16_projection_of_many_rows_is_exact_to_one_rounding(
+    gemv_rows: int, gemm: str, prepacked: bool
+) -> None:
     """A model's projection at every row count a step may have: the GEMV in passes (each
-    row then the value it gets alone, as a one-row decode step), and above the switch's
-    row count torch's GEMM (in f32 over a widened weight where the CPU has no bf16
-    arithmetic, unless the switch is 0)."""
+    row then the value it gets alone, as a one-row decode step), and above the GEMV's rows
+    torch's GEMM, in bf16 or in f32 over a widened weight (kept from load when prepacked)
+    as ``IRON_BATCH_CPU_GEMM`` says; ``auto`` is f32 where the CPU has no bf16 arithmetic
+    (unless ``IRON_BATCH_CPU_GEMV_ROWS`` is 0) or its bf16 dot products are no faster than
+    its f32 FMAs."""
     from iron_batch.layers.linear import Linear
 
-    kernels = cpu.select(torch.device("cpu"), torch.bfloat16,
-                         switches.read({"IRON_BATCH_CPU_GEMV_ROWS": str(gemv_rows)}))
+    kernels = cpu.select(torch.device("cpu"), torch.bfloat16, switches.read(
+        {"IRON_BATCH_CPU_GEMV_ROWS": str(gemv_rows), "IRON_BATCH_CPU_GEMM": gemm}))
     if not kernels.gemv:
         pytest.fail("the Rust GEMV is not available in this build")
-    assert kernels.wide_gemv_rows == (0 if cpu.bf16_gemm_is_native() else gemv_rows)
+    native = cpu.bf16_gemm_is_native()
+    f32 = {"bf16": False, "f32": True}.get(
+        gemm, cpu.bf16_dot_is_no_faster() if native else gemv_rows > 0)
+    assert kernels.f32_gemm == f32
+    if not native:
+        assert kernels.wide_gemv_rows == gemv_rows
+    else:
+        assert kernels.wide_gemv_rows == (cpu.F32_GEMM_GEMV_ROWS if f32 else 0)
     g = torch.Generator().manual_seed(gemv_rows)
     w = torch.randn(700, 320, generator=g).bfloat16()
     b = torch.randn(700, generator=g).bfloat16()
     proj = Linear(w, b, kernels=kernels)
+    if prepacked:
+        proj.prepack()
+        # An f32 copy where many rows multiply in f32, else (where oneDNN packs) none.
+        assert (proj.wide is not None) == f32
+        if f32:
+            assert proj.wide.dtype == torch.float32 and torch.equal(proj.wide, w.float())
     x = torch.randn(260, 320, generator=g).bfloat16()
     alone = torch.cat([proj(x[r:r + 1]) for r in range(x.shape[0])])
-    for rows in (1, 8, 9, 33, 192, 193, 260):
+    gemv_max = max(kernels.wide_gemv_rows, 8)
+    for rows in (1, 8, 9, 32, 33, 192, 193, 260):
         got = proj(x[:rows])
         want = x[:rows].double() @ w.double().T + b.double()
         torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=2e-2)
-        # The GEMV serves up to 8 rows everywhere, and up to the switch's rows only where
-        # the CPU has no bf16 arithmetic (elsewhere oneDNN takes more than 8).
-        if rows <= max(kernels.wide_gemv_rows, 8):
+        if rows <= gemv_max:
             assert torch.equal(got, alone[:rows]), f"{rows} rows: a row differs from itself alone"
+        elif f32:
+            # f32 products of the bf16 values, summed in f32, rounded once to bf16.
+            wide = torch.nn.functional.linear(x[:rows].float(), w.float(), b.float())
+            torch.testing.assert_close(got, wide.bfloat16(), rtol=2**-7, atol=0)
 
 
 def test_prepacked_linear_equals_f_linear() -> None:
@@ -152,7 +174,8 @@ def _onednn_packs_bf16() -> bool:
     return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
 
 
-def test_a_large_head_packed_in_parts_gives_its_logits_step_after_step() -> None:
+@pytest.mark.parametrize("gemm", ["bf16", "f32"])
+def test_a_large_head_packed_in_parts_gives_its_logits_step_after_step(gemm: str) -> None:
     """A head of a large vocabulary (packed in parts, the last one short) gives the logits
     of its whole matrix at every row count: the GEMV's rows, steps whose logits go to a
     fresh block, steps that reuse the head's buffer (again and again, fewer rows after
@@ -161,14 +184,19 @@ def test_a_large_head_packed_in_parts_gives_its_logits_step_after_step() -> None
     from iron_batch.layers import embedding
     from iron_batch.layers.linear import Linear
 
-    kernels = cpu.select(torch.device("cpu"), torch.bfloat16, switches.read())
+    kernels = cpu.select(torch.device("cpu"), torch.bfloat16,
+                         switches.read({"IRON_BATCH_CPU_GEMM": gemm}))
     g = torch.Generator().manual_seed(11)
     vocab = embedding.SLABBED_VOCAB + 4000
     w = torch.randn(vocab, 64, generator=g).bfloat16()
     head = embedding.LMHead(Linear(w, None, kernels=kernels), vocab)
     head.prepack()
-    if cpu.bf16_gemm_is_native():  # oneDNN packs bf16 weights where the CPU computes in bf16
+    # oneDNN packs bf16 weights where the CPU computes in bf16; where many rows multiply
+    # in f32 the parts are f32 copies.
+    if cpu.bf16_gemm_is_native() or kernels.f32_gemm:
         assert len(head.slabs) == -(-vocab // embedding.SLAB_ROWS)
+        assert all(p.dtype == (torch.float32 if kernels.f32_gemm else torch.bfloat16)
+                   for _, p in head.slabs)
     buffered = []
     for rows in (1, 8, 9, 40, 200, 120, 200, embedding.BUFFER_MAX_ROWS + 1):
         x = torch.randn(rows, 64, generator=g).bfloat16()

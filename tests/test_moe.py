@@ -184,12 +184,14 @@ def test_bf16_routers_pick_what_torch_topk_picks_ties_included(
     ("mixtral", "int4", 0.2),
 ])
 def test_bf16_and_quantized_experts_stay_close_to_float32(
-    name: str, quantization: str | None, tolerance: float
+    name: str, quantization: str | None, tolerance: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The experts kernel (the selected experts' rows only, in one call) and the grouped
     path from Python (one GEMM per expert) against transformers' float32 block, and
     against each other: a row's output does not depend on how many rows share its step,
-    nor on which path serves them."""
+    nor on which path serves them. (Many rows in torch's bf16 GEMM, so that the dense GEMV
+    takes its own 8 rows where the CPU has bf16 arithmetic.)"""
+    monkeypatch.setenv("IRON_BATCH_CPU_GEMM", "bf16")
     be = TorchBackend.from_model(str(checkpoint(name)), device="cpu", dtype="bfloat16",
                                  total_kv_blocks=16, kv_block_size=4,
                                  quantization=quantization)
@@ -222,3 +224,25 @@ def test_bf16_and_quantized_experts_stay_close_to_float32(
         grouped = moe(x).float()
     err = (grouped - want).norm() / want.norm()
     assert err < tolerance
+
+
+@pytest.mark.parametrize("gemm", ["bf16", "f32"])
+def test_a_prompt_sized_step_of_bf16_experts_stays_close_to_float32(
+    gemm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt's rows grouped by expert, each expert's GEMM above the GEMV's rows: in
+    torch's bf16 GEMM, or in f32 over the f32 copy that the stacked experts keep where
+    ``IRON_BATCH_CPU_GEMM`` says f32. Either is close to transformers' float32 block."""
+    monkeypatch.setenv("IRON_BATCH_CPU_GEMM", gemm)
+    be = TorchBackend.from_model(str(checkpoint("qwen3_moe")), device="cpu",
+                                 dtype="bfloat16", total_kv_blocks=16, kv_block_size=4)
+    i, moe = _sparse(be)
+    assert (moe.gate_up.wide is not None) == (gemm == "f32")
+    assert (moe.down.wide is not None) == (gemm == "f32")
+    torch.manual_seed(6)
+    x = torch.randn(400, moe.router.weight.shape[1]).bfloat16()
+    want = _reference_block("qwen3_moe", i, x)
+    _, ids = moe.router(x)
+    assert int(torch.bincount(ids.reshape(-1)).max()) > 32  # GEMMs, not GEMV passes
+    got = moe(x).float()
+    assert (got - want).norm() / want.norm() < 0.02

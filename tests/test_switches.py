@@ -26,12 +26,14 @@ def test_a_switch_set_away_from_its_default_is_reported() -> None:
     assert values.changed() == {"IRON_BATCH_CPU_DECODER": "0", "IRON_BATCH_QUANT_GEMV_ROWS": "4"}
     # 0 turns the many-row GEMV off (a switch whose least value is 0).
     assert read({"IRON_BATCH_CPU_GEMV_ROWS": "0"}).cpu_gemv_rows == 0
+    assert read({"IRON_BATCH_CPU_GEMM": "f32"}).changed() == {"IRON_BATCH_CPU_GEMM": "f32"}
 
 
 @pytest.mark.parametrize("env, value", [("IRON_BATCH_CPU_ATTENTION", "fast"),
                                         ("IRON_BATCH_HUGE_PAGES", "yes"),
                                         ("IRON_BATCH_QUANT_GEMV_ROWS", "0"),
-                                        ("IRON_BATCH_CPU_GEMV_ROWS", "-1")])
+                                        ("IRON_BATCH_CPU_GEMV_ROWS", "-1"),
+                                        ("IRON_BATCH_CPU_GEMM", "fp32")])
 def test_a_value_a_switch_does_not_take_is_refused_by_name(env: str, value: str) -> None:
     with pytest.raises(SwitchError, match=env) as info:
         read({env: value})

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from iron_batch.layers import cpu_kernels
+from iron_batch.layers import cpu_kernels, quant
 from iron_batch.layers.linear import Linear, Weight
 from iron_batch.layers.quant import QuantWeight
 from iron_batch.platform.heap import HEAP_BLOCK
@@ -69,7 +69,8 @@ class LMHead:
     shards and drops the padding rows.
 
     A large dense head on the CPU (:data:`SLABBED_VOCAB` rows or more) is packed for
-    oneDNN in parts of :data:`SLAB_ROWS` vocabulary rows, and a step of more rows than the
+    oneDNN in parts of :data:`SLAB_ROWS` vocabulary rows (or copied in f32 by parts, where
+    steps of many rows multiply in f32), and a step of more rows than the
     GEMV takes writes each part's bf16 logits into one float32 buffer the head keeps for
     the next step. A step's logits over a large vocabulary are blocks that glibc maps
     fresh from the kernel at every step on the engine thread (see ``platform/heap.py``:
@@ -85,19 +86,25 @@ class LMHead:
         self.linear = linear
         self.vocab_size = vocab_size
         self.parallel = parallel
-        #: (first vocabulary row, oneDNN-packed part) of a head packed in parts.
+        #: (first vocabulary row, oneDNN-packed part) of a head packed in parts; an f32
+        #: copy of the part where steps of many rows multiply in f32 (``wide_slabs``).
         self.slabs: list[tuple[int, torch.Tensor]] = []
+        self.wide_slabs = False
         self._out: torch.Tensor | None = None
 
-    def prepack(self) -> None:
-        """:meth:`Linear.prepack` for the head, in parts where it is large."""
+    def prepack(self, f32_copy: bool = True) -> None:
+        """:meth:`Linear.prepack` for the head, in oneDNN's parts where it is large."""
         w = self.linear.weight
         if not isinstance(w, torch.Tensor) or w.shape[0] < SLABBED_VOCAB:
-            self.linear.prepack()
+            self.linear.prepack(f32_copy)
+            return
+        self.wide_slabs = self.linear.widen and self.linear.gemv
+        if self.wide_slabs and not f32_copy:
             return
         slabs = []
         for lo in range(0, w.shape[0], SLAB_ROWS):
-            packed = cpu_kernels.prepack(w[lo:lo + SLAB_ROWS])
+            part = w[lo:lo + SLAB_ROWS]
+            packed = part.float() if self.wide_slabs else cpu_kernels.prepack(part)
             if packed is None:
                 return
             slabs.append((lo, packed))
@@ -127,6 +134,10 @@ class LMHead:
         bias = self.linear.bias
         for lo, packed in self.slabs:
             hi = min(lo + SLAB_ROWS, n)
-            part = cpu_kernels.packed_linear(last, packed, None if bias is None else bias[lo:hi])
+            b = None if bias is None else bias[lo:hi]
+            if self.wide_slabs:
+                part = quant.wide_linear(last, packed, b)
+            else:
+                part = cpu_kernels.packed_linear(last, packed, b)
             out[:, lo:hi].copy_(part)
         return out

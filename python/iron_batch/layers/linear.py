@@ -4,13 +4,15 @@ rank's tensor-parallel part.
 
 Which kernel runs is the layer's business, decided by its weight and the step's rows:
 quantized weights run the block GEMV (up to ``quant_gemv_rows`` rows) or a dequantized
-GEMM; dense bf16 ones on CPU the Rust GEMV for up to 8 rows and, above, oneDNN's packed
-layout where the CPU has bf16 arithmetic, or else the Rust GEMV up to ``wide_gemv_rows``
-and an f32 GEMM over a widened weight above; everything else ``F.linear``.
+GEMM; dense bf16 ones on CPU the Rust GEMV for up to 8 rows (``wide_gemv_rows`` where the
+CPU has no bf16 arithmetic) and, above, either an f32 GEMM over a widened weight (kept
+from load where it fits, see :meth:`Linear.prepack`) where ``CpuKernels.f32_gemm`` says
+f32 multiplies faster, or oneDNN's packed bf16 layout; everything else ``F.linear``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -25,6 +27,10 @@ from iron_batch.platform.cpu import CpuKernels
 #: A projection matrix: dense, or quantized (``--quantization``, see ``layers/quant.py``).
 Weight = torch.Tensor | QuantWeight
 
+#: The most of the machine's memory that f32 copies of a model's projections may take
+#: (:func:`f32_copies_fit`); past it, steps of many rows widen each weight as they use it.
+F32_COPIES_SHARE = 0.25
+
 
 class Linear:
     def __init__(
@@ -34,12 +40,14 @@ class Linear:
         self.bias = bias
         #: oneDNN-packed copy of a dense bf16 weight (see :meth:`prepack`).
         self.packed: torch.Tensor | None = None
+        #: f32 copy of a dense bf16 weight for steps of many rows (see :meth:`prepack`).
+        self.wide: torch.Tensor | None = None
         self.gemv = kernels.gemv and isinstance(weight, torch.Tensor)
         self.gemv_rows = kernels.quant_gemv_rows
         #: Rows up to which a dense bf16 weight takes the Rust GEMV (see ``CpuKernels``),
         #: and whether larger steps multiply in f32.
         self.dense_gemv_rows = max(cpu_kernels.BF16_GEMV_MAX_ROWS, kernels.wide_gemv_rows)
-        self.widen = kernels.wide_gemv_rows > 0
+        self.widen = kernels.f32_gemm
 
     @classmethod
     def load(
@@ -65,21 +73,30 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
         if isinstance(w, QuantWeight):
-            return w.linear(x, b, self.gemv_rows)
+            return w.linear(x, b, self.gemv_rows, widen=self.widen)
         if self.gemv and x.shape[0] <= self.dense_gemv_rows:
             return cpu_kernels.linear(x, w, b)
+        if self.wide is not None:
+            return quant.wide_linear(x, self.wide, b)
         if self.packed is not None:
             return cpu_kernels.packed_linear(x, self.packed, b)
         if self.widen and self.gemv:
             return quant.widened_linear(x, w, b)
         return F.linear(x, w, b)
 
-    def prepack(self) -> None:
-        """Keep a oneDNN-packed copy of a dense weight for steps of many rows (made once:
-        ``F.linear`` would reorder the plain weight inside every call). The plain weight
-        stays for the one-row GEMV and a tied embedding."""
-        if isinstance(self.weight, torch.Tensor):
-            self.packed = cpu_kernels.prepack(self.weight)
+    def prepack(self, f32_copy: bool = True) -> None:
+        """Keep a copy of a dense weight for steps of many rows, made once: in f32 where
+        such steps multiply in f32 (``f32_copy`` False: none, the weight is widened in
+        every such step instead), else in oneDNN's packed layout (``F.linear`` would reorder
+        the plain weight inside every call). The plain weight stays for the one-row GEMV
+        and a tied embedding."""
+        if not isinstance(self.weight, torch.Tensor):
+            return
+        if self.widen and self.gemv:
+            if f32_copy:
+                self.wide = self.weight.float()
+            return
+        self.packed = cpu_kernels.prepack(self.weight)
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors that hold the weight's values (what a decode step streams)."""
@@ -124,3 +141,14 @@ def float_weight(ctx: LoadContext, dense: torch.Tensor, *, head: bool = False) -
             return quant.quantize_int4(dense)
         return quant.quantize_int8(dense)
     return dense.to(device=ctx.device, dtype=ctx.dtype)
+
+
+def f32_copies_fit(linears: Sequence[Linear]) -> bool:
+    """Whether f32 copies of these projections' dense weights take at most
+    :data:`F32_COPIES_SHARE` of the machine's memory."""
+    wide = sum(4 * lin.weight.numel() for lin in linears if isinstance(lin.weight, torch.Tensor))
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return wide <= F32_COPIES_SHARE * memory

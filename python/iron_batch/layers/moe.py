@@ -62,14 +62,18 @@ SMALL_EXPERT_BYTES = 16 << 20
 class StackedLinear(Linear):
     """One projection of every expert, stacked by rows: ``experts`` blocks of ``rows``
     rows each (and, where the experts have biases, their biases stacked the same way).
-    Its whole matrix is never multiplied (so it is never prepacked)."""
+    Its whole matrix is never multiplied: oneDNN never packs it, but where steps of many
+    rows multiply in f32 it keeps an f32 copy whose rows each expert's GEMM reads."""
 
     experts: int
     rows: int
     kernels: CpuKernels
 
-    def prepack(self) -> None:
-        """Nothing: experts run one at a time (see :meth:`expert`)."""
+    def prepack(self, f32_copy: bool = True) -> None:
+        """The f32 copy where steps of many rows multiply in f32 (see
+        :meth:`Linear.prepack`); nothing else: experts run one at a time."""
+        if self.widen and self.gemv and f32_copy and isinstance(self.weight, torch.Tensor):
+            self.wide = self.weight.float()
 
     def expert(self, e: int) -> Linear:
         """Expert ``e``'s rows as a projection of their own (views, nothing copied)."""
@@ -84,7 +88,10 @@ class StackedLinear(Linear):
         bias = None if self.bias is None else self.bias[lo:hi]
         if isinstance(part, QuantWeight) and part.kind == "mxfp4":
             return mxfp4.Mxfp4Linear(part, bias, kernels=self.kernels)
-        return Linear(part, bias, kernels=self.kernels)
+        out = Linear(part, bias, kernels=self.kernels)
+        if self.wide is not None:
+            out.wide = self.wide[lo:hi]
+        return out
 
 
 def stacked(

@@ -141,20 +141,25 @@ class QuantWeight:
         return min(limit, BLOCK_GEMV_MAX_ROWS)
 
     def linear(
-        self, x: torch.Tensor, bias: torch.Tensor | None = None, gemv_rows: int = GEMV_MAX_ROWS
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        gemv_rows: int = GEMV_MAX_ROWS,
+        widen: bool | None = None,
     ) -> torch.Tensor:
         """``x @ W.T (+ bias)`` for bf16 ``x`` ``[rows, k]``: bf16 ``[rows, n]``; the block
         GEMV up to :meth:`gemv_rows` of ``gemv_rows`` rows, a dequantization and a dense
-        GEMM above."""
+        GEMM above (in f32 over the widened dequantization if ``widen``; None: where the
+        CPU has no bf16 arithmetic)."""
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k:
             raise ValueError(f"quantized linear: x {tuple(x.shape)} {x.dtype} does not fit "
                              f"[rows, {self.k}] bf16")
         rows = x.shape[0]
         if rows > self.gemv_rows(gemv_rows) or rows == 0:
             dense = self.dequantize(scratch=True)
-            if bf16_gemm_is_native():
-                return F.linear(x, dense, bias)
-            return widened_linear(x, dense, bias)
+            if widen is None:
+                widen = not bf16_gemm_is_native()
+            return widened_linear(x, dense, bias) if widen else F.linear(x, dense, bias)
         if not x.is_contiguous():
             x = x.contiguous()
         if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (self.n,)):
@@ -200,6 +205,12 @@ def widened_linear(
     n, k = weight.shape
     wide = _scratch(n * k, torch.float32).view(n, k)
     wide.copy_(weight)
+    return wide_linear(x, wide, bias)
+
+
+def wide_linear(x: torch.Tensor, wide: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of bf16 ``x`` and the f32 ``wide`` (a bf16 weight's exact widening) in
+    f32, rounded to bf16."""
     return F.linear(x.float(), wide, None if bias is None else bias.float()).to(torch.bfloat16)
 
 

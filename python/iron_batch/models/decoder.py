@@ -22,7 +22,7 @@ from iron_batch.attention import backend as attention_backends
 from iron_batch.attention import kv_int8
 from iron_batch.layers import STATE_DTYPES, cpu_kernels, decoder_stack, quant
 from iron_batch.layers.embedding import Embedding, LMHead, VocabParallel
-from iron_batch.layers.linear import Linear
+from iron_batch.layers.linear import Linear, f32_copies_fit
 from iron_batch.layers.mlp import GatedMLP
 from iron_batch.layers.moe import MoE
 from iron_batch.layers.norm import HeadNorm, ProjectionNorm, RMSNorm
@@ -225,9 +225,10 @@ class DecoderModel:
         if kernels.huge_pages:
             self._weights_to_huge_pages()
         if kernels.prepack and quantization is None:
+            f32_copy = f32_copies_fit(self._linears(head=True))
             for linear in self._linears():
-                linear.prepack()
-            self.lm_head.prepack()
+                linear.prepack(f32_copy)
+            self.lm_head.prepack(f32_copy)
         # Decode steps with few rows: every layer in one Rust call (see decoder_stack).
         self.decoder: decoder_stack.DecoderStack | None = None
         if shard is None and kernels.decoder and self.one_call_decode:

@@ -35,6 +35,52 @@ def bf16_gemm_is_native() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+@functools.cache
+def bf16_dot_is_no_faster() -> bool:
+    """Whether this CPU has bf16 dot products (AVX-512 BF16) that multiply no faster than
+    its f32 FMAs: an Intel core without AMX (Cooper Lake, or a Sapphire/Emerald/Granite
+    Rapids whose AMX the hypervisor hides). There one ``vdpbf16ps`` (32 products) issues
+    a cycle, as do two f32 FMAs (32 products), and oneDNN's packed bf16 GEMM ran at
+    0.55-0.6x the speed of torch's f32 GEMM over the same weights (a 2-vCPU Emerald
+    Rapids: 64 to 512 rows, 768 to 3072 wide); AMD's Zen 4 and 5 issue ``vdpbf16ps`` at
+    twice the FMAs' products, and AMX far faster still, so bf16 wins there."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    flags = set(next((line for line in text.splitlines() if line.startswith("flags")),
+                     "").split())
+    return ("GenuineIntel" in text and "avx512_bf16" in flags
+            and not flags & {"amx_bf16", "amx_tile"})
+
+
+#: Where the CPU's bf16 dot products are no faster than its f32 FMAs and steps of many rows
+#: multiply in f32: the most rows a bf16 projection takes the Rust GEMV for. Below about 32
+#: rows torch's f32 GEMM pays more for its conversions and its small tiles than it gains
+#: (a 2-vCPU Emerald Rapids, 9 to 64 rows: SmolLM2's 120 projections 1.6x the GEMV's time
+#: at 16 rows, 1.0x at 32, 0.83x at 64; a Llama-3.2-3B layer's 1.3x, 0.87x, 0.67x).
+F32_GEMM_GEMV_ROWS = 32
+
+
+def _gemv_rows(switches: Switches) -> int:
+    """``CpuKernels.wide_gemv_rows`` (0: the GEMV's own 8)."""
+    if not bf16_gemm_is_native():
+        return switches.cpu_gemv_rows
+    return F32_GEMM_GEMV_ROWS if f32_gemm(switches) else 0
+
+
+def f32_gemm(switches: Switches) -> bool:
+    """Whether bf16 projections of more rows than the GEMV takes multiply in f32 over a
+    widened weight (``IRON_BATCH_CPU_GEMM``; ``auto``: where the CPU has no bf16
+    arithmetic, unless ``IRON_BATCH_CPU_GEMV_ROWS`` is 0, or where its bf16 dot products
+    are no faster than its f32 FMAs)."""
+    if switches.cpu_gemm != "auto":
+        return switches.cpu_gemm == "f32"
+    if not bf16_gemm_is_native():
+        return switches.cpu_gemv_rows > 0
+    return bf16_dot_is_no_faster()
+
+
 @dataclass(frozen=True)
 class CpuKernels:
     """Each a yes/no for this model (all no off the CPU)."""
@@ -49,10 +95,13 @@ class CpuKernels:
     gemv: bool = False
     #: oneDNN-packed copies of bf16 projections for larger steps.
     prepack: bool = False
-    #: Where the CPU has no bf16 arithmetic: bf16 projections of up to this many rows by
-    #: the Rust GEMV, of more by an f32 GEMM over a widened weight (0: torch's bf16 GEMM
-    #: above the GEMV's 8 rows).
+    #: bf16 projections of up to this many rows by the Rust GEMV (0: the GEMV's own 8):
+    #: ``IRON_BATCH_CPU_GEMV_ROWS`` where the CPU has no bf16 arithmetic,
+    #: :data:`F32_GEMM_GEMV_ROWS` where it multiplies many rows in f32 for speed.
     wide_gemv_rows: int = 0
+    #: bf16 projections of more rows than the GEMV takes multiply in f32 over a widened
+    #: weight (see :func:`f32_gemm`); False: torch's bf16 GEMM (oneDNN's packed layout).
+    f32_gemm: bool = False
     #: Every decoder layer of a decode step in one Rust call.
     decoder: bool = False
     #: Weights and KV cache on 2 MiB pages.
@@ -78,7 +127,8 @@ def select(device: torch.device, dtype: torch.dtype, switches: Switches) -> CpuK
         prefill_attention=attention and bf16 and switches.cpu_prefill_attention == "kernel",
         fused=fused,
         gemv=gemv,
-        wide_gemv_rows=switches.cpu_gemv_rows if gemv and not bf16_gemm_is_native() else 0,
+        wide_gemv_rows=_gemv_rows(switches) if gemv else 0,
+        f32_gemm=bf16 and f32_gemm(switches),
         prepack=(
             kernels and bf16 and switches.cpu_prepack
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

@@ -47,6 +47,12 @@ SWITCHES: dict[str, Switch] = {
         "to this many rows (at least 8) run the Rust GEMV and larger ones an f32 GEMM over "
         "a widened copy of the weight; 0 leaves them to torch's bf16 GEMM above 8 rows.",
         minimum=0),
+    "cpu_gemm": Switch(
+        "IRON_BATCH_CPU_GEMM", "auto", ("auto", "bf16", "f32"),
+        "bf16 projections of more rows than the Rust GEMV takes (prompts, large batches) "
+        "multiply in f32 over a widened copy of the weight (f32) or in torch's bf16 GEMM "
+        "(bf16); auto: f32 on a CPU without bf16 arithmetic and on Intel CPUs with AVX-512 "
+        "BF16 but no AMX, whose bf16 dot products are no faster than their f32 FMAs."),
     "huge_pages": Switch(
         "IRON_BATCH_HUGE_PAGES", "1", ("1", "0"),
         "CPU weights and KV cache on 2 MiB pages where Linux gives them (1), or 4 KiB (0)."),
@@ -81,6 +87,7 @@ class Switches:
     cpu_decoder: bool = True
     cpu_prepack: bool = True
     cpu_gemv_rows: int = 192
+    cpu_gemm: str = "auto"
     huge_pages: bool = True
     keep_freed_memory: bool = True
     one_malloc_arena: bool = False
