@@ -36,11 +36,14 @@ use crate::element::{Bf16, Element, F16};
 use crate::prefetch::prefetch_ahead;
 use crate::quant::MAX_ROWS;
 
-/// Activation rows one pass over a matrix's blocks serves (the rest of [`MAX_ROWS`] unused
-/// here): past four, each row's accumulators and fixed-point loads no longer fit in the
-/// registers beside the unpacked blocks. On a Zen 5 core pair a pass of 8 rows took 0.9x
-/// to 2.4x the time of two passes of 4 (Q4_K, Q5_0, Q6_K; k from 512 to 8192), most often
-/// more than 1.2x.
+/// Activation rows one kernel call serves for the 32-value formats and off the AVX-512
+/// path: past four, each row's accumulators and loads no longer fit in the registers
+/// beside the unpacked blocks (on a Zen 5 core pair a pass of 8 rows took 0.9x to 2.4x the
+/// time of two passes of 4, most often more than 1.2x). A pass over a matrix takes up to
+/// [`MAX_ROWS`] rows; such a weight row then takes two calls, the second reading it from
+/// the cache. The AVX-512 K-quant kernel takes all eight in one call: two integer
+/// accumulators a row leave the registers for them, and each block is unpacked once for
+/// eight rows instead of four.
 const PASS_ROWS: usize = 4;
 
 /// Output rows per part below which a call is not split.
@@ -387,7 +390,7 @@ fn unpack(f: BlockFormat, b: &[u8], u: &mut Unpacked) {
 
 /// `out[r][i] = sum_j x[r][j] * W[i][j] (+ bias[i])` for `r` in `0..rows`; `x` is
 /// `[rows, k]` bf16, `out` `[rows, n]` bf16 (rounded once from the f32 sum). Every
-/// [`PASS_ROWS`] activation rows take one pass over the weights.
+/// [`MAX_ROWS`] activation rows take one pass over the weights.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_blocks(
     out: &mut [Bf16],
@@ -429,6 +432,9 @@ pub fn gemv_blocks(
         Some(fixed) => (&[][..], &fixed.sums[..]),
         None => (&plain[0][..], &plain[1][..]),
     };
+    // Where the AVX-512 K-quant kernel serves every row range, 5 to 7 rows left take one
+    // pass (see PASS_ROWS).
+    let wide_pass = fixed.is_some() && formats().all(|v| v == 256);
     let parts = (n / MIN_ROWS_PER_PART).clamp(1, threads.max(1));
     let out_addr = out.as_mut_ptr() as usize;
     let task = |part: usize| {
@@ -439,7 +445,12 @@ pub fn gemv_blocks(
             let end = (chunk + CHUNK_ROWS).min(hi);
             let mut first = 0;
             while first < rows {
-                let take = (rows - first).min(PASS_ROWS);
+                let left = rows - first;
+                let take = if wide_pass && left > PASS_ROWS && left < 2 * PASS_ROWS {
+                    left
+                } else {
+                    left.min(PASS_ROWS)
+                };
                 let xs = &xf[first * k..(first + take) * k];
                 let xq = fixed.as_ref().map(|fixed| (fixed, first));
                 results.clear();
@@ -645,6 +656,27 @@ fn dot_row(
         // 26 GB/s).
         prefetch_ahead(w.as_ptr(), w.len());
     }
+    let wide_pass = path == Path::Avx512 && f.values() == 256 && fixed.is_some();
+    if count > PASS_ROWS && !wide_pass {
+        // The first PASS_ROWS rows, then the rest over the same weight row (now in cache).
+        dot_row(f, w, xs, fixed, sums, PASS_ROWS, k, path, coef, dots);
+        let groups = if sums.is_empty() { 0 } else { k / f.group() };
+        let mut rest = [0f32; MAX_ROWS];
+        dot_row(
+            f,
+            w,
+            &xs[PASS_ROWS * k..],
+            fixed.map(|(fixed, first)| (fixed, first + PASS_ROWS)),
+            &sums[PASS_ROWS * groups..],
+            count - PASS_ROWS,
+            k,
+            path,
+            coef,
+            &mut rest,
+        );
+        dots[PASS_ROWS..count].copy_from_slice(&rest[..count - PASS_ROWS]);
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     match path {
         Path::Avx512 => {
@@ -656,7 +688,11 @@ fn dot_row(
                         1 => avx512::dot_row::<1>(f, w, x, sums, k, coef, dots),
                         2 => avx512::dot_row::<2>(f, w, x, sums, k, coef, dots),
                         3 => avx512::dot_row::<3>(f, w, x, sums, k, coef, dots),
-                        _ => avx512::dot_row::<4>(f, w, x, sums, k, coef, dots),
+                        4 => avx512::dot_row::<4>(f, w, x, sums, k, coef, dots),
+                        5 => avx512::dot_row::<5>(f, w, x, sums, k, coef, dots),
+                        6 => avx512::dot_row::<6>(f, w, x, sums, k, coef, dots),
+                        7 => avx512::dot_row::<7>(f, w, x, sums, k, coef, dots),
+                        _ => avx512::dot_row::<8>(f, w, x, sums, k, coef, dots),
                     }
                 }
                 return;
@@ -1000,21 +1036,21 @@ mod avx512 {
     }
 
     /// 64 weights' `i16` values `w0` (the first 32) and `w1` into each row's integer
-    /// accumulators `acc[r][2 s]` and `acc[r][2 s + 1]`, with the rows' values from `at`.
+    /// accumulators `acc[r][0]` and `acc[r][1]`, with the rows' values from `at`. Integer
+    /// sums are exact in any order, so how many accumulators a row has changes no bit of
+    /// its result; two leave the registers for eight rows a pass.
     #[inline(always)]
     unsafe fn step<const ROWS: usize>(
         w0: __m512i,
         w1: __m512i,
         x: FixedRows,
         at: usize,
-        s: usize,
-        acc: &mut [[__m512i; 4]; ROWS],
+        acc: &mut [[__m512i; 2]; ROWS],
     ) {
         for (r, acc) in acc.iter_mut().enumerate() {
             let v = x.at(r, at);
-            acc[2 * s] = _mm512_dpwssd_epi32(acc[2 * s], w0, _mm512_loadu_si512(v.cast()));
-            acc[2 * s + 1] =
-                _mm512_dpwssd_epi32(acc[2 * s + 1], w1, _mm512_loadu_si512(v.add(32).cast()));
+            acc[0] = _mm512_dpwssd_epi32(acc[0], w0, _mm512_loadu_si512(v.cast()));
+            acc[1] = _mm512_dpwssd_epi32(acc[1], w1, _mm512_loadu_si512(v.add(32).cast()));
         }
     }
 
@@ -1022,7 +1058,7 @@ mod avx512 {
     /// `total`.
     #[inline(always)]
     unsafe fn fold<const ROWS: usize>(
-        acc: &[[__m512i; 4]; ROWS],
+        acc: &[[__m512i; 2]; ROWS],
         d: f32,
         x: FixedRows,
         c: usize,
@@ -1030,7 +1066,7 @@ mod avx512 {
     ) {
         for r in 0..ROWS {
             let a = &acc[r];
-            let sum = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
+            let sum = _mm512_add_epi32(a[0], a[1]);
             let s = _mm512_set1_ps(d * x.scale(r, c));
             total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, total[r]);
         }
@@ -1121,12 +1157,12 @@ mod avx512 {
                 let pick = _mm512_set1_epi16(i16::from_le_bytes([2 * j as u8, 2 * j as u8 + 1]));
                 _mm512_shuffle_epi8(sc, pick)
             };
-            let mut acc = [[_mm512_setzero_si512(); 4]; ROWS];
+            let mut acc = [[_mm512_setzero_si512(); 2]; ROWS];
             for pair in 0..4 {
                 let (w0, w1) = k4_words(p, five, pair);
                 let w0 = _mm512_mullo_epi16(w0, spread(2 * pair as i8));
                 let w1 = _mm512_mullo_epi16(w1, spread(2 * pair as i8 + 1));
-                step::<ROWS>(w0, w1, x, b * 256 + 64 * pair, pair % 2, &mut acc);
+                step::<ROWS>(w0, w1, x, b * 256 + 64 * pair, &mut acc);
             }
             fold::<ROWS>(&acc, half(p), x, b, total);
         }
@@ -1155,12 +1191,12 @@ mod avx512 {
                     _mm512_set1_epi16(i16::from(*sc.add(g + 1))),
                 )
             };
-            let mut acc = [[_mm512_setzero_si512(); 4]; ROWS];
+            let mut acc = [[_mm512_setzero_si512(); 2]; ROWS];
             for chunk in 0..4 {
                 let (w0, w1) = widen_u8(k6_values(p, chunk));
                 let w0 = _mm512_mullo_epi16(_mm512_sub_epi16(w0, to_signed), pair(4 * chunk));
                 let w1 = _mm512_mullo_epi16(_mm512_sub_epi16(w1, to_signed), pair(4 * chunk + 2));
-                step::<ROWS>(w0, w1, x, b * 256 + 64 * chunk, chunk % 2, &mut acc);
+                step::<ROWS>(w0, w1, x, b * 256 + 64 * chunk, &mut acc);
             }
             fold::<ROWS>(&acc, half(p.add(208)), x, b, total);
         }
@@ -1713,7 +1749,7 @@ mod tests {
     }
 
     /// Every build of the dot this CPU runs (portable, AVX2, AVX-512 VNNI) equals the dot
-    /// with the dequantized weights up to f32 summation, for one to four activation rows:
+    /// with the dequantized weights up to f32 summation, for one to eight activation rows:
     /// of the activations themselves, and for the AVX-512 path of their fixed point, which
     /// is within half a step of them.
     #[test]
@@ -1742,7 +1778,7 @@ mod tests {
             let fixed = Fixed::new(&xs, MAX_ROWS, k, true, true);
             for row in 0..n {
                 let w = &data[row * f.row_bytes(k)..(row + 1) * f.row_bytes(k)];
-                for count in 1..=PASS_ROWS {
+                for count in 1..=MAX_ROWS {
                     for &path in &paths {
                         let sums: Vec<f32> = if path == Path::Avx512 {
                             // Only Q4_K's and Q5_K's offsets (groups of 32) read them.
@@ -1788,6 +1824,49 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// A stacked matrix (two K-quants' and a 32-value format's row ranges) multiplied
+    /// with 1 to 11 activation rows, on two threads: every row's output is bit for bit the
+    /// output it gets alone, whichever pass (up to eight rows) and which call within it
+    /// serve it. A speculative step's verification rows rely on this.
+    #[test]
+    fn gemv_rows_do_not_depend_on_the_rows_beside_them() {
+        use crate::attention::ScopedThreads;
+        let k = 512;
+        let formats = [
+            (BlockFormat::Q4K, 70),
+            (BlockFormat::Q6K, 66),
+            (BlockFormat::Q5_0, 67),
+        ];
+        let data: Vec<Vec<u8>> = formats
+            .iter()
+            .enumerate()
+            .map(|(i, &(f, n))| blocks(f, n, k, 20 + i as u64))
+            .collect();
+        let segments: Vec<Segment<'_>> = formats
+            .iter()
+            .zip(&data)
+            .map(|(&(format, rows), data)| Segment { format, rows, data })
+            .collect();
+        let n: usize = formats.iter().map(|&(_, rows)| rows).sum();
+        let rows = 11;
+        let x: Vec<Bf16> = (0..rows * k)
+            .map(|i| Bf16::from_f32(((i as f32) * 0.61).sin() * (1.0 + (i % 3) as f32)))
+            .collect();
+        let run = |x: &[Bf16], count: usize| {
+            let weight = Blocks::stacked(&segments).unwrap();
+            let mut out = vec![Bf16(0); count * n];
+            gemv_blocks(&mut out, x, weight, None, count, n, k, 2, &ScopedThreads).unwrap();
+            out
+        };
+        let alone: Vec<Vec<Bf16>> = (0..rows).map(|r| run(&x[r * k..(r + 1) * k], 1)).collect();
+        for count in 1..=rows {
+            let out = run(&x[..count * k], count);
+            for (r, want) in alone.iter().enumerate().take(count) {
+                assert_eq!(&out[r * n..(r + 1) * n], &want[..], "row {r} of {count}");
             }
         }
     }
