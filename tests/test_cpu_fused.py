@@ -165,12 +165,10 @@ def test_prepacked_linear_equals_f_linear() -> None:
 def _onednn_packs_bf16() -> bool:
     """Whether this CPU has what oneDNN's bf16 weight reorder asks for (read from
     /proc/cpuinfo, not from torch)."""
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
+    info = cpu.cpu_info()
+    if info is None:
         return True
-    flags = set(next((line for line in text.splitlines() if line.startswith("flags")),
-                     "").split())
+    flags = info[1]
     return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
 
 

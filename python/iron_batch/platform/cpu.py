@@ -22,17 +22,32 @@ def _has(*names: str) -> bool:
 
 
 @functools.cache
+def cpu_info() -> tuple[str, frozenset[str]] | None:
+    """The first CPU's vendor and feature flags as ``/proc/cpuinfo`` gives them (None
+    where it cannot be read)."""
+    try:
+        lines = open("/proc/cpuinfo").read().splitlines()
+    except OSError:
+        return None
+
+    def field(name: str) -> str:
+        line = next((line for line in lines if line.startswith(name)), "")
+        return line.partition(":")[2].strip()
+
+    return field("vendor_id"), frozenset(field("flags").split())
+
+
+@functools.cache
 def bf16_gemm_is_native() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX). Elsewhere torch's
     bf16 GEMM emulates it: on an AVX2 EPYC a 64-row product with a 1536 x 576 matrix took
     97 ms in bf16 and 13 ms in f32 over the same (bf16-rounded) weights, so projections of
     many rows multiply in f32 there (or by the Rust GEMV, faster still up to a few hundred
     rows)."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
+    info = cpu_info()
+    if info is None:
         return True
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool(info[1] & {"avx512_bf16", "amx_bf16"})
 
 
 @functools.cache
@@ -44,13 +59,11 @@ def bf16_dot_is_no_faster() -> bool:
     0.55-0.6x the speed of torch's f32 GEMM over the same weights (a 2-vCPU Emerald
     Rapids: 64 to 512 rows, 768 to 3072 wide); AMD's Zen 4 and 5 issue ``vdpbf16ps`` at
     twice the FMAs' products, and AMX far faster still, so bf16 wins there."""
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
+    info = cpu_info()
+    if info is None:
         return False
-    flags = set(next((line for line in text.splitlines() if line.startswith("flags")),
-                     "").split())
-    return ("GenuineIntel" in text and "avx512_bf16" in flags
+    vendor, flags = info
+    return (vendor == "GenuineIntel" and "avx512_bf16" in flags
             and not flags & {"amx_bf16", "amx_tile"})
 
 
