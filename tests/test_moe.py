@@ -232,7 +232,8 @@ def test_a_prompt_sized_step_of_bf16_experts_stays_close_to_float32(
 ) -> None:
     """A prompt's rows grouped by expert, each expert's GEMM above the GEMV's rows: in
     torch's bf16 GEMM, or in f32 over the f32 copy that the stacked experts keep where
-    ``IRON_BATCH_CPU_GEMM`` says f32. Either is close to transformers' float32 block."""
+    ``IRON_BATCH_CPU_GEMM`` says f32. Either is close to transformers' float32 block, row
+    by row."""
     monkeypatch.setenv("IRON_BATCH_CPU_GEMM", gemm)
     be = TorchBackend.from_model(str(checkpoint("qwen3_moe")), device="cpu",
                                  dtype="bfloat16", total_kv_blocks=16, kv_block_size=4)
@@ -240,9 +241,15 @@ def test_a_prompt_sized_step_of_bf16_experts_stays_close_to_float32(
     assert (moe.gate_up.wide is not None) == (gemm == "f32")
     assert (moe.down.wide is not None) == (gemm == "f32")
     torch.manual_seed(6)
-    x = torch.randn(400, moe.router.weight.shape[1]).bfloat16()
+    x = torch.randn(2400, moe.router.weight.shape[1]).bfloat16()
     want = _reference_block("qwen3_moe", i, x)
-    _, ids = moe.router(x)
-    assert int(torch.bincount(ids.reshape(-1)).max()) > 32  # GEMMs, not GEMV passes
-    got = moe(x).float()
-    assert (got - want).norm() / want.norm() < 0.02
+    weights, ids = moe.router(x)
+    # Every chosen expert's rows past what its GEMV takes: GEMMs, not GEMV passes.
+    gemv_rows = max(moe.gate_up.dense_gemv_rows, moe.down.dense_gemv_rows)
+    assert int(torch.bincount(ids.reshape(-1), minlength=moe.num_experts).min()) > gemv_rows
+    got = moe._grouped(x, weights, ids).float()
+    per_row = (got - want).norm(dim=1) / want.norm(dim=1)
+    assert float(per_row.median()) < 0.01
+    # A few rows' bf16 router logits tie near the float32 ones' choice and pick another
+    # expert (5 of 2400 here); every other row stays within about one bf16 rounding.
+    assert int((per_row > 0.05).sum()) <= x.shape[0] // 100

@@ -93,14 +93,13 @@ class LMHead:
         self._out: torch.Tensor | None = None
 
     def prepack(self, f32_copy: bool = True) -> None:
-        """:meth:`Linear.prepack` for the head, in oneDNN's parts where it is large."""
+        """:meth:`Linear.prepack` for the head, in parts where it is large (f32 copies or
+        oneDNN's packed layout, as :meth:`Linear.prepack` chooses)."""
         w = self.linear.weight
         if not isinstance(w, torch.Tensor) or w.shape[0] < SLABBED_VOCAB:
             self.linear.prepack(f32_copy)
             return
-        self.wide_slabs = self.linear.widen and self.linear.gemv
-        if self.wide_slabs and not f32_copy:
-            return
+        self.wide_slabs = self.linear.widen and self.linear.gemv and f32_copy
         slabs = []
         for lo in range(0, w.shape[0], SLAB_ROWS):
             part = w[lo:lo + SLAB_ROWS]

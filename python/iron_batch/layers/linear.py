@@ -4,10 +4,11 @@ rank's tensor-parallel part.
 
 Which kernel runs is the layer's business, decided by its weight and the step's rows:
 quantized weights run the block GEMV (up to ``quant_gemv_rows`` rows) or a dequantized
-GEMM; dense bf16 ones on CPU the Rust GEMV for up to 8 rows (``wide_gemv_rows`` where the
-CPU has no bf16 arithmetic) and, above, either an f32 GEMM over a widened weight (kept
-from load where it fits, see :meth:`Linear.prepack`) where ``CpuKernels.f32_gemm`` says
-f32 multiplies faster, or oneDNN's packed bf16 layout; everything else ``F.linear``.
+GEMM; dense bf16 ones on CPU the Rust GEMV for up to 8 rows (``CpuKernels.wide_gemv_rows``
+where the CPU has no bf16 arithmetic or multiplies many rows in f32) and, above, either an
+f32 GEMM over a widened weight (kept from load where it fits, see :meth:`Linear.prepack`)
+where ``CpuKernels.f32_gemm`` says f32 multiplies faster, or oneDNN's packed bf16 layout;
+everything else ``F.linear``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from iron_batch.platform.cpu import CpuKernels
 #: A projection matrix: dense, or quantized (``--quantization``, see ``layers/quant.py``).
 Weight = torch.Tensor | QuantWeight
 
-#: The most of the machine's memory that f32 copies of a model's projections may take
-#: (:func:`f32_copies_fit`); past it, steps of many rows widen each weight as they use it.
+#: The most of the memory this process may use that f32 copies of a model's projections
+#: may take (:func:`f32_copies_fit`); past it, the projections keep oneDNN's packed bf16
+#: layout instead.
 F32_COPIES_SHARE = 0.25
 
 
@@ -73,7 +75,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
         if isinstance(w, QuantWeight):
-            return w.linear(x, b, self.gemv_rows, widen=self.widen)
+            # None: widened where the CPU has no bf16 arithmetic (whatever the switches).
+            return w.linear(x, b, self.gemv_rows, widen=self.widen or None)
         if self.gemv and x.shape[0] <= self.dense_gemv_rows:
             return cpu_kernels.linear(x, w, b)
         if self.wide is not None:
@@ -86,15 +89,15 @@ class Linear:
 
     def prepack(self, f32_copy: bool = True) -> None:
         """Keep a copy of a dense weight for steps of many rows, made once: in f32 where
-        such steps multiply in f32 (``f32_copy`` False: none, the weight is widened in
-        every such step instead), else in oneDNN's packed layout (``F.linear`` would reorder
-        the plain weight inside every call). The plain weight stays for the one-row GEMV
-        and a tied embedding."""
+        such steps multiply in f32 and ``f32_copy`` allows it, else in oneDNN's packed
+        layout where this torch and CPU make one (``F.linear`` would reorder the plain
+        weight inside every call; without either, a step that multiplies in f32 widens the
+        weight into a reused buffer). The plain weight stays for the one-row GEMV and a
+        tied embedding."""
         if not isinstance(self.weight, torch.Tensor):
             return
-        if self.widen and self.gemv:
-            if f32_copy:
-                self.wide = self.weight.float()
+        if self.widen and self.gemv and f32_copy:
+            self.wide = self.weight.float()
             return
         self.packed = cpu_kernels.prepack(self.weight)
 
@@ -143,12 +146,28 @@ def float_weight(ctx: LoadContext, dense: torch.Tensor, *, head: bool = False) -
     return dense.to(device=ctx.device, dtype=ctx.dtype)
 
 
-def f32_copies_fit(linears: Sequence[Linear]) -> bool:
-    """Whether f32 copies of these projections' dense weights take at most
-    :data:`F32_COPIES_SHARE` of the machine's memory."""
+def f32_copies_fit(linears: Sequence[Linear], ranks: int = 1) -> bool:
+    """Whether f32 copies of these projections' dense weights, made by each of ``ranks``
+    processes on this machine (tensor-parallel shards of one model), take at most
+    :data:`F32_COPIES_SHARE` of the memory this process may use: the machine's, or its
+    control group's limit where that is lower."""
     wide = sum(4 * lin.weight.numel() for lin in linears if isinstance(lin.weight, torch.Tensor))
+    memory = usable_memory()
+    return memory is not None and ranks * wide <= F32_COPIES_SHARE * memory
+
+
+def usable_memory() -> int | None:
+    """Bytes of memory this process may use: physical memory, or the cgroup v2 (or v1)
+    limit where one is set lower; None where neither can be read."""
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return False
-    return wide <= F32_COPIES_SHARE * memory
+        return None
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = open(path).read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            memory = min(memory, int(limit))
+    return memory

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from iron_batch import _core
 from iron_batch.layers import QUANTIZATION_MODES as MODES
-from iron_batch.platform.cpu import bf16_gemm_is_native
+from iron_batch.platform.cpu import bf16_gemm_is_native, cpu_info
 from iron_batch.platform.openmp import entry_points
 from iron_batch.platform.switches import SWITCHES
 
@@ -230,11 +230,10 @@ def _scratch(elements: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor
 @functools.cache
 def _avx512_quant_kernels() -> bool:
     """Whether the q4/q8 layouts' AVX-512 kernels run here (AVX-512 F/BW/VL and BF16)."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
+    info = cpu_info()
+    if info is None:
         return True
-    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= info[1]
 
 
 def _dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:

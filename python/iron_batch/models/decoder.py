@@ -225,7 +225,8 @@ class DecoderModel:
         if kernels.huge_pages:
             self._weights_to_huge_pages()
         if kernels.prepack and quantization is None:
-            f32_copy = f32_copies_fit(self._linears(head=True))
+            f32_copy = f32_copies_fit(self._linears(head=True),
+                                      plan.world if plan is not None else 1)
             for linear in self._linears():
                 linear.prepack(f32_copy)
             self.lm_head.prepack(f32_copy)

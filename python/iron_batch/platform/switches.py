@@ -40,7 +40,9 @@ SWITCHES: dict[str, Switch] = {
         "from Python (0)."),
     "cpu_prepack": Switch(
         "IRON_BATCH_CPU_PREPACK", "1", ("1", "0"),
-        "bf16 projections keep a oneDNN-packed copy for prompt-sized steps (1), or none (0)."),
+        "bf16 projections keep a copy for prompt-sized steps (1): f32 where those steps "
+        "multiply in f32 and the copies take at most a quarter of memory, else "
+        "oneDNN-packed; or none (0)."),
     "cpu_gemv_rows": Switch(
         "IRON_BATCH_CPU_GEMV_ROWS", "192", (),
         "On a CPU without bf16 arithmetic (no AVX-512 BF16 or AMX), bf16 projections of up "
@@ -51,8 +53,10 @@ SWITCHES: dict[str, Switch] = {
         "IRON_BATCH_CPU_GEMM", "auto", ("auto", "bf16", "f32"),
         "bf16 projections of more rows than the Rust GEMV takes (prompts, large batches) "
         "multiply in f32 over a widened copy of the weight (f32) or in torch's bf16 GEMM "
-        "(bf16); auto: f32 on a CPU without bf16 arithmetic and on Intel CPUs with AVX-512 "
-        "BF16 but no AMX, whose bf16 dot products are no faster than their f32 FMAs."),
+        "(bf16); auto: f32 on a CPU without bf16 arithmetic (unless "
+        "IRON_BATCH_CPU_GEMV_ROWS is 0) and on Intel CPUs with AVX-512 BF16 but no AMX, "
+        "whose bf16 dot products are no faster than their f32 FMAs. Quantized weights "
+        "multiply in f32 wherever the CPU has no bf16 arithmetic."),
     "huge_pages": Switch(
         "IRON_BATCH_HUGE_PAGES", "1", ("1", "0"),
         "CPU weights and KV cache on 2 MiB pages where Linux gives them (1), or 4 KiB (0)."),
