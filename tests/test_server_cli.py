@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import free_port, wait_for
+from conftest import cli_process
 
 SERVER = [sys.executable, "-m", "iron_batch.server"]
 
@@ -108,29 +107,8 @@ def test_a_port_in_use_exits_with_one_line_and_no_hang() -> None:
 
 @pytest.fixture
 def cli_server() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [*SERVER, "--addr", f"127.0.0.1:{port}", "--mock-token-latency-us", "100"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stdout.read() if proc.stdout else ''}")
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(up, 30, "server /health")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+    with cli_process("--mock-token-latency-us", "100") as (_, port):
+        yield f"http://127.0.0.1:{port}"
 
 
 def test_readme_examples_against_the_cli_server(cli_server: str) -> None:

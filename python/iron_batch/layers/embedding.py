@@ -86,10 +86,9 @@ class LMHead:
         self.linear = linear
         self.vocab_size = vocab_size
         self.parallel = parallel
-        #: (first vocabulary row, oneDNN-packed part) of a head packed in parts; an f32
-        #: copy of the part where steps of many rows multiply in f32 (``wide_slabs``).
+        #: (first vocabulary row, oneDNN-packed part) of a head packed in parts; a float32
+        #: copy of the part where steps of many rows multiply in f32.
         self.slabs: list[tuple[int, torch.Tensor]] = []
-        self.wide_slabs = False
         self._out: torch.Tensor | None = None
 
     def prepack(self, f32_copy: bool = True) -> None:
@@ -99,11 +98,11 @@ class LMHead:
         if not isinstance(w, torch.Tensor) or w.shape[0] < SLABBED_VOCAB:
             self.linear.prepack(f32_copy)
             return
-        self.wide_slabs = self.linear.widen and self.linear.gemv and f32_copy
+        wide = self.linear.widen and self.linear.gemv and f32_copy
         slabs = []
         for lo in range(0, w.shape[0], SLAB_ROWS):
             part = w[lo:lo + SLAB_ROWS]
-            packed = part.float() if self.wide_slabs else cpu_kernels.prepack(part)
+            packed = part.float() if wide else cpu_kernels.prepack(part)
             if packed is None:
                 return
             slabs.append((lo, packed))
@@ -134,7 +133,7 @@ class LMHead:
         for lo, packed in self.slabs:
             hi = min(lo + SLAB_ROWS, n)
             b = None if bias is None else bias[lo:hi]
-            if self.wide_slabs:
+            if packed.dtype == torch.float32:
                 part = quant.wide_linear(last, packed, b)
             else:
                 part = cpu_kernels.packed_linear(last, packed, b)

@@ -657,27 +657,10 @@ fn dot_row(
         // 26 GB/s).
         prefetch_ahead(w.as_ptr(), w.len());
     }
-    let wide_pass = path == Path::Avx512 && f.values() == 256 && fixed.is_some();
-    if count > PASS_ROWS && !wide_pass {
-        // The first PASS_ROWS rows, then the rest over the same weight row (now in cache).
-        dot_row(f, w, xs, fixed, sums, PASS_ROWS, k, path, coef, dots);
-        let groups = if sums.is_empty() { 0 } else { k / f.group() };
-        let mut rest = [0f32; MAX_ROWS];
-        dot_row(
-            f,
-            w,
-            &xs[PASS_ROWS * k..],
-            fixed.map(|(fixed, first)| (fixed, first + PASS_ROWS)),
-            &sums[PASS_ROWS * groups..],
-            count - PASS_ROWS,
-            k,
-            path,
-            coef,
-            &mut rest,
-        );
-        dots[PASS_ROWS..count].copy_from_slice(&rest[..count - PASS_ROWS]);
-        return;
-    }
+    // Only the AVX-512 K-quant kernel takes more than PASS_ROWS rows (see `gemv_blocks`).
+    debug_assert!(
+        count <= PASS_ROWS || (path == Path::Avx512 && f.values() == 256 && fixed.is_some())
+    );
     #[cfg(target_arch = "x86_64")]
     match path {
         Path::Avx512 => {
@@ -1750,7 +1733,8 @@ mod tests {
     }
 
     /// Every build of the dot this CPU runs (portable, AVX2, AVX-512 VNNI) equals the dot
-    /// with the dequantized weights up to f32 summation, for one to eight activation rows:
+    /// with the dequantized weights up to f32 summation, for one to four activation rows
+    /// (to eight for the AVX-512 K-quant kernel):
     /// of the activations themselves, and for the AVX-512 path of their fixed point, which
     /// is within half a step of them.
     #[test]
@@ -1781,6 +1765,10 @@ mod tests {
                 let w = &data[row * f.row_bytes(k)..(row + 1) * f.row_bytes(k)];
                 for count in 1..=MAX_ROWS {
                     for &path in &paths {
+                        // Passes of more than PASS_ROWS: the AVX-512 K-quant kernel only.
+                        if count > PASS_ROWS && (path != Path::Avx512 || f.values() != 256) {
+                            continue;
+                        }
                         let sums: Vec<f32> = if path == Path::Avx512 {
                             // Only Q4_K's and Q5_K's offsets (groups of 32) read them.
                             if f.group() == 32 {
