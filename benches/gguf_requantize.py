@@ -19,7 +19,7 @@ from pathlib import Path
 #: llama.cpp's ``llama_ftype`` of the mixes offered here.
 FTYPES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
           "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K", "Q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
-          "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+          "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
 
 
 def requantize(source: Path, out: Path, mix: str, threads: int = 2) -> Counter[str]:

@@ -508,7 +508,7 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use super::{QMatrix, RowScales, Rows, MAX_ROWS, QBLOCK};
-    use crate::prefetch::prefetch_ahead;
+    use crate::prefetch::prefetch_line_ahead_l2;
 
     /// [`dot_q4`] for each row of `rows` (one call, so the loop runs with the features on).
     ///
@@ -527,7 +527,6 @@ mod avx512 {
             for (i, row) in rows.enumerate() {
                 let (scale, min) = scales.row(i);
                 let w = packed.get_unchecked(row * k / 2..(row + 1) * k / 2);
-                prefetch_ahead(w.as_ptr(), k / 2);
                 dot_q4::<R>(w, scale, min, xs, k, results.get_unchecked_mut(i));
             }
         })
@@ -549,7 +548,6 @@ mod avx512 {
                 with_row_count!(xs.count, R => {
                     for (i, row) in rows.enumerate() {
                         let w = quants.get_unchecked(row * k..(row + 1) * k);
-                        prefetch_ahead(w.as_ptr() as *const u8, k);
                         $kernel::<R>(w, scales.row(i).0, xs, k, results.get_unchecked_mut(i));
                     }
                 })
@@ -683,6 +681,9 @@ mod avx512 {
         let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
         let pairs = k / (2 * QBLOCK);
         for p in 0..pairs {
+            if p % 2 == 0 {
+                prefetch_line_ahead_l2(packed.as_ptr().add(p * QBLOCK));
+            }
             let (b0, b1) = (2 * p, 2 * p + 1);
             let t0 = _mm512_add_ps(
                 _mm512_mul_ps(iota, _mm512_set1_ps(*scale.get_unchecked(b0))),
@@ -747,6 +748,7 @@ mod avx512 {
         // have independent work beside them.
         while b + 2 <= blocks {
             let qp = quants.as_ptr().add(b * QBLOCK);
+            prefetch_line_ahead_l2(qp.cast());
             let wa = widen(qp, _mm512_set1_ps(*scale.get_unchecked(b)));
             let wb = widen(qp.add(QBLOCK), _mm512_set1_ps(*scale.get_unchecked(b + 1)));
             for r in 0..ROWS {
@@ -799,6 +801,9 @@ mod avx512 {
         };
         for b in 0..k / QBLOCK {
             let qp = quants.as_ptr().add(b * QBLOCK);
+            if b % 2 == 0 {
+                prefetch_line_ahead_l2(qp.cast());
+            }
             let d = _mm512_set1_ps(*scale.get_unchecked(b));
             let w0 = to_bf16(_mm512_mul_ps(
                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp as *const __m128i))),
