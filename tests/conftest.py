@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -44,21 +46,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (its tensor-parallel ranks, for a server), from /proc."""
+    with contextlib.suppress(OSError):
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return []
+
+
 @contextlib.contextmanager
 def cli_process(*args: str, boot: str | None = None,
                 startup_s: float = 30) -> Iterator[tuple[subprocess.Popen[str], int]]:
     """``python -m iron_batch.server`` (or the ``boot`` code, which calls its ``main``) on a
     free loopback port with ``args``, once its /health answers 200; killed at the end if
-    still running. Yields the process (stdout and stderr in one pipe) and the port."""
+    still running, with the processes it had started by then (its tensor-parallel ranks).
+    Yields the process (stdout and stderr in one pipe) and the port."""
     port = free_port()
     cmd = [sys.executable, "-c", boot] if boot else [sys.executable, "-m", "iron_batch.server"]
     proc = subprocess.Popen([*cmd, "--addr", f"127.0.0.1:{port}", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
+    spawned: list[int] = []
+
     def up() -> bool:
         if proc.poll() is not None:
             raise AssertionError(f"server exited: {proc.stdout.read() if proc.stdout else ''}")
+        spawned[:] = children(proc.pid)
         try:
             return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
         except httpx.HTTPError:
@@ -68,8 +81,9 @@ def cli_process(*args: str, boot: str | None = None,
         wait_for(up, startup_s, "server /health")
         yield proc, port
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for pid in [proc.pid, *spawned]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait(10)
         if proc.stdout:
             proc.stdout.close()

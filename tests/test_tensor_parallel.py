@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import free_port, wait_for
+from conftest import children, cli_process, free_port, wait_for
 from iron_batch.backends.build import BackendConfigError
 from iron_batch.llm import LLM
 from iron_batch.sampling_params import SamplingParams
@@ -159,40 +159,10 @@ def test_a_world_size_the_heads_cannot_be_split_by_is_refused(paths: dict[str, s
 # ---------------------------------------------------------------- the server
 
 
-def _children(pid: int) -> list[int]:
-    with contextlib.suppress(OSError):
-        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    return []
-
-
 @contextlib.contextmanager
 def _server(*args: str, boot_s: float = 60) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    port = free_port()
-    proc = subprocess.Popen([*SERVER, "--addr", f"127.0.0.1:{port}", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    ranks: list[int] = []
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stdout.read() if proc.stdout else ''}")
-        ranks[:] = _children(proc.pid)
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(up, boot_s, "server /health")
-        yield proc, url
-    finally:
-        for pid in [proc.pid, *ranks]:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(10)
-        if proc.stdout:
-            proc.stdout.close()
+    with cli_process(*args, startup_s=boot_s) as (proc, port):
+        yield proc, f"http://127.0.0.1:{port}"
 
 
 def _generate(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -209,7 +179,7 @@ def test_server_tp2_on_smollm2_matches_tp1() -> None:
     args = ("--backend", "torch", "--model", "smollm2-135m", "--device", "cpu",
             "--total-kv-blocks", "64", "--tensor-parallel-size", "2", "--no-ui")
     with _server(*args, boot_s=120) as (proc, url):
-        ranks = _children(proc.pid)
+        ranks = children(proc.pid)
         assert len(ranks) == 1  # the server spawned rank 1 itself
         results: list[list[int]] = [[] for _ in prompts]
 
@@ -237,7 +207,7 @@ def test_a_rank_lost_while_idle_ends_the_server(paths: dict[str, str]) -> None:
     args = (*TINY, "--model", paths["llama"], "--tensor-parallel-size", "2",
             "--tp-timeout", "10")
     with _server(*args) as (proc, _):
-        (rank1,) = _children(proc.pid)
+        (rank1,) = children(proc.pid)
         os.kill(rank1, signal.SIGKILL)
         assert proc.wait(30) == 1
         assert proc.stdout is not None
@@ -250,7 +220,7 @@ def test_a_lost_rank_fails_requests_and_the_server_exits(paths: dict[str, str],
     args = (*TINY, "--model", paths["llama"], "--tensor-parallel-size", "2",
             "--tp-timeout", "10")
     with _server(*args) as (proc, url):
-        (rank1,) = _children(proc.pid)
+        (rank1,) = children(proc.pid)
         body = {"prompt_token_ids": [5, 6, 7], "max_new_tokens": 500, "ignore_eos": True}
         with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as response:
             lines = response.iter_lines()
@@ -299,12 +269,12 @@ def test_torchrun_two_nodes_on_loopback(paths: dict[str, str]) -> None:
         assert [x["token_id"] for x in lines] == expected
         # Rank 0's server is the only child of node 0's torchrun agent; stopping it ends
         # rank 1 (told to stop), and then both agents end with success.
-        (server,) = _children(nodes[0].pid)
+        (server,) = children(nodes[0].pid)
         os.kill(server, signal.SIGTERM)
         assert [n.wait(60) for n in nodes] == [0, 0]
     finally:
         for n in nodes:
-            for pid in _children(n.pid):
+            for pid in children(n.pid):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             if n.poll() is None:
