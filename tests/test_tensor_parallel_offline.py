@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import children
 from iron_batch.backends.build import BackendConfigError
 from iron_batch.llm import LLM
 from iron_batch.sampling_params import SamplingParams
@@ -45,8 +46,7 @@ def test_a_rank_killed_under_llm_raises_instead_of_hanging() -> None:
     try:
         params = SamplingParams(max_new_tokens=4, ignore_eos=True)
         assert len(llm.generate([[5, 6, 7]], params)[0].token_ids) == 4
-        children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
-        ranks = [int(pid) for pid in children
+        ranks = [pid for pid in children(os.getpid())
                  if b"iron_batch.parallel.shard_loop" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(ranks) == 1
         os.kill(ranks[0], signal.SIGKILL)
