@@ -55,7 +55,8 @@ def bf16_dot_is_no_faster() -> bool:
     """Whether this CPU has bf16 dot products (AVX-512 BF16) that multiply no faster than
     its f32 FMAs: an Intel core without AMX (Cooper Lake, or a Sapphire/Emerald/Granite
     Rapids whose AMX the hypervisor hides). There a ``vdpbf16ps`` (32 products) took
-    0.72 ns against 0.18 ns for an f32 FMA (16 products), and oneDNN's packed bf16 GEMM ran at
+    0.74 ns against 0.18 ns for an f32 FMA (16 products; the kernels' ``instruction_rates``
+    bench), and oneDNN's packed bf16 GEMM ran at
     0.55-0.6x the speed of torch's f32 GEMM over the same weights (a 2-vCPU Emerald
     Rapids: 64 to 512 rows, 768 to 3072 wide); AMD's Zen 4 and 5 issue ``vdpbf16ps`` at
     twice the FMAs' products, and AMX far faster still, so bf16 wins there."""
