@@ -665,8 +665,9 @@ mod avx512 {
     /// `scale * q` is exact in f32 and only the sum is rounded either way. The second
     /// block's weights take the table's first 16 words, so that its nibble (`byte >> 4`)
     /// indexes them as it is, and the first block's index `(byte & 15) | 16` is one
-    /// `vpternlogd`: at one row these two changes took the pair's 12 cycles to 10-11 on an
-    /// Emerald Rapids core, whose two vector ports the pass keeps busy.
+    /// `vpternlogd`. At one row the pass is bound by an Intel core's two 512-bit ports, so
+    /// the two instructions fewer a pair show (BENCHMARKS.md, "The q4 table in fewer
+    /// instructions").
     ///
     /// SAFETY: AVX-512 F/BW/BF16; `packed` is one row (`k / 2` bytes, `k % 64 == 0`),
     /// `scale`/`min` its `k / 32` blocks; `xs` holds `count` rows of `k`.
