@@ -234,16 +234,8 @@ impl<'a> Blocks<'a> {
     /// Row `row`'s format and bytes (a row of `k` weights).
     #[inline]
     fn row(&self, row: usize, k: usize) -> (BlockFormat, &'a [u8]) {
-        let mut first = 0;
-        for s in self.segments() {
-            if row < first + s.rows {
-                let bytes = s.format.row_bytes(k);
-                let at = (row - first) * bytes;
-                return (s.format, &s.data[at..at + bytes]);
-            }
-            first += s.rows;
-        }
-        panic!("row {row} past the matrix's {first}");
+        let (f, bytes, _) = self.run(row..row + 1, k);
+        (f, bytes)
     }
 
     /// Weight `j` of row `row`, dequantized (as the dequantization computes it, in f32).
@@ -733,20 +725,9 @@ fn dot_row(
     match path {
         Path::Avx512 => {
             if let Some((fixed, first)) = fixed {
+                // A run of one row.
                 let x = fixed.rows(first);
-                // SAFETY: the path's features were detected; the caller checked the shapes.
-                unsafe {
-                    match count {
-                        1 => avx512::dot_row::<1>(f, w, x, sums, k, coef, dots),
-                        2 => avx512::dot_row::<2>(f, w, x, sums, k, coef, dots),
-                        3 => avx512::dot_row::<3>(f, w, x, sums, k, coef, dots),
-                        4 => avx512::dot_row::<4>(f, w, x, sums, k, coef, dots),
-                        5 => avx512::dot_row::<5>(f, w, x, sums, k, coef, dots),
-                        6 => avx512::dot_row::<6>(f, w, x, sums, k, coef, dots),
-                        7 => avx512::dot_row::<7>(f, w, x, sums, k, coef, dots),
-                        _ => avx512::dot_row::<8>(f, w, x, sums, k, coef, dots),
-                    }
-                }
+                avx512_rows(f, w, x, sums, count, k, coef, std::slice::from_mut(dots));
                 return;
             }
         }
